@@ -1,0 +1,31 @@
+"""tupe-jax: positional encodings for language-model pretraining, in JAX/Flax."""
+from setuptools import find_packages, setup
+
+setup(
+    name="tupe-jax",
+    version="0.1.0",
+    description="TUPE and the positional-encoding comparison (NoPos, ALiBi, RoPE, T5) in JAX/Flax",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tupe_jax", "tupe_jax.*", "launch", "configs"]),
+    install_requires=[
+        "jax>=0.6,<0.11",
+        "flax>=0.10",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.11",
+        "tensorflow-datasets>=4.9.8",
+        "array-record>=0.7",
+        "ml-collections>=1.0",
+        "grain>=0.2.10",
+        "tokenizers>=0.20",
+        "tensorboardX>=2.6",
+        "matplotlib>=3.8",
+        "scikit-learn>=1.4",
+        "scipy>=1.12",
+        "tqdm>=4.66",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-xdist>=3.5"],
+        "bench": ["torch==2.13.0", "transformers>=4.40,<5"],
+    },
+)

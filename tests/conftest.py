@@ -1,0 +1,55 @@
+"""Shared test setup: 8 fake CPU devices (set before jax is imported) and the `slow` marker."""
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_configure(config):
+    """Register markers used across the suite."""
+    config.addinivalue_line("markers", "slow: takes more than ~10 s on 2 CPU cores (deselect with -m 'not slow')")
+
+import flax.linen as nn  # noqa: E402  (after XLA_FLAGS)
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _part(init, names):
+    return nn.with_logical_partitioning(init, names)
+
+
+class StandInLM(nn.Module):
+    """A tiny Linen LM using the model's logical-partitioning convention (until tupe_jax.model exists)."""
+    vocab: int = 64
+    embed: int = 16
+    heads: int = 2
+    mlp: int = 32
+    max_len: int = 8
+
+    @nn.compact
+    def __call__(self, tokens, deterministic: bool = True):
+        emb = self.param("token_embed", _part(nn.initializers.normal(0.02), ("vocab", "embed")),
+                         (self.vocab, self.embed))
+        pos = self.param("pos_embed", _part(nn.initializers.normal(0.02), ("pos", "embed")), (self.max_len, self.embed))
+        x = emb[tokens] + pos[: tokens.shape[1]]
+        kv = self.embed // self.heads
+        q = nn.DenseGeneral((self.heads, kv), name="query",
+                            kernel_init=_part(nn.initializers.lecun_normal(), ("embed", "heads", "kv")),
+                            bias_init=_part(nn.initializers.zeros, ("heads", "kv")))(x)
+        x = x + q.reshape(x.shape)
+        x = nn.LayerNorm(name="ln", scale_init=_part(nn.initializers.ones, ("embed",)),
+                         bias_init=_part(nn.initializers.zeros, ("embed",)))(x)
+        h = nn.Dense(self.mlp, name="mlp_in", kernel_init=_part(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                     bias_init=_part(nn.initializers.zeros, ("mlp",)))(x)
+        x = x + nn.Dense(self.embed, name="mlp_out",
+                         kernel_init=_part(nn.initializers.lecun_normal(), ("mlp", "embed")),
+                         bias_init=_part(nn.initializers.zeros, ("embed",)))(nn.gelu(h))
+        return {"logits": x @ jnp.asarray(emb).T}
+
+
+@pytest.fixture
+def standin_model():
+    """The stand-in LM class."""
+    return StandInLM

@@ -1,0 +1,76 @@
+"""Multi-head self-attention that consumes a scheme's `PositionalTerms`.
+
+    logits_h = logit_scale · (q_h k_hᵀ) + logit_bias_h + mask,   probs = softmax(logits) (float32)
+
+q/k come from one fused QKV projection; the scheme's q/k transform (RoPE, BERT-Ad) is applied to them; the bias
+(T5, ALiBi, TUPE) is one (1, H, L, L) array shared by every layer and broadcast over the batch, never copied
+per row or per layer.
+
+Backends: `einsum` (explicit logits; can return attention probabilities) and `xla`
+(`jax.nn.dot_product_attention`, which picks cuDNN on GPU where shapes allow).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tupe_jax.positional.base import PositionalTerms
+
+NEG_INF = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
+
+
+def attention_mask(input_mask: Optional[jax.Array], length: int, causal: bool) -> Optional[jax.Array]:
+    """Boolean (B|1, 1, L, L) mask, True where a query may attend to a key."""
+    mask = None
+    if input_mask is not None:
+        mask = input_mask.astype(bool)[:, None, None, :]
+    if causal:
+        tri = jnp.tril(jnp.ones((length, length), bool))[None, None]
+        mask = tri if mask is None else mask & tri
+    return mask
+
+
+def attention_logits(q: jax.Array, k: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array]) -> jax.Array:
+    """(B, L, H, d) x2 -> float32 logits (B, H, L, L) with scale, bias and mask applied."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * terms.logit_scale
+    if terms.logit_bias is not None:
+        logits = logits + terms.logit_bias
+    if mask is not None:
+        logits = jnp.where(mask, logits, NEG_INF)
+    return logits
+
+
+class SelfAttention(nn.Module):
+    num_heads: int
+    head_dim: int
+    dtype: jnp.dtype = jnp.float32
+    dropout_rate: float = 0.0
+    backend: str = "einsum"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array], deterministic: bool,
+                 return_probs: bool = False) -> tuple[jax.Array, Optional[jax.Array]]:
+        qkv = nn.DenseGeneral(
+            (3, self.num_heads, self.head_dim), dtype=self.dtype, name="qkv",
+            kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "qkv", "heads", "kv")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("qkv", "heads", "kv")))(x)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if terms.qk_transform is not None:
+            q, k = terms.qk_transform(q, k)
+        probs = None
+        use_fused = self.backend == "xla" and not return_probs and (deterministic or self.dropout_rate == 0.0)
+        if use_fused:
+            bias = None if terms.logit_bias is None else terms.logit_bias.astype(q.dtype)
+            out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=terms.logit_scale)
+        else:
+            probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
+            dropped = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
+            out = jnp.einsum("bhqk,bkhd->bqhd", dropped.astype(self.dtype), v)
+        out = nn.DenseGeneral(
+            x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out",
+            kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("heads", "kv", "embed")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))(out)
+        return out, (probs if return_probs else None)

@@ -1,0 +1,221 @@
+"""Transformer language models with a pluggable positional scheme.
+
+- `objective='mlm'`: bidirectional encoder, post-LN blocks (as TUPE's code), [CLS] at index 0, MLM head
+  dense+GELU+LayerNorm+output tied to the token embedding (+bias);
+- `objective='clm'`: causal decoder, pre-LN blocks with a final LayerNorm, LM head tied to the embedding.
+
+The scheme (`positional/`) is called once per forward; its terms are threaded through every block. Params are
+float32 with logical axis names (vocab, embed, mlp, heads, kv, qkv, pos, buckets) for `sharding.py`; compute
+runs in `dtype`. `SequenceClassifier` (GLUE) reuses the same `Transformer` under the same name, `encoder`, so a
+pretraining checkpoint's `params['encoder']` drops straight in.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tupe_jax.attention import SelfAttention, attention_mask
+from tupe_jax.positional import PositionalSettings, canonical_name, make_positional
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 2
+    mlp_dim: int = 512
+    max_len: int = 128
+    dtype: str = "float32"
+    pe: str = "tupe_r"
+    objective: str = "mlm"
+    untie_cls: bool = True
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    rope_base: float = 10000.0
+    rope_style: str = "half"
+    rope_fraction: float = 1.0
+    rel_num_buckets: int = 32
+    rel_max_distance: int = 128
+    layer_norm_eps: float = 1e-5
+    attention_backend: str = "einsum"
+    tupe_form: str = "bias"
+
+    @classmethod
+    def from_config(cls, model_config: Any) -> "ModelConfig":
+        """Build from an ml_collections `config.model` (keys outside this dataclass are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in dict(model_config).items() if k in names}
+        return cls(**values)
+
+    @property
+    def causal(self) -> bool:
+        return self.objective == "clm"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.dtype]
+
+    def positional_settings(self) -> PositionalSettings:
+        return PositionalSettings(
+            hidden_size=self.hidden_size, num_heads=self.num_heads, max_len=self.max_len, causal=self.causal,
+            untie_cls=self.untie_cls and not self.causal, rope_base=self.rope_base, rope_style=self.rope_style,
+            rope_fraction=self.rope_fraction, rel_num_buckets=self.rel_num_buckets,
+            rel_max_distance=self.rel_max_distance, layer_norm_eps=self.layer_norm_eps, dtype=self.compute_dtype)
+
+
+def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.compute_dtype, name=name,
+                        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+
+
+def dense(features: int, axes: tuple[str, str], cfg: ModelConfig, name: str) -> nn.Dense:
+    return nn.Dense(features, dtype=cfg.compute_dtype, name=name,
+                    kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), axes),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axes[1],)))
+
+
+class Block(nn.Module):
+    """Attention + GELU MLP; post-LN (encoder) or pre-LN (decoder)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, terms, mask, deterministic: bool, return_probs: bool = False):
+        cfg = self.cfg
+        drop = nn.Dropout(cfg.dropout_rate)
+        attn = SelfAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype, cfg.attention_dropout_rate,
+                             cfg.attention_backend, name="attention")
+        mlp_in = dense(cfg.mlp_dim, ("embed", "mlp"), cfg, "mlp_in")
+        mlp_out = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "mlp_out")
+
+        def mlp(h):
+            return mlp_out(nn.gelu(mlp_in(h), approximate=False))
+
+        if cfg.causal:  # pre-LN
+            a, probs = attn(layer_norm(cfg, "ln_attention")(x), terms, mask, deterministic, return_probs)
+            x = x + drop(a, deterministic=deterministic)
+            x = x + drop(mlp(layer_norm(cfg, "ln_mlp")(x)), deterministic=deterministic)
+        else:  # post-LN
+            a, probs = attn(x, terms, mask, deterministic, return_probs)
+            x = layer_norm(cfg, "ln_attention")(x + drop(a, deterministic=deterministic))
+            x = layer_norm(cfg, "ln_mlp")(x + drop(mlp(x), deterministic=deterministic))
+        return x, probs
+
+
+class Transformer(nn.Module):
+    """Token embedding + positional scheme + blocks. Returns the final hidden states and optional extras."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        cfg = self.cfg
+        canonical_name(cfg.pe)
+        self.embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
+                              embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                                          ("vocab", "embed")))
+        self.positional = make_positional(cfg.pe, cfg.positional_settings(), module_name=None)
+        self.embed_ln = layer_norm(cfg, "embed_ln") if not cfg.causal else None
+        self.final_ln = layer_norm(cfg, "final_ln") if cfg.causal else None
+        self.blocks = [Block(cfg) for _ in range(cfg.num_layers)]
+        self.dropout = nn.Dropout(cfg.dropout_rate)
+
+    def __call__(self, tokens: jax.Array, input_mask: Optional[jax.Array] = None, deterministic: bool = True,
+                 position_offset: int = 0, return_hidden: bool = False, return_attention: bool = False):
+        cfg = self.cfg
+        length = tokens.shape[1]
+        terms = self.positional(length, position_offset)
+        x = self.embed(tokens)
+        if terms.input_vector is not None:
+            x = x + terms.input_vector[None].astype(x.dtype)
+        if self.embed_ln is not None:
+            x = self.embed_ln(x)
+        x = self.dropout(x, deterministic=deterministic)
+        mask = attention_mask(input_mask, length, cfg.causal)
+        hidden, attentions = [x], []
+        for block in self.blocks:
+            x, probs = block(x, terms, mask, deterministic, return_attention)
+            hidden.append(x)
+            attentions.append(probs)
+        if self.final_ln is not None:
+            x = self.final_ln(x)
+        extras = {}
+        if return_hidden:
+            extras["hidden_states"] = hidden
+        if return_attention:
+            extras["attentions"] = attentions
+        return x, extras
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """Logits against the (tied) token embedding."""
+        return self.embed.attend(h)
+
+    def positional_terms(self, length: int, position_offset: int = 0):
+        """The scheme's terms for a given length (for analysis)."""
+        return self.positional(length, position_offset)
+
+
+class TransformerLM(nn.Module):
+    """Encoder + MLM head (`mlm`) or decoder + LM head (`clm`).
+
+    `mlm_positions` (B, P): run the MLM head only at those positions (the gather form); logits (B, P, V).
+    Otherwise logits (B, L, V). Logits are float32.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, input_mask: Optional[jax.Array] = None,
+                 mlm_positions: Optional[jax.Array] = None, deterministic: bool = True, position_offset: int = 0,
+                 return_hidden: bool = False, return_attention: bool = False) -> dict:
+        cfg = self.cfg
+        encoder = Transformer(cfg, name="encoder")
+        h, extras = encoder(tokens, input_mask, deterministic, position_offset, return_hidden, return_attention)
+        if mlm_positions is not None:
+            h = jnp.take_along_axis(h, mlm_positions[..., None].astype(jnp.int32), axis=1)
+        if not cfg.causal:
+            h = dense(cfg.hidden_size, ("embed", "mlp"), cfg, "head_dense")(h)
+            h = layer_norm(cfg, "head_ln")(nn.gelu(h, approximate=False))
+        logits = encoder.attend(h).astype(jnp.float32)
+        if not cfg.causal:
+            logits = logits + self.param("head_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                                         (cfg.vocab_size,), jnp.float32)
+        return {"logits": logits, **extras}
+
+
+class SequenceClassifier(nn.Module):
+    """GLUE head: dense+tanh pooler on [CLS] (index 0) + dropout + linear; `num_labels=1` is regression."""
+
+    cfg: ModelConfig
+    num_labels: int
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, input_mask: Optional[jax.Array] = None,
+                 deterministic: bool = True) -> jax.Array:
+        cfg = self.cfg
+        h, _ = Transformer(cfg, name="encoder")(tokens, input_mask, deterministic)
+        pooled = jnp.tanh(dense(cfg.hidden_size, ("embed", "mlp"), cfg, "pooler")(h[:, 0]))
+        pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
+        return dense(self.num_labels, ("mlp", None), cfg, "classifier")(pooled).astype(jnp.float32)
+
+
+def count_params(params: Any) -> int:
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(nn.meta.unbox(params)))
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array, length: Optional[int] = None) -> dict:
+    """Unboxed float32 params of a `TransformerLM` (CPU helper for tests and tools)."""
+    tokens = jnp.zeros((1, length or min(cfg.max_len, 16)), jnp.int32)
+    init = jax.jit(lambda key: nn.meta.unbox(TransformerLM(cfg).init({"params": key}, tokens)["params"]))
+    return init(rng)

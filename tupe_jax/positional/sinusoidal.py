@@ -1,0 +1,34 @@
+"""`sinusoidal`: Vaswani et al. (2017) fixed sin/cos vectors added at the input.
+
+    PE(t, 2i)   = sin(t / 10000^(2i/d))
+    PE(t, 2i+1) = cos(t / 10000^(2i/d)),      i = 0 … d/2 − 1
+
+Ordering: INTERLEAVED as in the paper (even features sin, odd features cos), not the [sin | cos] concatenation
+of tensor2tensor/fairseq; the two differ by a fixed permutation of features. Computed in float32 for any
+length, then cast to the compute dtype. No parameters; any length is accepted.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from tupe_jax.positional.base import PositionalSettings, PositionalTerms, standard_scale
+
+
+def sinusoid_table(positions: jnp.ndarray, dim: int) -> jnp.ndarray:
+    """(L,) positions -> (L, dim) float32 table with interleaved sin/cos."""
+    if dim % 2:
+        raise ValueError(f"sinusoidal encoding needs an even hidden size, got {dim}")
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(positions.shape[0], dim)
+
+
+class Sinusoidal(nn.Module):
+    settings: PositionalSettings
+
+    def __call__(self, length: int, offset: int = 0) -> PositionalTerms:
+        s = self.settings
+        table = sinusoid_table(jnp.arange(length) + offset, s.hidden_size)
+        return PositionalTerms(input_vector=table.astype(s.dtype), logit_scale=standard_scale(s))
