@@ -1,0 +1,144 @@
+"""TFDS builders (array_record) for the embedded corpus, text_files and wikitext — without TensorFlow."""
+import sys
+
+import ml_collections
+import pytest
+
+from tupe_jax import data as D
+from tupe_jax.data import builders, sources
+from tupe_jax.errors import UserError
+
+
+def make_config(tmp_path, **data):
+    c = ml_collections.ConfigDict({"data": D.default_data_config(),
+                                   "model": {"vocab_size": 500, "max_len": 64, "objective": "mlm"}})
+    c.data.cache_dir = str(tmp_path / "cache")
+    c.data.update(data)
+    return c
+
+
+def test_embedded_builds_without_tensorflow(tmp_path):
+    c = make_config(tmp_path)
+    splits = {s: D.load_documents(c, s) for s in ("train", "validation", "test")}
+    assert "tensorflow" not in sys.modules
+    assert len(splits["train"]) > 1000 and len(splits["validation"]) > 50 and len(splits["test"]) > 50
+    # a partition of the paragraphs, 1 in 20 each to validation and test
+    total = sum(len(v) for v in splits.values())
+    assert abs(len(splits["validation"]) - total / 20) <= 1 and abs(len(splits["test"]) - total / 20) <= 1
+    assert all(doc.strip() and "\n\n" not in doc for doc in splits["train"])
+    # prepared as array_record in the cache dir, reread identically
+    files = list((tmp_path / "cache" / "tfds").rglob("*.array_record-*"))
+    assert len(files) == 3
+    assert D.load_documents(c, "validation") == splits["validation"]
+    assert splits["validation"] == list(sources.embedded_documents("validation"))
+
+
+def _write_blank_line_corpus(root, n_docs):
+    root.mkdir()
+    docs = [f"document {i} first sentence.\ndocument {i} second sentence." for i in range(n_docs)]
+    half = n_docs // 2
+    (root / "a.txt").write_text("\n\n".join(docs[:half]) + "\n")
+    (root / "b.txt").write_text("\n\n\n".join(docs[half:]) + "\n\n")
+    return docs
+
+
+def test_text_files_holdout_is_deterministic_1_in_200(tmp_path):
+    docs = _write_blank_line_corpus(tmp_path / "corpus", 450)
+    c = make_config(tmp_path, name="text_files", path=str(tmp_path / "corpus"))
+    train, valid = D.load_documents(c, "train"), D.load_documents(c, "validation")
+    assert valid == [docs[199], docs[399]]
+    assert train == [d for i, d in enumerate(docs) if i % 200 != 199]
+    with pytest.raises(UserError, match="split 'test' is not available"):
+        D.load_documents(c, "test")
+    assert "tensorflow" not in sys.modules
+
+
+def test_text_files_split_by_file_and_glob(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(3):
+        (root / f"doc{i}.md").write_text(f"line one of {i}\n\nline two of {i}\n")
+    c = make_config(tmp_path, name="text_files", path=str(root / "*.md"), split_by="file", holdout=0)
+    assert D.load_documents(c, "train") == [f"line one of {i}\nline two of {i}" for i in range(3)]
+
+
+def test_text_files_named_splits(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "train.txt").write_text("t1\n\nt2\n")
+    (root / "valid.txt").write_text("v1\n")
+    (root / "test.txt").write_text("x1\n")
+    c = make_config(tmp_path, name="text_files", path=str(root))
+    assert [D.load_documents(c, s) for s in ("train", "validation", "test")] == [["t1", "t2"], ["v1"], ["x1"]]
+    (root / "notes.txt").write_text("stray\n")
+    with pytest.raises(UserError, match="notes.txt"):
+        D.load_documents(c, "train")
+
+
+def test_text_files_non_utf8_names_file_and_line(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "train.txt").write_bytes(b"fine\nalso fine\nbad \xff byte\n")
+    c = make_config(tmp_path, name="text_files", path=str(root))
+    with pytest.raises(UserError, match=r"train\.txt:3"):
+        D.load_documents(c, "train")
+
+
+def test_missing_path_is_user_error(tmp_path):
+    c = make_config(tmp_path, name="text_files", path=str(tmp_path / "nope"))
+    with pytest.raises(UserError, match="no such file"):
+        D.load_documents(c, "train")
+
+
+WIKI = """
+ = Alpha Article = 
+
+ Alpha is a <unk> thing , made in 1 @,@ 000 well @-@ known ways . 
+
+ = = History = = 
+
+ It began in 1 @.@ 5 years . 
+
+ = Beta = 
+
+ Beta text . " Second " one . 
+"""
+
+
+def test_wikitext_articles(tmp_path):
+    root = tmp_path / "wt"
+    root.mkdir()
+    for split in ("train", "valid", "test"):
+        (root / f"{split}.txt").write_text(WIKI)
+    (root / "PROVENANCE.md").write_text("not text\n")
+    c = make_config(tmp_path, name="wikitext", path=str(root))
+    docs = D.load_documents(c, "validation")
+    assert docs == ["Alpha Article\nAlpha is a [UNK] thing , made in 1,000 well-known ways .\nHistory\n"
+                    "It began in 1.5 years .", "Beta\nBeta text .\n\" Second \" one ."]
+    assert "tensorflow" not in sys.modules
+
+
+def test_changed_source_rebuilds(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    f = root / "train.txt"
+    f.write_text("old text\n")
+    c = make_config(tmp_path, name="text_files", path=str(root))
+    assert D.load_documents(c, "train") == ["old text"]
+    f.write_text("new text here\n")
+    assert D.load_documents(c, "train") == ["new text here"]
+    key1 = builders.corpus_fingerprint(c, "train")[0]
+    assert key1.startswith("tupe_text_files/")
+
+
+def test_tfds_prepared_dataset_by_name(tmp_path):
+    """`tfds:<name>` reads any array_record dataset under tfds_data_dir via tfds.data_source (no download)."""
+    c = make_config(tmp_path)
+    b = builders.corpus_builder(c)  # prepare the embedded corpus, then read it back as a plain tfds dataset
+    by_name = make_config(tmp_path, name=f"tfds:{b.name}/{b.builder_config.name}",
+                          tfds_data_dir=str(tmp_path / "cache" / "tfds"))
+    assert D.load_documents(by_name, "validation") == D.load_documents(c, "validation")
+    missing = make_config(tmp_path, name="tfds:no_such_dataset", tfds_data_dir=str(tmp_path / "empty"))
+    with pytest.raises(UserError, match="tfds build no_such_dataset --file_format=array_record"):
+        D.load_documents(missing, "train")
+    assert "tensorflow" not in sys.modules

@@ -1,0 +1,79 @@
+"""WordPiece tokenizer: trains offline on the embedded corpus, fixed special ids, saved and reused."""
+import time
+
+import ml_collections
+import pytest
+
+from tupe_jax import data as D
+from tupe_jax.data.tokenizer import SPECIALS, Tokenizer
+from tupe_jax.errors import UserError
+
+
+def make_config(tmp_path, vocab_size=500):
+    c = ml_collections.ConfigDict({"data": D.default_data_config(),
+                                   "model": {"vocab_size": vocab_size, "max_len": 64, "objective": "mlm"}})
+    c.data.cache_dir = str(tmp_path / "cache")
+    return c
+
+
+def test_trains_offline_fast_and_round_trips(tmp_path):
+    c = make_config(tmp_path)
+    t0 = time.time()
+    tok = D.get_tokenizer(c, tmp_path / "run")
+    assert time.time() - t0 < 30
+    assert tok.vocab_size == 500
+    assert tok.vocab[:5] == list(SPECIALS)
+    assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
+    text = "the lambda expression returns a function object."
+    ids = tok.encode(text)
+    assert ids and min(ids) >= 5  # no specials added
+    assert tok.decode(ids) == text
+    assert tok.encode_batch([text, "class"]) == [ids, tok.encode("class")]
+    assert tok.decode(tok.encode("Upper CASE")) == "upper case"  # lower-cased
+    assert tok.encode("[UNK]") == [tok.unk_id]
+
+
+def test_saved_and_reused_on_resume(tmp_path):
+    c = make_config(tmp_path)
+    tok = D.get_tokenizer(c, tmp_path / "run")
+    vocab_txt = tmp_path / "run" / "tokenizer" / "vocab.txt"
+    assert vocab_txt.read_text().splitlines() == tok.vocab
+    c.model.vocab_size = 800  # a resumed run keeps the saved vocabulary
+    again = D.get_tokenizer(c, tmp_path / "run")
+    assert again.vocab == tok.vocab and again.fingerprint == tok.fingerprint
+
+
+def test_given_vocab_file(tmp_path):
+    vocab = list(SPECIALS) + ["the", "cat", "##s", "sat", "."]
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(vocab) + "\n")
+    c = make_config(tmp_path)
+    c.data.vocab_file = str(path)
+    tok = D.get_tokenizer(c, None)
+    assert tok.encode("The cats sat.") == [5, 6, 7, 8, 9]
+    assert tok.encode("dog") == [tok.unk_id]
+    path.write_text("\n".join(["[UNK]", "[PAD]"] + vocab[2:]) + "\n")
+    with pytest.raises(UserError, match="must start with"):
+        Tokenizer.from_file(path)
+    c.data.vocab_file = str(tmp_path / "missing.txt")
+    with pytest.raises(UserError, match="not found"):
+        D.get_tokenizer(c, None)
+
+
+def test_training_is_deterministic_across_processes(tmp_path):
+    """HF's own trainer breaks ties by hash-map order; ours must give the same vocab in every process."""
+    import subprocess
+    import sys
+
+    from tupe_jax.data.tokenizer import learn_wordpiece
+    counts = {"low": 5, "lower": 2, "newest": 6, "widest": 3, "lowest": 2}
+    a = learn_wordpiece(counts, 30)
+    assert a == learn_wordpiece(dict(reversed(list(counts.items()))), 30) and a[:5] == list(SPECIALS)
+    code = ("import ml_collections, tupe_jax.data as D; c = ml_collections.ConfigDict({'data': "
+            "D.default_data_config(), 'model': {'vocab_size': 500}}); c.data.cache_dir = %r; "
+            "print(D.get_tokenizer(c, None).fingerprint)" % str(tmp_path / "cache"))
+    here = D.get_tokenizer(make_config(tmp_path), None).fingerprint
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**__import__("os").environ, "PYTHONHASHSEED": seed})
+        assert out.stdout.strip().splitlines()[-1] == here

@@ -1,0 +1,78 @@
+"""Data layer: TFDS builders (array_record, no TensorFlow), WordPiece tokenizer, MLM/CLM/GLUE batches, grain.
+
+Public API:
+  default_data_config()                                   -> ml_collections.ConfigDict (the `config.data` keys)
+  get_tokenizer(config, workdir)                          -> Tokenizer
+  pretrain_iterator(config, tokenizer, *, split, global_batch_size, seed, process_index=None,
+                    process_count=None, shuffle=True, repeat=True)  -> PretrainIterator (get_state/set_state)
+  load_documents(config, split)                           -> list[str]
+  glue_examples(config, task, split)                      -> list[dict]
+  glue_batches(config, tokenizer, task, split, *, batch_size, ...) -> GlueBatches (iterable, len())
+  num_labels(task)                                        -> int
+  GLUE_TASKS                                              -> the task names (nine GLUE + 'wordorder')
+
+The pipelines read `config.data` (below) and `config.model.{vocab_size, max_len, objective}`.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from tupe_jax.data.builders import glue_examples, load_documents
+from tupe_jax.data.glue import glue_batches
+from tupe_jax.data.glue_tsv import num_labels
+from tupe_jax.data.pipeline import PretrainIterator, pretrain_iterator
+from tupe_jax.data.tokenizer import Tokenizer, get_tokenizer
+
+GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli", "wordorder")
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+    """All `config.data` keys with their defaults.
+
+    name            'embedded' | 'text_files' | 'wikitext' | 'tfds:<name>[/<config>][:<version>]'. 'embedded' is
+                    the CPython documentation text (`pydoc_data.topics`), built on first use; paragraphs
+                    i%20==19 → validation, i%20==9 → test.
+    path            text_files / wikitext: a directory, a glob, or a file. Files named *train*/*valid*|*dev*/
+                    *test* (name cut at . _ -) form those splits; otherwise all files are training text.
+    file_pattern    glob inside a `path` directory; '' = files ending .txt .tokens .raw .text.
+    split_by        text_files: 'blank_line' (BERT format: one sentence per line, blank line between documents)
+                    or 'file' (one document per file). wikitext always splits at ` = Title = ` lines.
+    holdout         with no validation file: document i → validation when i % holdout == holdout-1 (TUPE's
+                    1-in-200); 0 = no validation split.
+    packing         MLM: 'full_sentences' (RoBERTa FULL-SENTENCES: whole lines packed up to max_len-1 tokens,
+                    [SEP] between documents) or 'contiguous' (cut every max_len-1 tokens). CLM is contiguous.
+    vocab_file      '' = train a WordPiece vocab of config.model.vocab_size on the train split; else a vocab.txt
+                    whose first five lines are [PAD] [UNK] [CLS] [SEP] [MASK].
+    mask_prob       MLM: fraction of candidate tokens masked (80% [MASK], 10% random, 10% kept).
+    max_predictions MLM: P, the width of mlm_positions/labels/weights; 0 = ceil(mask_prob · max_len) (20 for 128).
+                    A sequence never gets more than P masked positions.
+    glue_dir        directory in the download_glue_data.py layout; '' = tfds 'glue/<task>' from TFDS_DATA_DIR.
+    glue_buckets    padded lengths of GLUE batches (capped at max_len; max_len is always allowed).
+    cache_dir       prepared datasets and token streams; '' = $TUPE_JAX_CACHE or ~/.cache/tupe_jax.
+    tfds_data_dir   data_dir for tfds:<name> ('' = $TFDS_DATA_DIR or ~/tensorflow_datasets).
+    tfds_text_key   feature holding the text for tfds:<name> ('' = 'text' or the first Text feature).
+    prefetch        batches prefetched per process (0 = none, synchronous).
+    num_threads     threads building batches when prefetch > 0.
+    """
+    c = ml_collections.ConfigDict()
+    c.name = "embedded"
+    c.path = ""
+    c.file_pattern = ""
+    c.split_by = "blank_line"
+    c.holdout = 200
+    c.packing = "full_sentences"
+    c.vocab_file = ""
+    c.mask_prob = 0.15
+    c.max_predictions = 0
+    c.glue_dir = ""
+    c.glue_buckets = (32, 64, 128, 256, 512)
+    c.cache_dir = ""
+    c.tfds_data_dir = ""
+    c.tfds_text_key = ""
+    c.prefetch = 4
+    c.num_threads = 2
+    return c
+
+
+__all__ = ["default_data_config", "get_tokenizer", "Tokenizer", "pretrain_iterator", "PretrainIterator",
+           "load_documents", "glue_examples", "glue_batches", "num_labels", "GLUE_TASKS"]

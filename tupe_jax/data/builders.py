@@ -1,0 +1,334 @@
+"""TFDS builders (array_record, no TensorFlow) and the readers the rest of the data layer uses.
+
+Every local source (`embedded`, `text_files`, `wikitext`, GLUE TSVs, the built-in `wordorder` task) becomes a
+`tfds.core.GeneratorBasedBuilder` prepared once under `<cache_dir>/tfds/<builder>/<config>/1.0.0/` with
+`file_format='array_record'` and `disable_shuffling=True` (records keep source order). The builder config name
+is a digest of everything the examples depend on (resolved paths, sizes, mtimes, options, Python version for
+the embedded corpus), so a changed source builds a new dataset and never reads a stale one. `tfds:<name>`
+reads a dataset the user prepared (array_record) under TFDS_DATA_DIR through `tfds.data_source`; nothing is
+ever downloaded.
+
+TensorFlow is not needed: tfds 4.9.x writes ArrayRecord and serialises examples with its own protobuf path
+when TF is absent (the tests assert `tensorflow` is never imported).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from tupe_jax.data import glue_tsv, sources
+from tupe_jax.errors import UserError
+
+CORPORA = ("embedded", "text_files", "wikitext")
+
+
+def cache_dir(config) -> Path:
+    """`data.cache_dir`, else $TUPE_JAX_CACHE, else ~/.cache/tupe_jax."""
+    d = config.data.get("cache_dir", "") or os.environ.get("TUPE_JAX_CACHE", "") or "~/.cache/tupe_jax"
+    path = Path(d).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """Exclusive inter-process lock (several processes of one host may prepare the same dataset)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------- builders
+
+def _tfds():
+    import tensorflow_datasets as tfds
+    return tfds
+
+
+def _make_builder_class():
+    tfds = _tfds()
+
+    class LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        """A builder whose examples come from a Python callable `make(split) -> iterable of dicts`."""
+        VERSION = tfds.core.Version("1.0.0")
+        RELEASE_NOTES = {"1.0.0": "Initial version."}
+
+        # tfds' default code_path probes `importlib_resources` (a backport only installed for Python < 3.9)
+        # for builders defined inside a package; this builder has no code-side resources, so point at this file.
+        @tfds.core.utils.classproperty
+        @classmethod
+        def code_path(cls):
+            from etils import epath
+            return epath.Path(__file__)
+
+        def __init__(self, *, kind: str, spec: dict, splits: list[str], features,
+                     make: Callable[[str], Iterator[dict]], data_dir: Path):
+            self.name = f"tupe_{kind}"
+            self._splits, self._features, self._make = list(splits), features, make
+            config = tfds.core.BuilderConfig(name="c" + digest(spec), description=json.dumps(spec, sort_keys=True))
+            super().__init__(data_dir=str(data_dir), config=config, file_format="array_record")
+
+        def _info(self):
+            return tfds.core.DatasetInfo(builder=self, features=self._features, disable_shuffling=True,
+                                         description=f"tupe_jax local dataset {self.name}")
+
+        def _split_generators(self, dl_manager):
+            return {s: self._generate_examples(s) for s in self._splits}
+
+        def _generate_examples(self, split):
+            for i, ex in enumerate(self._make(split)):
+                yield i, ex
+
+    return LocalBuilder
+
+
+_BUILDER_CLASS = None
+
+
+def local_builder(config, kind: str, spec: dict, splits: list[str], features, make):
+    """Build (once, under a lock) and return a prepared LocalBuilder."""
+    global _BUILDER_CLASS
+    if _BUILDER_CLASS is None:
+        _BUILDER_CLASS = _make_builder_class()
+    root = cache_dir(config) / "tfds"
+    with _quiet_absl():
+        return _prepared(config, kind, spec, splits, features, make, root)
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """tfds warns 'Using custom data configuration' for every construction of a config-keyed builder."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _prepared(config, kind, spec, splits, features, make, root):
+    tfds = _tfds()
+    builder = _BUILDER_CLASS(kind=kind, spec=spec, splits=splits, features=features, make=make, data_dir=root)
+    if not builder.is_prepared():
+        with file_lock(root / "locks" / f"{builder.name}-{builder.builder_config.name}.lock"):
+            builder = _BUILDER_CLASS(kind=kind, spec=spec, splits=splits, features=features, make=make,
+                                     data_dir=root)
+            if not builder.is_prepared():
+                from tensorflow_datasets.core.utils import tqdm_utils
+                was = tqdm_utils._active  # pylint: disable=protected-access
+                tfds.display_progress_bar(False)
+                try:
+                    builder.download_and_prepare(
+                        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+                finally:
+                    tfds.display_progress_bar(was)
+    return builder
+
+
+def _doc_features():
+    return _tfds().features.FeaturesDict({"text": _tfds().features.Text()})
+
+
+def _glue_features(regression: bool):
+    tfds = _tfds()
+    return tfds.features.FeaturesDict({"idx": np.int32, "sentence1": tfds.features.Text(),
+                                       "sentence2": tfds.features.Text(),
+                                       "label": np.float32 if regression else np.int32})
+
+
+def _file_stamps(files) -> list:
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def corpus_builder(config):
+    """The prepared builder for `config.data.name` in embedded | text_files | wikitext."""
+    d = config.data
+    name = d.get("name", "embedded")
+    if name == "embedded":
+        spec = {"kind": "embedded", "python": sys.version_info[:2], "format": 1}
+        return local_builder(config, "embedded", spec, list(sources.SPLITS), _doc_features(),
+                             lambda s: ({"text": t} for t in sources.embedded_documents(s)))
+    if name not in ("text_files", "wikitext"):
+        raise UserError(f"unknown data.name {name!r}", "config.data.name",
+                        "use embedded, text_files, wikitext or tfds:<name>")
+    files = sources.find_files(d.get("path", ""), d.get("file_pattern", ""))
+    by_split, named = sources.assign_files(files)
+    holdout = int(d.get("holdout", 200))
+    split_by = d.get("split_by", "blank_line")
+    wiki = name == "wikitext"
+    splits = sources.available_splits(by_split, named, holdout)
+    spec = {"kind": name, "files": {s: _file_stamps(f) for s, f in sorted(by_split.items())}, "named": named,
+            "holdout": holdout, "split_by": "wikitext" if wiki else split_by, "format": 1}
+    if split_by not in ("blank_line", "file"):
+        raise UserError(f"unknown data.split_by {split_by!r}", "config.data.split_by", "use 'blank_line' or 'file'")
+
+    def make(split):
+        for t in sources.corpus_documents(by_split, named, split, split_by, holdout, wikitext=wiki):
+            yield {"text": t}
+
+    return local_builder(config, name, spec, splits, _doc_features(), make)
+
+
+def _check_split(builder, split: str, where: str) -> None:
+    have = list(builder.info.splits.keys())
+    if split not in have:
+        raise UserError(f"split {split!r} is not available (have {sorted(have)})", where,
+                        "add a file for that split, or set data.holdout > 0 for a validation split")
+
+
+# -------------------------------------------------------------------------------------- tfds:<name>
+
+def tfds_source(config, name: str, split: str):
+    """`tfds.data_source` over a dataset the user prepared as array_record (never downloads)."""
+    tfds = _tfds()
+    data_dir = config.data.get("tfds_data_dir", "") or os.environ.get("TFDS_DATA_DIR") or None
+    try:
+        return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    except Exception as e:  # tfds raises several types for "not prepared" / "no such split"
+        raise UserError(f"cannot open tfds dataset {name!r} split {split!r} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160] if str(e) else ''})", f"data_dir={data_dir or '~/tensorflow_datasets'}",
+                        f"prepare it with `tfds build {name} --file_format=array_record` and set TFDS_DATA_DIR") from None
+
+
+def _tfds_text_key(config, source) -> str:
+    key = config.data.get("tfds_text_key", "")
+    feats = source.dataset_info.features if hasattr(source, "dataset_info") else None
+    if key:
+        return key
+    if feats is not None:
+        keys = list(feats.keys())
+        if "text" in keys:
+            return "text"
+        tfds = _tfds()
+        texts = [k for k in keys if isinstance(feats[k], tfds.features.Text)]
+        if texts:
+            return texts[0]
+    raise UserError("cannot tell which feature holds the text", f"config.data.name={config.data.name}",
+                    "set --config.data.tfds_text_key=FEATURE")
+
+
+def _as_str(v) -> str:
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+# ---------------------------------------------------------------------------------------- documents
+
+def corpus_fingerprint(config, split: str) -> tuple[str, str]:
+    """(relative cache key, description) identifying the documents of a split, for derived caches."""
+    name = config.data.get("name", "embedded")
+    if name.startswith("tfds:"):
+        data_dir = config.data.get("tfds_data_dir", "") or os.environ.get("TFDS_DATA_DIR", "")
+        return f"tfds/{name[5:].replace('/', '_')}/{digest([name, data_dir, config.data.get('tfds_text_key', '')])}", name
+    b = corpus_builder(config)
+    return f"{b.name}/{b.builder_config.name}", b.builder_config.description
+
+
+def iter_documents(config, split: str) -> Iterator[str]:
+    """Documents of `split` (train | validation | test) of the corpus `config.data.name`, in source order."""
+    name = config.data.get("name", "embedded")
+    if name.startswith("tfds:"):
+        src = tfds_source(config, name[5:], split)
+        key = _tfds_text_key(config, src)
+        for rec in _records(src):
+            yield _as_str(rec[key])
+        return
+    builder = corpus_builder(config)
+    _check_split(builder, split, f"data.name={name} path={config.data.get('path', '')}")
+    for rec in _records(builder.as_data_source(split=split)):
+        yield _as_str(rec["text"])
+
+
+def _records(src, step: int = 4096) -> Iterator[dict]:
+    """All records of a random-access source, read in batches (much faster than one `src[i]` at a time)."""
+    for start in range(0, len(src), step):
+        idx = list(range(start, min(start + step, len(src))))
+        yield from (src.__getitems__(idx) if hasattr(src, "__getitems__") else (src[i] for i in idx))
+
+
+def load_documents(config, split: str) -> list[str]:
+    """All documents of a split as strings (lines inside a document are its sentences)."""
+    return list(iter_documents(config, split))
+
+
+# --------------------------------------------------------------------------------------------- GLUE
+
+_TFDS_GLUE_FIELDS = {"cola": ("sentence", None), "sst2": ("sentence", None), "mrpc": ("sentence1", "sentence2"),
+                     "stsb": ("sentence1", "sentence2"), "qqp": ("question1", "question2"),
+                     "mnli": ("premise", "hypothesis"), "qnli": ("question", "sentence"),
+                     "rte": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2")}
+
+
+def glue_builder(config, task: str):
+    """Prepared builder for a GLUE task from `data.glue_dir` TSVs, or for the built-in `wordorder` task."""
+    if task == "wordorder":
+        spec = {"kind": "wordorder", "python": sys.version_info[:2], "format": 1}
+        return local_builder(config, "wordorder", spec, list(sources.SPLITS), _glue_features(False),
+                             sources.wordorder_examples)
+    glue_dir = config.data.get("glue_dir", "")
+    glue_tsv.task_spec(task)
+    splits = glue_tsv.available_splits(glue_dir, task)
+    if not splits:
+        raise UserError(f"no GLUE files for {task}", str(Path(glue_dir).expanduser() / glue_tsv.TASKS[task].dir),
+                        "set data.glue_dir to the directory made by download_glue_data.py")
+    files = [glue_tsv.split_file(glue_dir, task, s) for s in splits]
+    spec = {"kind": "glue_tsv", "task": task, "files": _file_stamps(files), "format": 1}
+
+    def make(split):
+        return glue_tsv.parse_tsv(glue_tsv.split_file(glue_dir, task, split), task, split)
+
+    return local_builder(config, "glue_tsv", spec, splits, _glue_features(task == "stsb"), make)
+
+
+def glue_source_name(config, task: str) -> str:
+    """Where a task's examples come from: 'wordorder', 'tsv' (data.glue_dir) or 'tfds:glue/<task>'."""
+    if task == "wordorder":
+        return "wordorder"
+    glue_tsv.task_spec(task)
+    if config.data.get("glue_dir", ""):
+        return "tsv"
+    name = config.data.get("name", "")
+    if name.startswith("tfds:glue/") and name[len("tfds:glue/"):] != task:
+        raise UserError(f"data.name is {name} but the task is {task}", "config.data.name",
+                        f"use --config.data.name=tfds:glue/{task}")
+    return f"tfds:glue/{task}"
+
+
+def glue_examples(config, task: str, split: str) -> list[dict]:
+    """Examples {'idx', 'sentence1', 'sentence2' ('' if single), 'label' (-1 on test)} of a GLUE split."""
+    canon = "train" if task == "wordorder" and split == "train" else (
+        {"dev": "validation"}.get(split, split) if task == "wordorder" else glue_tsv.canonical_split(task, split))
+    source = glue_source_name(config, task)
+    if source.startswith("tfds:"):
+        a, b = _TFDS_GLUE_FIELDS[task]
+        src = tfds_source(config, source[5:], canon)
+        out = []
+        for i, r in enumerate(_records(src)):
+            out.append({"idx": int(r.get("idx", i)), "sentence1": _as_str(r[a]),
+                        "sentence2": _as_str(r[b]) if b else "",
+                        "label": float(r["label"]) if task == "stsb" else int(r["label"])})
+        return out
+    builder = glue_builder(config, task)
+    _check_split(builder, canon, f"GLUE {task}")
+    src = builder.as_data_source(split=canon)
+    regression = task == "stsb"
+    return [{"idx": int(r["idx"]), "sentence1": _as_str(r["sentence1"]), "sentence2": _as_str(r["sentence2"]),
+             "label": float(r["label"]) if regression else int(r["label"])}
+            for r in _records(src)]

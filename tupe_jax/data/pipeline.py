@@ -1,0 +1,237 @@
+"""Pretraining batches (MLM / CLM) as a checkpointable grain pipeline.
+
+1. Each split is tokenized once into a flat int32 stream — sentence (line) after sentence, [SEP] after every
+   document — cached as .npy under `<cache_dir>/streams/<corpus>/` keyed by the tokenizer fingerprint, plus the
+   cumulative ends of the sentences (the packing units). Later runs memory-map it.
+2. Examples are windows of that stream: MLM — FULL-SENTENCES blocks of ≤ L−1 tokens (`data.packing=
+   'full_sentences'`; or `'contiguous'` fixed cuts) with [CLS] prepended, so [CLS] is at index 0 and documents
+   are separated by [SEP]; CLM — windows of L+1 tokens every L tokens (inputs = w[:-1], targets = w[1:]), so
+   every token after the first is predicted exactly once. The last window may be short: it is padded with [PAD]
+   (input_mask/weights 0), never dropped.
+3. Global ordinal o (0, 1, 2, ... over all epochs) → epoch e = o // n, example = perm_e[o % n], perm_e a
+   seeded permutation of all n examples (global shuffle; identity with shuffle=False). Process p of P takes
+   ordinals p, p+P, p+2P, ... (`[p::P]`) and batches B = global_batch / P of them, so step s of all processes
+   together is exactly ordinals [s·G, (s+1)·G). A `grain.MapDataset` over step numbers builds each batch with
+   vectorised NumPy (gather + mask, masking keyed by (seed, example, epoch)); `to_iter_dataset` prefetches.
+   repeat=False: one pass; the last step is filled with padding rows (all weights 0) so every example is seen
+   exactly once and all processes take the same number of steps.
+4. The iterator's `get_state()` is grain's `{next_index}` plus a fingerprint of the settings; `set_state` of a
+   fresh pipeline with the same settings continues with exactly the batches that would have come next.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+
+import grain
+import numpy as np
+
+from tupe_jax.data import builders, masking
+from tupe_jax.data.tokenizer import PAD_ID, SEP_ID, Tokenizer
+from tupe_jax.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ token streams
+
+def _encode_documents(docs, tokenizer: Tokenizer, chunk: int = 4096):
+    """Yield (tokens int32, unit_lengths int64) per chunk of documents; [SEP] ends every document."""
+    buf: list[str] = []
+
+    def flush(buf):
+        units, last = [], []
+        for doc in buf:
+            lines = [ln for ln in doc.split("\n") if ln.strip()] or [""]
+            units.extend(lines)
+            last.extend([False] * (len(lines) - 1) + [True])
+        enc = tokenizer.encode_batch(units)
+        lens = np.fromiter((len(e) + int(t) for e, t in zip(enc, last)), np.int64, len(enc))
+        toks = np.fromiter((i for e, t in zip(enc, last) for i in (e + [SEP_ID] if t else e)), np.int32,
+                           int(lens.sum()))
+        return toks, lens
+
+    for doc in docs:
+        buf.append(doc)
+        if len(buf) >= chunk:
+            yield flush(buf)
+            buf = []
+    if buf:
+        yield flush(buf)
+
+
+def token_stream(config, tokenizer: Tokenizer, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32 memmap, unit_ends int64) of a split; built once per (corpus, split, tokenizer)."""
+    key, _ = builders.corpus_fingerprint(config, split)
+    root = builders.cache_dir(config) / "streams" / key
+    tok_path = root / f"{split}.{tokenizer.fingerprint}.tokens.npy"
+    unit_path = root / f"{split}.{tokenizer.fingerprint}.units.npy"
+    if not (tok_path.is_file() and unit_path.is_file()):
+        with builders.file_lock(root / f"{split}.{tokenizer.fingerprint}.lock"):
+            if not (tok_path.is_file() and unit_path.is_file()):
+                parts = list(_encode_documents(builders.iter_documents(config, split), tokenizer))
+                toks = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
+                ends = np.cumsum(np.concatenate([p[1] for p in parts])) if parts else np.zeros(0, np.int64)
+                for path, arr in ((unit_path, ends.astype(np.int64)), (tok_path, toks.astype(np.int32))):
+                    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npy")
+                    np.save(tmp, arr)
+                    os.replace(tmp, path)
+                log.info("data: tokenized %s/%s: %d tokens in %d sentences", key, split, len(toks), len(ends))
+    toks = np.load(tok_path, mmap_mode="r")
+    ends = np.load(unit_path)
+    if len(toks) == 0:
+        raise UserError(f"split {split!r} of data.name={config.data.get('name')} has no text", str(tok_path.parent),
+                        "check data.path / data.holdout (a holdout larger than the number of documents is empty)")
+    return toks, ends
+
+
+def example_windows(config, stream_len: int, unit_ends: np.ndarray, objective: str, max_len: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of every example in the stream (see the module docstring)."""
+    if objective == "clm":
+        starts = masking.contiguous_starts(stream_len, max_len + 1, max_len)
+        return starts, np.minimum(starts + max_len + 1, stream_len)
+    cap = max_len - 1
+    packing = config.data.get("packing", "full_sentences")
+    if packing == "full_sentences":
+        starts = masking.full_sentence_starts(np.diff(unit_ends, prepend=0), cap)
+    elif packing == "contiguous":
+        starts = masking.contiguous_starts(stream_len, cap)
+    else:
+        raise UserError(f"unknown data.packing {packing!r}", "config.data.packing",
+                        "use 'full_sentences' or 'contiguous'")
+    return starts, np.minimum(np.append(starts[1:], stream_len), starts + cap)
+
+
+# ----------------------------------------------------------------------------------------------- batches
+
+class _Batcher:
+    """Step number → host-local batch (a pure function of the settings)."""
+
+    def __init__(self, stream, starts, ends, *, objective, max_len, vocab_size, mask_prob, max_predictions,
+                 global_batch, process_index, process_count, seed, shuffle, repeat):
+        self.stream, self.starts, self.ends = stream, starts, ends
+        self.n = len(starts)
+        self.objective, self.max_len, self.vocab_size = objective, max_len, vocab_size
+        self.mask_prob, self.max_predictions = mask_prob, max_predictions
+        self.p, self.pc = process_index, process_count
+        self.local = global_batch // process_count
+        self.global_batch, self.seed, self.shuffle, self.repeat = global_batch, seed, shuffle, repeat
+        self._perms: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self.num_steps = None if repeat else math.ceil(self.n / global_batch)
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        with self._lock:
+            if epoch not in self._perms:
+                if len(self._perms) >= 3:
+                    self._perms.pop(min(self._perms))
+                rng = np.random.default_rng([self.seed, epoch, 0x5EED])
+                self._perms[epoch] = rng.permutation(self.n)
+            return self._perms[epoch]
+
+    def examples(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(example index or -1 for padding, epoch) of each row of this host's batch at `step`."""
+        ordinals = (step * self.local + np.arange(self.local, dtype=np.int64)) * self.pc + self.p
+        epochs = ordinals // self.n
+        pos = ordinals % self.n
+        index = pos.copy()
+        if self.shuffle:
+            for e in np.unique(epochs):
+                sel = epochs == e
+                index[sel] = self._perm(int(e))[pos[sel]]
+        if not self.repeat:
+            index = np.where(ordinals < self.n, index, -1)
+        return index, epochs
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        index, epochs = self.examples(int(step))
+        real = index >= 0
+        safe = np.where(real, index, 0)
+        starts = self.starts[safe]
+        ends = np.where(real, self.ends[safe], starts)  # padding rows: empty window
+        if self.objective == "clm":
+            win, valid = masking.gather_windows(self.stream, starts, ends, self.max_len + 1)
+            return {"inputs": win[:, :-1], "targets": win[:, 1:],
+                    "weights": valid[:, 1:].astype(np.float32)}
+        toks, valid = masking.gather_windows(self.stream, starts, ends, self.max_len - 1)
+        toks, valid = masking.add_cls(toks, valid)
+        valid &= real[:, None]
+        toks = np.where(valid, toks, PAD_ID)
+        keys = masking.example_keys(self.seed, safe, epochs)
+        return masking.mask_tokens(toks, valid.astype(np.int32), keys, vocab_size=self.vocab_size,
+                                   mask_prob=self.mask_prob, max_predictions=self.max_predictions)
+
+
+class PretrainIterator(grain.DatasetIterator):
+    """Batches of one process; `get_state()`/`set_state()` checkpoint it (also via grain's Orbax handler)."""
+
+    def __init__(self, parent: grain.DatasetIterator, batcher: _Batcher, fingerprint: str):
+        super().__init__(parent)
+        self.batcher, self.fingerprint = batcher, fingerprint
+        self.per_host_batch_size = batcher.local
+        self.num_examples = batcher.n
+        self.num_steps = batcher.num_steps  # None when repeating forever
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._parent)
+
+    def get_state(self) -> dict:
+        return {"pipeline": self._parent.get_state(), "fingerprint": self.fingerprint}
+
+    def set_state(self, state: dict) -> None:
+        if state.get("fingerprint") != self.fingerprint:
+            raise UserError("the saved data-iterator state belongs to different data settings",
+                            "checkpoint data-iterator state",
+                            "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
+        self._parent.set_state(state["pipeline"])
+
+
+def resolve_max_predictions(config, max_len: int) -> int:
+    p = int(config.data.get("max_predictions", 0))
+    mask_prob = float(config.data.get("mask_prob", 0.15))
+    return p if p > 0 else max(1, math.ceil(mask_prob * max_len))
+
+
+def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_size: int, seed: int,
+                      process_index: int | None = None, process_count: int | None = None,
+                      shuffle: bool = True, repeat: bool = True) -> PretrainIterator:
+    """Iterator of host-local MLM or CLM batches (`config.model.objective`, length `config.model.max_len`).
+
+    process_index/process_count default to jax.process_index()/jax.process_count().
+    """
+    if process_index is None or process_count is None:
+        import jax
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    objective = config.model.get("objective", "mlm")
+    max_len = int(config.model.max_len)
+    if objective not in ("mlm", "clm"):
+        raise UserError(f"unknown model.objective {objective!r}", "config.model.objective", "use mlm or clm")
+    if global_batch_size <= 0 or global_batch_size % process_count:
+        raise UserError(f"global batch {global_batch_size} is not a positive multiple of {process_count} processes",
+                        "config.train.batch_size", f"use a multiple of {process_count}")
+    if max_len < 2:
+        raise UserError(f"model.max_len {max_len} is too small", "config.model.max_len", "use at least 8")
+    stream, unit_ends = token_stream(config, tokenizer, split)
+    starts, ends = example_windows(config, len(stream), unit_ends, objective, max_len)
+    mask_prob = float(config.data.get("mask_prob", 0.15))
+    max_pred = resolve_max_predictions(config, max_len)
+    batcher = _Batcher(stream, starts, ends, objective=objective, max_len=max_len,
+                       vocab_size=tokenizer.vocab_size, mask_prob=mask_prob, max_predictions=max_pred,
+                       global_batch=global_batch_size, process_index=process_index, process_count=process_count,
+                       seed=int(seed), shuffle=shuffle, repeat=repeat)
+    if repeat and batcher.n < global_batch_size:
+        log.warning("data: %d examples but a global batch of %d: examples repeat within a batch", batcher.n,
+                    global_batch_size)
+    steps = np.iinfo(np.int64).max if repeat else batcher.num_steps
+    ds = grain.MapDataset.range(steps).map(batcher)
+    prefetch = int(config.data.get("prefetch", 4))
+    threads = int(config.data.get("num_threads", 2)) if prefetch > 0 else 0
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)).__iter__()
+    key, _ = builders.corpus_fingerprint(config, split)
+    fp = builders.digest([key, split, tokenizer.fingerprint, objective, max_len, global_batch_size, process_count,
+                          int(seed), shuffle, repeat, mask_prob, max_pred, config.data.get("packing", "full_sentences")])
+    return PretrainIterator(it, batcher, fp)

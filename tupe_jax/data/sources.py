@@ -1,0 +1,258 @@
+"""Raw text sources: plain-text corpora, WikiText, the embedded corpus and the built-in word-order task.
+
+Everything here is pure Python over local files; the TFDS builders in `builders.py` call it. A *document* is a
+string whose lines are the packing units ("sentences") used by FULL-SENTENCES packing; a document never
+contains an empty line.
+
+File → split rule (text_files / wikitext): a file's name is cut at `.`, `_`, `-`; a part `train` puts it in
+train, `valid`/`validation`/`dev` in validation, `test` in test (`wiki.train.tokens`, `valid.txt`, ...). If no
+file is named like that, every file is training text and, with `holdout=h > 0`, document number `i` (0-based,
+files in sorted order) goes to validation when `i % h == h - 1` (TUPE's 1-in-200 split); there is no test split.
+"""
+from __future__ import annotations
+
+import glob as globlib
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from tupe_jax.errors import UserError
+
+TEXT_SUFFIXES = (".txt", ".tokens", ".raw", ".text")
+SPLITS = ("train", "validation", "test")
+_SPLIT_WORDS = {"train": "train", "valid": "validation", "validation": "validation", "dev": "validation",
+                "test": "test"}
+EMBEDDED_HOLDOUT = 20  # the embedded corpus is small: paragraph i%20==19 → validation, i%20==9 → test
+
+
+# ----------------------------------------------------------------------------------------------- files
+
+def find_files(path: str, pattern: str = "") -> list[Path]:
+    """The files named by `path` (a file, a directory or a glob), sorted."""
+    if not path:
+        raise UserError("data.path is empty", "config.data.path",
+                        "set --config.data.path=DIR, a glob or a file")
+    if any(c in path for c in "*?["):
+        files = [Path(p) for p in globlib.glob(os.path.expanduser(path), recursive=True)]
+    else:
+        p = Path(os.path.expanduser(path))
+        if p.is_file():
+            files = [p]
+        elif p.is_dir():
+            if pattern:
+                files = list(p.glob(pattern))
+            else:
+                files = [f for f in p.iterdir() if f.suffix.lower() in TEXT_SUFFIXES]
+        else:
+            raise UserError(f"no such file or directory {path!r}", "config.data.path",
+                            "point data.path at an existing directory, file or glob")
+    files = sorted(f.resolve() for f in files if f.is_file())
+    if not files:
+        raise UserError(f"no text files found under {path!r}", "config.data.path",
+                        f"put *.txt files there or set data.file_pattern (suffixes tried: {TEXT_SUFFIXES})")
+    return files
+
+
+def split_of_file(f: Path) -> str | None:
+    for part in re.split(r"[._\-]", f.name.lower()):
+        if part in _SPLIT_WORDS:
+            return _SPLIT_WORDS[part]
+    return None
+
+
+def assign_files(files: list[Path]) -> tuple[dict[str, list[Path]], bool]:
+    """Map split → files. Returns (mapping, named): named=False means 'all train, use the holdout'."""
+    named = {f: split_of_file(f) for f in files}
+    if all(s is None for s in named.values()):
+        return {"train": list(files)}, False
+    stray = [f for f, s in named.items() if s is None]
+    if stray:
+        raise UserError(f"file {stray[0].name!r} is not named train/valid/test while others are", str(stray[0]),
+                        "rename it, remove it, or narrow data.path / data.file_pattern")
+    out: dict[str, list[Path]] = {}
+    for f, s in named.items():
+        out.setdefault(s, []).append(f)
+    if "train" not in out:
+        raise UserError("no training file (name containing 'train')", str(files[0].parent),
+                        "add a train file or point data.path at the training text")
+    return out, True
+
+
+def read_lines(path: Path) -> list[str]:
+    """UTF-8 lines (without newline); undecodable bytes are an error naming the file and line."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"file is not valid UTF-8 ({e.reason} at byte {e.start})", f"{path}:{line}",
+                        "re-encode the file as UTF-8") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text.splitlines()
+
+
+# ------------------------------------------------------------------------------------------- documents
+
+def blank_line_documents(lines: list[str]) -> Iterator[str]:
+    """BERT's pretraining format: one sentence per line, documents separated by blank lines."""
+    block: list[str] = []
+    for line in lines + [""]:
+        line = line.strip()
+        if line:
+            block.append(line)
+        elif block:
+            yield "\n".join(block)
+            block = []
+
+
+def file_document(lines: list[str]) -> Iterator[str]:
+    kept = [ln.strip() for ln in lines if ln.strip()]
+    if kept:
+        yield "\n".join(kept)
+
+
+_WIKI_HEADING = re.compile(r"^(=(?: =)*) ([^=].*?) (=(?: =)*)$")
+_WIKI_AT = re.compile(r" @([-,.])@ ")
+_WIKI_SENT = re.compile(r"(?<= [.!?]) (?=[A-Z\"'(])")  # WikiText is tokenised: sentences end in " . "
+
+
+def wikitext_line(line: str) -> str:
+    """Undo WikiText's tokenisation marks: ` @-@ ` → `-` (also , .), `<unk>` → the [UNK] token."""
+    return _WIKI_AT.sub(r"\1", line).replace("<unk>", "[UNK]")
+
+
+def wikitext_documents(lines: list[str]) -> Iterator[str]:
+    """Articles: a line ` = Title = ` starts one; headings ` = = Sub = = ` become plain lines; paragraphs are
+    split into sentences (one per line) at ` . `/` ! `/` ? ` followed by a capital or an opening quote."""
+    article: list[str] = []
+    for raw in lines:
+        line = raw.strip()
+        if not line:
+            continue
+        h = _WIKI_HEADING.match(line)
+        h = h if h and h.group(1) == h.group(3) else None
+        if h and h.group(1) == "=" and article:
+            yield "\n".join(article)
+            article = []
+        if h:
+            article.append(wikitext_line(h.group(2).strip()))
+        else:  # a paragraph: one line per sentence (the packing unit)
+            article.extend(wikitext_line(s) for s in _WIKI_SENT.split(line))
+    if article:
+        yield "\n".join(article)
+
+
+def corpus_documents(files_by_split: dict[str, list[Path]], named: bool, split: str, split_by: str,
+                     holdout: int, wikitext: bool = False) -> Iterator[str]:
+    """Documents of one split (see the module docstring for the file → split rule)."""
+    if split_by not in ("blank_line", "file"):
+        raise UserError(f"unknown data.split_by {split_by!r}", "config.data.split_by",
+                        "use 'blank_line' or 'file'")
+    source = "train" if not named else split
+    files = files_by_split.get(source, [])
+    for_holdout = not named and split in ("train", "validation")
+    i = 0
+    for f in files:
+        lines = read_lines(f)
+        if wikitext:
+            docs = wikitext_documents(lines)
+        elif split_by == "file":
+            docs = file_document(lines)
+        else:
+            docs = blank_line_documents(lines)
+        for doc in docs:
+            if for_holdout and holdout > 0:
+                held = i % holdout == holdout - 1
+                if held == (split == "validation"):
+                    yield doc
+            else:
+                yield doc
+            i += 1
+
+
+def available_splits(files_by_split: dict[str, list[Path]], named: bool, holdout: int) -> list[str]:
+    if named:
+        return [s for s in SPLITS if s in files_by_split]
+    return ["train", "validation"] if holdout > 0 else ["train"]
+
+
+# -------------------------------------------------------------------------------------- embedded corpus
+
+def _reflow(paragraph: str) -> str:
+    return " ".join(w for w in paragraph.split())
+
+
+def embedded_topics() -> list[tuple[str, str]]:
+    """(name, text) of the documentation topics CPython ships in `pydoc_data.topics`, sorted by name."""
+    from pydoc_data.topics import topics  # part of the standard library; no download
+    return sorted(topics.items())
+
+
+def embedded_documents(split: str) -> Iterator[str]:
+    """One document per paragraph of the pydoc topics (reflowed to one line), paragraphs numbered in topic
+    order; paragraph i goes to validation if i % 20 == 19, to test if i % 20 == 9, else to train."""
+    h = EMBEDDED_HOLDOUT
+    i = 0
+    for _, text in embedded_topics():
+        for para in re.split(r"\n\s*\n", text):
+            para = _reflow(para)
+            if not para:
+                continue
+            where = "validation" if i % h == h - 1 else "test" if i % h == h // 2 - 1 else "train"
+            i += 1
+            if where == split:
+                yield para
+
+
+_SENT_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+
+
+def _is_prose(sentence: str) -> bool:
+    words = sentence.split()
+    if not 8 <= len(words) <= 40 or ">>>" in sentence or "::" in sentence:
+        return False
+    letters = sum(c.isalpha() or c in " ,.;'-" for c in sentence)
+    return letters >= 0.9 * len(sentence)
+
+
+def local_shuffle(words: list[str], rng: np.random.Generator) -> list[str]:
+    """Swap max(2, n // 5) random adjacent word pairs; the result always differs from the input."""
+    out = list(words)
+    for _ in range(max(2, len(words) // 5)):
+        j = int(rng.integers(0, len(out) - 1))
+        out[j], out[j + 1] = out[j + 1], out[j]
+    if out == words:  # only possible with repeated words or swaps that undo each other
+        diffs = [j for j in range(len(words) - 1) if words[j] != words[j + 1]]
+        j = diffs[int(rng.integers(0, len(diffs)))] if diffs else 0
+        out = list(words)
+        out[j], out[j + 1] = out[j + 1], out[j]
+    return out
+
+
+def wordorder_examples(split: str) -> Iterator[dict]:
+    """The built-in GLUE-style task: is this sentence in its original word order (1) or locally shuffled (0)?
+
+    Sentences (8–40 words of prose) come from the embedded corpus split of the same name, so validation/test
+    sentences were never seen in pretraining. Label and shuffle are fixed functions of the sentence number.
+    Like GLUE, the test split carries label -1.
+    """
+    k = 0
+    for doc in embedded_documents(split):
+        for para in doc.split("\n"):
+            for sentence in _SENT_END.split(para):
+                if not _is_prose(sentence):
+                    continue
+                rng = np.random.default_rng([0x30D0, k])
+                label = int(rng.integers(0, 2))
+                words = sentence.split()
+                if label == 0 and len(set(words)) > 1:
+                    text = " ".join(local_shuffle(words, rng))
+                else:
+                    label, text = 1, sentence
+                yield {"idx": k, "sentence1": text, "sentence2": "",
+                       "label": -1 if split == "test" else label}
+                k += 1
