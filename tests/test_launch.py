@@ -1,0 +1,102 @@
+"""The launcher: --help, one-line errors with exit 2 (subprocess), dispatch, workdir config guard."""
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "--config=" + os.path.join(ROOT, "configs", "pretrain.py") + ":pe=tupe_r,size=tiny"
+
+
+def _run(*args, timeout=120):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "launch", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def test_help_lists_every_command():
+    result = _run("--help")
+    assert result.returncode == 0
+    for name in ("pretrain", "evaluate", "finetune", "glue-sweep", "extrapolate", "probe", "correlations",
+                 "shuffle-attention", "compare", "demo"):
+        assert name in result.stdout
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--config.train.nope=1"], "train.nope"),
+    (["--config.train.steps=abc"], "--config.train.steps"),
+    (["--config.mesh.data=3"], "--config.mesh.data"),
+    (["--bogus"], "--bogus"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, extra, needle):
+    result = _run("pretrain", CONFIG, f"--workdir={tmp_path}", *extra)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert needle in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def fake_library(monkeypatch):
+    """Point pretrain/evaluate at a fake module recording its calls."""
+    calls = []
+    module = types.ModuleType("fake_train_lib")
+    module.pretrain = lambda config, workdir: calls.append(("pretrain", config, workdir))
+    module.evaluate = lambda workdir, step: calls.append(("evaluate", workdir, step))
+    monkeypatch.setitem(sys.modules, "fake_train_lib", module)
+    for name in ("pretrain", "evaluate"):
+        cmd = launch.COMMANDS[name]
+        monkeypatch.setitem(launch.COMMANDS, name, launch.Command("fake_train_lib", cmd.function, cmd.issue,
+                                                                  cmd.help, cmd.needs_config, cmd.call))
+    return calls
+
+
+def test_dispatch_validates_and_writes_config(tmp_path, fake_library):
+    workdir = str(tmp_path / "run")
+    assert launch.main(["pretrain", CONFIG, f"--workdir={workdir}", "--config.train.steps=5",
+                        "--config.train.batch_size", "16"]) == 0
+    (name, config, got_workdir), = fake_library
+    assert name == "pretrain" and got_workdir == workdir
+    assert config.train.steps == 5 and config.train.batch_size == 16
+    assert os.path.isfile(os.path.join(workdir, "config.json"))
+    assert launch.main(["evaluate", f"--workdir={workdir}", "--step=3"]) == 0
+    assert fake_library[-1] == ("evaluate", workdir, 3)
+
+
+def test_workdir_of_another_run_is_refused(tmp_path, fake_library, capsys):
+    workdir = str(tmp_path / "run")
+    assert launch.main(["pretrain", CONFIG, f"--workdir={workdir}"]) == 0
+    other = CONFIG.replace("pe=tupe_r", "pe=rope")
+    assert launch.main(["pretrain", other, f"--workdir={workdir}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "--overwrite_config" in err and "model.pe" in err
+    assert len(fake_library) == 1
+    assert launch.main(["pretrain", other, f"--workdir={workdir}", "--overwrite_config"]) == 0
+
+
+def test_unbuilt_command_says_so(monkeypatch, capsys):
+    cmd = launch.COMMANDS["probe"]
+    monkeypatch.setitem(launch.COMMANDS, "probe", launch.Command("tupe_jax.no_such_module", "run", 99, cmd.help,
+                                                                 False, cmd.call))
+    assert launch.main(["probe", "--workdir=/tmp/x"]) == 2
+    assert capsys.readouterr().err.strip() == "error: 'probe' is not built yet (issue #99)"
+
+
+def test_override_without_config_is_refused(capsys):
+    assert launch.main(["evaluate", "--workdir=/tmp/x", "--config.train.steps=3"]) == 2
+    assert "--config.train.steps" in capsys.readouterr().err
+
+
+def test_lengths_parsing():
+    assert launch._lengths("128,256") == [128, 256]  # pylint: disable=protected-access
+    with pytest.raises(launch.UserError, match="--lengths"):
+        launch._lengths("128,abc")  # pylint: disable=protected-access
+
+
+def test_workdir_only_commands_take_no_config(capsys):
+    assert launch.main(["evaluate", "--workdir=/tmp/x", CONFIG]) == 2
+    assert capsys.readouterr().err.startswith("error: unrecognized arguments: --config")

@@ -1,0 +1,55 @@
+"""Metrics writer (jsonl + TensorBoard), progress line, FLOPs and MFU."""
+import io
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tupe_jax import metrics
+
+
+def test_writer_jsonl_and_tensorboard(tmp_path):
+    with metrics.MetricsWriter(str(tmp_path), enabled=True) as w:
+        w.write(1, {"loss": jnp.float32(2.5), "learning_rate": np.float64(1e-4), "tokens": 10})
+        w.write(2, {"loss": 2.0})
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
+    assert rows == [{"step": 1, "loss": 2.5, "learning_rate": 1e-4, "tokens": 10}, {"step": 2, "loss": 2.0}]
+    assert metrics.read_metrics(str(tmp_path))[1]["loss"] == 2.0
+    events = os.listdir(tmp_path / "tensorboard")
+    assert events and events[0].startswith("events.out.tfevents")
+
+
+def test_writer_disabled_writes_nothing(tmp_path):
+    w = metrics.MetricsWriter(str(tmp_path / "x"), enabled=False)
+    w.write(1, {"loss": 1.0})
+    w.close()
+    assert not os.path.exists(tmp_path / "x")
+    with pytest.raises(ValueError):
+        metrics.MetricsWriter(str(tmp_path), enabled=True).write(1, {"v": np.ones(3)})
+
+
+def test_progress_line():
+    stream = io.StringIO()
+    p = metrics.Progress(100, stream=stream)
+    text = p.line(10, {"loss": 2.0})
+    assert text.startswith("step 10/100 | loss 2 |") and "ETA" in text and stream.getvalue().strip() == text
+
+
+def test_flops_and_mfu():
+    # one layer, tiny numbers, counted by hand
+    f = metrics.transformer_training_flops(1, 4, 8, 10, seq_len=3, batch_size=2, mlm_predictions=1)
+    layer = 2 * (4 * 16 + 2 * 4 * 8) * 6
+    attn = 4 * 9 * 4 * 2
+    head = 2 * (16 + 40) * 2
+    assert f == 3 * (layer + attn + head)
+    causal = metrics.transformer_training_flops(1, 4, 8, 10, seq_len=3, batch_size=2, causal=True)
+    assert causal == 3 * (layer + attn / 2 + 2 * 4 * 10 * 6)
+    # BERT-base, batch 256 x 512, P=20 gathered: ~6 N tokens with N = 85M + attention
+    base = metrics.transformer_training_flops(12, 768, 3072, 30522, 512, 256, mlm_predictions=20)
+    assert 6.6e13 < base < 8e13
+    assert metrics.mfu(1e12, 1.0, 2, 1.0) == pytest.approx(0.5)
+    assert np.isnan(metrics.mfu(1e12, 1.0, 2, 0.0))
+    assert metrics.peak_tflops(0.0, "TPU v4") == 275.0 and metrics.peak_tflops(123.0) == 123.0
+    assert metrics.peak_tflops(0.0, "cpu") == 0.0

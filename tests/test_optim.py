@@ -1,0 +1,90 @@
+"""Optimizer: weight-decay mask, schedule values, gradient-accumulation equivalence."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from tupe_jax import optim
+
+
+def _train(**kw):
+    base = dict(steps=100, learning_rate=1e-3, warmup_steps=10, decay_steps=0, weight_decay=0.1, clip_norm=1.0,
+                adam_b1=0.9, adam_b2=0.999, adam_eps=1e-6)
+    base.update(kw)
+    return ml_collections.ConfigDict(base)
+
+
+def test_decay_mask_excludes_bias_and_layernorm(standin_model):
+    boxed = standin_model().init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = jax.tree_util.tree_map(lambda x: x, nn.meta.unbox(boxed))
+    params["LayerNorm_0"] = {"weird": jnp.ones(3)}  # anything under a LayerNorm module
+    params["head_bias"] = jnp.ones(3)
+    mask = optim.decay_mask(params)
+    assert mask["mlp_in"]["kernel"] and mask["token_embed"] and mask["query"]["kernel"]
+    assert not mask["mlp_in"]["bias"] and not mask["query"]["bias"]
+    assert not mask["ln"]["scale"] and not mask["ln"]["bias"] and not mask["LayerNorm_0"]["weird"]
+    assert not mask["head_bias"]
+    # boxed trees give the same decisions
+    boxed_mask = jax.tree_util.tree_leaves(optim.decay_mask(boxed))
+    assert boxed_mask == jax.tree_util.tree_leaves(optim.decay_mask(nn.meta.unbox(boxed)))
+
+
+def test_no_decay_on_bias_in_update():
+    tx, _ = optim.make_optimizer(_train(learning_rate=0.1, warmup_steps=0, clip_norm=0.0))
+    params = {"dense": {"kernel": jnp.ones((2,)), "bias": jnp.ones((2,))}}
+    state = tx.init(params)
+    zero = jax.tree_util.tree_map(jnp.zeros_like, params)
+    updates, _ = tx.update(zero, state, params)
+    assert float(jnp.abs(updates["dense"]["bias"]).max()) == 0.0
+    np.testing.assert_allclose(updates["dense"]["kernel"], -0.1 * 0.1 * np.ones(2), rtol=1e-6)
+
+
+def test_schedule_values():
+    lr = optim.learning_rate_fn(_train())
+    assert float(lr(0)) == 0.0
+    assert float(lr(5)) == pytest.approx(5e-4)
+    assert float(lr(10)) == pytest.approx(1e-3)
+    assert float(lr(55)) == pytest.approx(5e-4)
+    assert float(lr(100)) == pytest.approx(0.0, abs=1e-12)
+    assert float(lr(150)) == pytest.approx(0.0, abs=1e-12)
+    short = optim.learning_rate_fn(_train(steps=5, warmup_steps=100))  # warmup cut to the run length
+    assert float(short(0)) == 0.0 and float(short(5)) == pytest.approx(1e-3)
+    lr2 = optim.learning_rate_fn(_train(decay_steps=200, warmup_steps=0))
+    assert float(lr2(0)) == pytest.approx(1e-3) and float(lr2(100)) == pytest.approx(5e-4)
+
+
+def _loss_fn(params, batch, rng):
+    del rng
+    pred = batch["x"] @ params["w"] + params["b"]
+    per_token = (pred - batch["y"]) ** 2 * batch["mask"]
+    return per_token.sum(), batch["mask"].sum()
+
+
+def test_accumulation_matches_full_batch():
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 3)).astype(np.float32), "y": rng.normal(size=(8,)).astype(np.float32),
+             "mask": (rng.random(8) > 0.3).astype(np.float32)}
+    batch["mask"][:2] = 0.0  # microbatches with unequal token counts
+    params = {"w": jnp.arange(3.0), "b": jnp.float32(0.5)}
+    full = jax.jit(lambda p, b: optim.accumulate_gradients(_loss_fn, p, b, 1, jax.random.key(0)))(params, batch)
+    acc = jax.jit(lambda p, b: optim.accumulate_gradients(_loss_fn, p, b, 4, jax.random.key(0)))(params, batch)
+    np.testing.assert_allclose(full[0], acc[0], rtol=1e-6)
+    for g1, g2 in zip(jax.tree_util.tree_leaves(full[1]), jax.tree_util.tree_leaves(acc[1])):
+        np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-7)
+    assert float(full[2]) == float(acc[2]) == batch["mask"].sum()
+    # and it is NOT what averaging per-microbatch means would give
+    means = [_loss_fn(params, jax.tree_util.tree_map(lambda v: v[i::4], batch), None) for i in range(4)]
+    naive = np.mean([float(s) / max(float(w), 1e-9) for s, w in means])
+    assert abs(naive - float(full[0])) > 1e-3
+
+
+def test_optimizer_chain_runs_with_clip():
+    tx, _ = optim.make_optimizer(_train())
+    params = {"w": jnp.ones((3,))}
+    state = tx.init(params)
+    updates, _ = tx.update({"w": jnp.full((3,), 100.0)}, state, params)
+    assert np.all(np.isfinite(np.asarray(updates["w"])))
+    assert isinstance(tx, optax.GradientTransformation)

@@ -1,0 +1,197 @@
+"""Checkpoints at `workdir/checkpoints/<step>/`: a small wrapper over Orbax's v0 `CheckpointManager`.
+
+Each step holds three items:
+- `state`: the train-state pytree (params, opt_state, step, rng), `StandardSave`/`StandardRestore`. Restores go
+  against an abstract tree carrying target shardings, so a checkpoint loads onto a different mesh shape.
+- `data`: the data-iterator state (a JSON-able dict, e.g. grain's `get_state()`), `JsonSave`.
+- `meta`: JSON with the config hash, scheme, objective and param shapes (see `make_meta` / `check_compatible`), so a
+  fine-tune refuses a checkpoint of another scheme or shape.
+
+Orbax writes each step into a temporary directory and renames it when complete, so unfinished saves are never
+listed. If the newest step fails to restore (corrupt files), `restore` warns naming it and falls back to the
+previous step; nothing is deleted. Preemption: `install_sigterm_handler()` makes SIGTERM set a flag; the loop polls
+`Checkpointer.reached_preemption(step)` (that flag, or Orbax/JAX's multi-host preemption sync point), then saves
+with `force=True`, calls `wait()` and exits 0.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from tupe_jax.errors import UserError
+
+log = logging.getLogger(__name__)
+_STOP = {"requested": False}
+
+
+def install_sigterm_handler() -> None:
+    """Make SIGTERM set a flag (see `stop_requested`) instead of killing the process mid-step."""
+    def handler(signum: int, frame: Any) -> None:  # pylint: disable=unused-argument
+        log.warning("SIGTERM received: will save a checkpoint at the end of this step and exit")
+        _STOP["requested"] = True
+    signal.signal(signal.SIGTERM, handler)
+
+
+def stop_requested() -> bool:
+    """True once SIGTERM arrived (after `install_sigterm_handler`)."""
+    return _STOP["requested"]
+
+
+def checkpoint_dir(path: str) -> str:
+    """`path/checkpoints` if `path` is a workdir, else `path` itself (already a checkpoints directory)."""
+    sub = os.path.join(path, "checkpoints")
+    return sub if os.path.isdir(sub) else path
+
+
+def param_shapes(params: Any) -> dict[str, list[int]]:
+    """{"['a']['b']": shape} for every leaf of `params` (boxed or not)."""
+    leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(params))
+    return {jax.tree_util.keystr(p): [int(d) for d in np.shape(x)] for p, x in leaves}
+
+
+def make_meta(config: Any, params: Any) -> dict[str, Any]:
+    """The `meta` item: what a later fine-tune or evaluation needs to refuse an incompatible checkpoint."""
+    from tupe_jax.config import config_hash  # pylint: disable=import-outside-toplevel
+    return {"config_hash": config_hash(config), "pe": str(config.model.pe),
+            "objective": str(config.model.objective), "param_shapes": param_shapes(params)}
+
+
+def check_compatible(meta: Mapping[str, Any], pe: str, shapes: Mapping[str, list[int]] | None = None,
+                     where: str = "--config.init_from") -> None:
+    """Raise UserError if checkpoint `meta` has another positional scheme or other param shapes."""
+    if meta.get("pe") != pe:
+        raise UserError(f"the checkpoint was trained with pe={meta.get('pe')!r}, not pe={pe!r}", where,
+                        f"fine-tune with pe={meta.get('pe')} or pick a checkpoint of {pe}")
+    if shapes is None:
+        return
+    saved = meta.get("param_shapes", {})
+    for key, shape in shapes.items():
+        if key in saved and list(saved[key]) != list(shape):
+            raise UserError(f"param {key} has shape {saved[key]} in the checkpoint but {list(shape)} here", where,
+                            "use the same model size (model.* keys) as the pretraining run")
+
+
+class Checkpointer:
+    """Save / restore train state + data-iterator state + meta under `workdir/checkpoints/`."""
+
+    def __init__(self, workdir: str, every: int = 1000, keep: int = 3, async_: bool = True,
+                 read_only: bool = False):
+        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.every = max(int(every), 1)
+        options = ocp.CheckpointManagerOptions(  # the interval is decided in `save`, not by Orbax
+            save_interval_steps=1, max_to_keep=keep, create=not read_only, read_only=read_only,
+            enable_async_checkpointing=async_)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_names=("state", "data", "meta"))
+
+    def save(self, step: int, state: Any, data_state: Mapping[str, Any] | None = None,
+             meta: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+        """Save at `step` if it is due (`step % every == 0`) or `force`; asynchronous when enabled. True if saved."""
+        if not force and step % self.every:
+            return False
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=ocp.args.JsonSave(dict(data_state or {})),
+                                  meta=ocp.args.JsonSave(dict(meta or {})))
+        return bool(self._manager.save(int(step), args=args, force=True))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """All committed steps, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def _restore_one(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        restored = self._manager.restore(step, args=args)
+        return restored["state"], dict(restored["data"] or {})
+
+    def restore(self, step: int | None, abstract_state: Any) -> tuple[Any, dict[str, Any]] | None:
+        """Restore (state, data_state) onto the shardings in `abstract_state` (ShapeDtypeStructs).
+
+        `step=None`: the newest step that restores cleanly (warning about each bad one, deleting nothing); None if
+        there is no checkpoint. An explicit `step` that is missing or fails raises UserError.
+        """
+        if step is not None:
+            if step not in self.all_steps():
+                raise UserError(f"no checkpoint at step {step} in {self.directory}", "--step",
+                                f"use one of {self.all_steps()}" if self.all_steps() else "train first")
+            try:
+                return self._restore_one(step, abstract_state)
+            except Exception as err:  # pylint: disable=broad-except
+                raise UserError(f"checkpoint step {step} in {self.directory} failed to restore "
+                                f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})",
+                                "--step", "pick another step") from None
+        for candidate in reversed(self.all_steps()):
+            try:
+                return self._restore_one(candidate, abstract_state)
+            except Exception as err:  # pylint: disable=broad-except
+                first_line = str(err).splitlines()[0][:200] if str(err) else ""
+                log.warning("checkpoint step %d in %s failed to restore (%s: %s); trying the previous one, "
+                            "deleting nothing", candidate, self.directory, type(err).__name__, first_line)
+        if self.all_steps():
+            raise UserError(f"no checkpoint in {self.directory} restores (steps {self.all_steps()})", "--workdir",
+                            "check the files, or start a fresh workdir")
+        return None
+
+    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The `meta` JSON of `step` (default: latest)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise UserError(f"no checkpoint in {self.directory}", "--workdir", "pretrain first")
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {})
+
+    def reached_preemption(self, step: int) -> bool:
+        """True when the loop should save now and exit: SIGTERM arrived or JAX signalled a preemption."""
+        return stop_requested() or bool(self._manager.reached_preemption(int(step)))
+
+    def wait(self) -> None:
+        """Block until pending asynchronous saves are committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def restore_params(path_or_workdir: str, step: int | None = None, abstract_params: Any = None) -> Any:
+    """Params only, for fine-tuning: from a workdir (or its checkpoints dir) at `step` (default latest).
+
+    With `abstract_params` (ShapeDtypeStructs with shardings) only the params subtree is read, onto those
+    shardings; without it the whole state item is read and its params returned.
+    """
+    directory = checkpoint_dir(path_or_workdir)
+    if not os.path.isdir(directory):
+        raise UserError(f"no checkpoints at {path_or_workdir}", "--config.init_from", "point it at a pretraining workdir")
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+                                    item_names=("state", "data", "meta"))
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None or step not in manager.all_steps():
+            raise UserError(f"no checkpoint{'' if step is None else f' at step {step}'} in {directory}",
+                            "--config.init_from", "point it at a pretraining workdir with checkpoints")
+        if abstract_params is None:
+            restore = ocp.args.PyTreeRestore()
+        else:
+            target = {"params": abstract_params}
+            restore = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                             restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        state = manager.restore(step, args=ocp.args.Composite(state=restore))["state"]
+        return state["params"]
+    finally:
+        manager.close()

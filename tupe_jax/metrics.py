@@ -1,0 +1,197 @@
+"""Metrics: `workdir/metrics.jsonl` + TensorBoard (process 0 only), a progress line with ETA, and model FLOPs / MFU.
+
+FLOPs follow the usual "model FLOPs" convention (MaxText, PaLM appendix B): matmul FLOPs only (embedding lookups
+are gathers and not counted), forward = 2 · matmul-params · tokens + attention 4 · n_layers · S² · d per sequence,
+training = 3 × forward. The attention term is NOT halved for bidirectional (MLM) models; for causal models pass
+`causal=True` to halve it (only the lower triangle is useful work). The MLM head (dense d×d + decoder d×V) is
+counted on the predicted positions only when the gather form is used (`mlm_predictions=P`), else on every position.
+Remat recomputation is not counted (that would be hardware FLOPs).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping, TextIO
+
+import jax
+import numpy as np
+
+# Dense bf16 peak TFLOP/s per device, by `jax.devices()[0].device_kind` substring (lower-cased). 0 = unknown.
+PEAK_TFLOPS = (
+    ("v6 lite", 918.0), ("v6e", 918.0), ("v5p", 459.0), ("v5 lite", 197.0), ("v5e", 197.0), ("v4", 275.0),
+    ("h200", 989.0), ("h100", 989.0), ("a100", 312.0), ("l4", 121.0),
+)
+
+
+def _scalar(value: Any) -> float | int | str:
+    if isinstance(value, (str, bool, int)):
+        return value
+    array = np.asarray(value)
+    if array.size != 1:
+        raise ValueError(f"metric value of shape {array.shape} is not a scalar")
+    item = array.reshape(()).item()
+    return float(item) if isinstance(item, float) else item
+
+
+class MetricsWriter:
+    """Append one JSON object per logged step to `workdir/metrics.jsonl` and mirror it to TensorBoard.
+
+    Only process 0 writes (pass `enabled` to override); other processes get a no-op writer.
+    """
+
+    def __init__(self, workdir: str, enabled: bool | None = None, tensorboard: bool = True):
+        self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._file: TextIO | None = None
+        self._tb: Any = None
+        if not self.enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), flush_secs=30)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Log `metrics` (scalars; jax/numpy arrays are converted) at `step`."""
+        if not self.enabled:
+            return
+        row: dict[str, Any] = {"step": int(step)}
+        row.update({k: _scalar(v) for k, v in metrics.items()})
+        assert self._file is not None
+        self._file.write(json.dumps(row, sort_keys=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and math.isfinite(value):
+                    self._tb.add_scalar(key, value, int(step))
+
+    def write_text(self, tag: str, text: str, step: int = 0) -> None:
+        """A text note in TensorBoard (e.g. the resolved config)."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        """Flush both sinks."""
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close."""
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """All rows of `workdir/metrics.jsonl` (skipping a torn last line)."""
+    rows = []
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def format_duration(seconds: float) -> str:
+    """H:MM:SS."""
+    seconds = max(int(seconds), 0)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """A periodic one-line progress report with rate and ETA (printed on process 0 only)."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, stream: TextIO | None = None):
+        self.total_steps = total_steps
+        self._last_step = start_step
+        self._last_time = time.perf_counter()
+        self._start_time = self._last_time
+        self._stream = stream if stream is not None else sys.stdout
+        self.enabled = jax.process_index() == 0
+
+    def line(self, step: int, metrics: Mapping[str, Any]) -> str:
+        """Format the line for `step` and reset the rate window; returns it (and prints it when enabled)."""
+        now = time.perf_counter()
+        rate = (step - self._last_step) / max(now - self._last_time, 1e-9)
+        self._last_step, self._last_time = step, now
+        eta = (self.total_steps - step) / rate if rate > 0 else float("nan")
+        parts = [f"step {step}/{self.total_steps}"]
+        for key, value in metrics.items():
+            value = _scalar(value)
+            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        parts.append(f"{rate:.2f} steps/s")
+        parts.append("ETA " + (format_duration(eta) if math.isfinite(eta) else "?"))
+        text = " | ".join(parts)
+        if self.enabled:
+            print(text, file=self._stream, flush=True)
+        return text
+
+
+def transformer_training_flops(num_layers: int, hidden_size: int, mlp_dim: int, vocab_size: int, seq_len: int,
+                               batch_size: int, causal: bool = False, mlm_predictions: int | None = None,
+                               extra_forward_flops: float = 0.0) -> float:
+    """Model FLOPs of ONE training step (forward + backward = 3 × forward) for a batch of `batch_size` sequences.
+
+    Per layer: QKV + output projections 4·d² params, MLP 2·d·mlp params → 2 FLOPs per param per token; attention
+    scores and weighted sum 4·S²·d per sequence (halved if `causal`). Head: MLM (d² transform + d·V decoder) on
+    `mlm_predictions` positions per sequence when given, else on all S; causal LM head d·V on all S.
+    """
+    d, s, b = hidden_size, seq_len, batch_size
+    tokens = b * s
+    layer_params = 4 * d * d + 2 * d * mlp_dim
+    forward = 2.0 * num_layers * layer_params * tokens
+    attention = 4.0 * num_layers * s * s * d * b
+    forward += attention / 2 if causal else attention
+    if causal:
+        forward += 2.0 * d * vocab_size * tokens
+    else:
+        head_positions = b * (mlm_predictions if mlm_predictions is not None else s)
+        forward += 2.0 * (d * d + d * vocab_size) * head_positions
+    return 3.0 * (forward + extra_forward_flops)
+
+
+def flops_from_config(config: Any, batch_size: int | None = None) -> float:
+    """`transformer_training_flops` for a pretraining config (MLM head on `data.max_predictions` positions)."""
+    m = config.model
+    causal = m.objective == "clm"
+    predictions = None if causal else int(config.data.max_predictions)
+    return transformer_training_flops(m.num_layers, m.hidden_size, m.mlp_dim, m.vocab_size, m.max_len,
+                                      batch_size or config.train.batch_size, causal=causal,
+                                      mlm_predictions=predictions)
+
+
+def peak_tflops(configured: float = 0.0, device_kind: str | None = None) -> float:
+    """Per-device peak TFLOP/s: `configured` if > 0, else a lookup by device kind; 0.0 when unknown."""
+    if configured > 0:
+        return float(configured)
+    kind = (device_kind if device_kind is not None else jax.devices()[0].device_kind).lower()
+    for key, value in PEAK_TFLOPS:
+        if key in kind:
+            return value
+    return 0.0
+
+
+def mfu(flops_per_step: float, step_time_s: float, num_devices: int, peak_tflops_per_device: float) -> float:
+    """Model FLOPs utilisation = achieved FLOP/s ÷ (devices × peak); NaN when the peak is unknown."""
+    if peak_tflops_per_device <= 0 or step_time_s <= 0:
+        return float("nan")
+    return flops_per_step / step_time_s / (num_devices * peak_tflops_per_device * 1e12)

@@ -1,0 +1,106 @@
+"""Optimizer: AdamW (no decay on biases / LayerNorm), linear warmup + linear decay to 0, global-norm clipping,
+and gradient accumulation inside the train step.
+
+Accumulation is done by `accumulate_gradients` inside the jitted step, not with `optax.MultiSteps`: the loss
+function returns a SUM over tokens and a token count, the microbatch sums are added up and divided once by the total
+count. So the loss and gradients equal those of the whole batch in one go even when microbatches hold different
+numbers of masked tokens (MultiSteps would average per-microbatch means), and one optimizer update = one step of the
+learning-rate schedule.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+def learning_rate_fn(train: Any) -> optax.Schedule:
+    """Linear warmup 0 → `train.learning_rate` over `warmup_steps`, then linear to 0 at `decay_steps`
+    (0 means `train.steps`); 0 afterwards. A warmup longer than the decay span is cut to it (short smoke runs)."""
+    peak = float(train.learning_rate)
+    total = int(train.decay_steps or train.steps)
+    warmup = min(int(train.warmup_steps), total)
+    decay = optax.linear_schedule(peak, 0.0, max(total - warmup, 1))
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
+def _key_name(entry: Any) -> str | None:
+    if isinstance(entry, jax.tree_util.DictKey):
+        return str(entry.key)
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return None if entry.name == "value" else entry.name  # the `.value` of a Linen box
+    return None
+
+
+def decays(path: tuple[Any, ...]) -> bool:
+    """Whether the param at `path` gets weight decay.
+
+    No decay for leaves named `scale` or containing `bias` (biases, the MLM `head_bias`, T5's `rel_bias` table, as
+    in the usual BERT recipe's name match) or anything under a module whose name contains `norm` or starts `ln`.
+    """
+    names = [n for n in (_key_name(e) for e in path) if n is not None]
+    if not names:
+        return True
+    if names[-1] == "scale" or "bias" in names[-1]:
+        return False
+    return not any("norm" in n.lower() or n.lower().startswith("ln") for n in names[:-1])
+
+
+def decay_mask(params: Any) -> Any:
+    """A tree of bools matching `params` (boxed or not): True where weight decay applies."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: decays(p), params)
+
+
+def make_optimizer(train: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(optax transformation, learning-rate schedule) from the `train` config section."""
+    schedule = learning_rate_fn(train)
+    parts = []
+    if float(train.clip_norm) > 0:
+        parts.append(optax.clip_by_global_norm(float(train.clip_norm)))
+    parts.append(optax.adamw(schedule, b1=float(train.adam_b1), b2=float(train.adam_b2), eps=float(train.adam_eps),
+                             weight_decay=float(train.weight_decay), mask=decay_mask))
+    return optax.chain(*parts), schedule
+
+
+LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def split_microbatches(batch: Any, num_micro: int) -> Any:
+    """(B, ...) leaves → (num_micro, B/num_micro, ...); microbatch i holds rows i, i+k, ... so each device keeps
+    its own rows (no resharding of a batch sharded on its leading dimension)."""
+    def split(x: jax.Array) -> jax.Array:
+        x = x.reshape((x.shape[0] // num_micro, num_micro) + x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+    return jax.tree_util.tree_map(split, batch)
+
+
+def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, num_micro: int,
+                         rng: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
+    """Mean loss, mean grads and total weight over `num_micro` microbatches.
+
+    `loss_fn(params, microbatch, rng) -> (loss_sum, weight)` returns the SUM of per-token losses and the number of
+    tokens (or any weight). Result = (Σ loss_sum / Σ weight, Σ grad(loss_sum) / Σ weight, Σ weight): identical to
+    one pass over the whole batch up to float summation order.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if num_micro == 1:
+        (loss_sum, weight), grads = grad_fn(params, batch, rng)
+    else:
+        micro = split_microbatches(batch, num_micro)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+
+        def body(carry: tuple[Any, jax.Array, jax.Array], xs: tuple[Any, jax.Array]) -> tuple[Any, None]:
+            acc_grads, acc_loss, acc_weight = carry
+            mb, i = xs
+            (l_sum, w), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
+            acc_grads = jax.tree_util.tree_map(jnp.add, acc_grads, g)
+            return (acc_grads, acc_loss + l_sum, acc_weight + w), None
+
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grads, loss_sum, weight), _ = jax.lax.scan(body, init, (micro, jnp.arange(num_micro)))
+    denom = jnp.maximum(weight, 1e-9).astype(jnp.float32)
+    grads = jax.tree_util.tree_map(lambda g: (g / denom).astype(g.dtype), grads)
+    return loss_sum / denom, grads, weight
