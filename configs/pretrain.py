@@ -70,7 +70,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         dropout_rate=0.1, attention_dropout_rate=0.1,
         rope_base=10000.0, rope_style="half", rope_fraction=1.0,
         rel_num_buckets=32, rel_max_distance=128,
-        layer_norm_eps=1e-5, attention_backend="xla", tupe_form="bias",
+        layer_norm_eps=1e-5, attention_backend="einsum", tupe_form="bias",
     ))
     config.data = default_data_config()  # keys documented in tupe_jax/data/__init__.py
     config.train = ml_collections.ConfigDict(dict(

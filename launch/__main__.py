@@ -1,7 +1,14 @@
 """`python -m launch ...`: see `launch/__init__.py`."""
 import sys
 
+import logging
+
+from absl import logging as absl_logging
+
 from launch import main
+
+absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax/tfds chatter; our own progress lines are prints
+logging.getLogger("absl").setLevel(logging.ERROR)
 
 if __name__ == "__main__":
     sys.exit(main())

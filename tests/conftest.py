@@ -2,8 +2,17 @@
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# 8 fake CPU devices; on a loaded 2-core machine a collective can wait far longer than XLA's default 40 s
+# before every fake device reaches it, so the termination timeout is raised (it only ever aborts, never helps).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                      "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+                      "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile the same tiny programs again (each pretrain() call builds fresh closures): a persistent
+# compilation cache shared by the test processes turns those recompiles into disk reads.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                                                                 f"tupe_jax_test_xla_cache_{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

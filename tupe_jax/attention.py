@@ -6,8 +6,11 @@ q/k come from one fused QKV projection; the scheme's q/k transform (RoPE, BERT-A
 (T5, ALiBi, TUPE) is one (1, H, L, L) array shared by every layer and broadcast over the batch, never copied
 per row or per layer.
 
-Backends: `einsum` (explicit logits; can return attention probabilities) and `xla`
-(`jax.nn.dot_product_attention`, which picks cuDNN on GPU where shapes allow).
+Backends: `einsum` (explicit logits; can return attention probabilities; attention-probability dropout) and
+`xla` / `cudnn` (`jax.nn.dot_product_attention` with that implementation; used when no probabilities are asked
+for and attention dropout is off or the pass is deterministic — otherwise the einsum path runs). A q/k transform
+may widen the head dim of q and k (TUPE's concat form); the fused path then pads v with zeros to match and slices
+the output back.
 """
 from __future__ import annotations
 
@@ -61,10 +64,14 @@ class SelfAttention(nn.Module):
         if terms.qk_transform is not None:
             q, k = terms.qk_transform(q, k)
         probs = None
-        use_fused = self.backend == "xla" and not return_probs and (deterministic or self.dropout_rate == 0.0)
+        use_fused = self.backend != "einsum" and not return_probs and (deterministic or self.dropout_rate == 0.0)
         if use_fused:
             bias = None if terms.logit_bias is None else terms.logit_bias.astype(q.dtype)
-            out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=terms.logit_scale)
+            value_dim = v.shape[-1]
+            if q.shape[-1] != value_dim:  # concatenated heads (TUPE concat form): the kernel wants one head dim
+                v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - value_dim)))
+            out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=terms.logit_scale,
+                                               implementation=self.backend)[..., :value_dim]
         else:
             probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
             dropped = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)

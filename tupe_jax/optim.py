@@ -78,29 +78,32 @@ def split_microbatches(batch: Any, num_micro: int) -> Any:
 
 
 def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, num_micro: int,
-                         rng: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
-    """Mean loss, mean grads and total weight over `num_micro` microbatches.
+                         rng: jax.Array) -> tuple[jax.Array, Any, Any]:
+    """Mean loss, mean grads and summed aux over `num_micro` microbatches.
 
-    `loss_fn(params, microbatch, rng) -> (loss_sum, weight)` returns the SUM of per-token losses and the number of
-    tokens (or any weight). Result = (Σ loss_sum / Σ weight, Σ grad(loss_sum) / Σ weight, Σ weight): identical to
-    one pass over the whole batch up to float summation order.
+    `loss_fn(params, microbatch, rng) -> (loss_sum, aux)` returns the SUM of per-token losses and either the number
+    of tokens (or any weight) or a dict of sums holding it under 'weight' (e.g. also a count of correct
+    predictions). Result = (Σ loss_sum / Σ weight, Σ grad(loss_sum) / Σ weight, Σ aux): identical to one pass over
+    the whole batch up to float summation order. Microbatch i draws dropout from `fold_in(rng, i)`.
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if num_micro == 1:
-        (loss_sum, weight), grads = grad_fn(params, batch, rng)
+        (loss_sum, aux), grads = grad_fn(params, batch, rng)
     else:
         micro = split_microbatches(batch, num_micro)
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
 
-        def body(carry: tuple[Any, jax.Array, jax.Array], xs: tuple[Any, jax.Array]) -> tuple[Any, None]:
-            acc_grads, acc_loss, acc_weight = carry
+        def body(carry: tuple[Any, jax.Array, Any], xs: tuple[Any, jax.Array]) -> tuple[Any, None]:
+            acc_grads, acc_loss, acc_aux = carry
             mb, i = xs
-            (l_sum, w), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
-            acc_grads = jax.tree_util.tree_map(jnp.add, acc_grads, g)
-            return (acc_grads, acc_loss + l_sum, acc_weight + w), None
+            (l_sum, a), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
+            add = lambda x, y: jax.tree_util.tree_map(jnp.add, x, y)  # noqa: E731
+            return (add(acc_grads, g), acc_loss + l_sum, add(acc_aux, a)), None
 
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, loss_sum, weight), _ = jax.lax.scan(body, init, (micro, jnp.arange(num_micro)))
+        aux_shape = jax.eval_shape(lambda: grad_fn(params, jax.tree_util.tree_map(lambda x: x[0], micro), rng)[0][1])
+        init = (jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
+                jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape))
+        (grads, loss_sum, aux), _ = jax.lax.scan(body, init, (micro, jnp.arange(num_micro)))
+    weight = aux["weight"] if isinstance(aux, dict) else aux
     denom = jnp.maximum(weight, 1e-9).astype(jnp.float32)
     grads = jax.tree_util.tree_map(lambda g: (g / denom).astype(g.dtype), grads)
-    return loss_sum / denom, grads, weight
+    return loss_sum / denom, grads, aux

@@ -1,0 +1,36 @@
+"""Small matplotlib helpers (Agg backend, PNG files written atomically)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def save_figure(fig: Any, path: str) -> str:
+    """Write `fig` to `path` via a temporary file and rename, then close it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def loss_curve(history: Sequence[Mapping[str, Any]], path: str, title: str = "",
+               eval_history: Sequence[Mapping[str, Any]] = ()) -> str:
+    """Training loss (and validation loss, if given) against step."""
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot([m["step"] for m in history], [m["loss"] for m in history], label="train loss")
+    if eval_history:
+        ax.plot([m["step"] for m in eval_history], [m["eval_loss"] for m in eval_history], "o-",
+                label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return save_figure(fig, path)
