@@ -41,18 +41,40 @@ COMMANDS: dict[str, Command] = {
                         lambda fn, cfg, a: fn(cfg, a.workdir)),
     "glue-sweep": Command("tupe_jax.glue", "sweep", 5, "fine-tune over GLUE tasks and learning rates", True,
                           lambda fn, cfg, a: fn(cfg, a.workdir)),
-    "extrapolate": Command("tupe_jax.analysis.extrapolate", "run", 6, "evaluate at lengths beyond training", False,
-                           lambda fn, cfg, a: fn(a.workdir, _lengths(a.lengths))),
-    "probe": Command("tupe_jax.analysis.probe", "run", 6, "probe hidden states for absolute position", False,
-                     lambda fn, cfg, a: fn(a.workdir)),
+    "extrapolate": Command("tupe_jax.analysis.extrapolate", "run", 6,
+                           "perplexity / MLM loss vs evaluation length (several --workdir: one line each)", False,
+                           lambda fn, cfg, a: fn(a.workdir, _lengths(a.lengths), mode=a.mode, stride=a.stride,
+                                                 out=a.out, step=a.step)),
+    "probe": Command("tupe_jax.analysis.probe", "run", 6, "probe each layer's hidden states for absolute position",
+                     False, lambda fn, cfg, a: fn(a.workdir, out=a.out, step=a.step, steps=a.probe_steps)),
     "correlations": Command("tupe_jax.analysis.correlations", "run", 6,
-                            "word/position correlation maps (TUPE Fig. 2)", False, lambda fn, cfg, a: fn(a.workdir)),
-    "shuffle-attention": Command("tupe_jax.analysis.shuffle", "run", 6, "attention under shuffled positions", False,
-                                 lambda fn, cfg, a: fn(a.workdir)),
-    "compare": Command("tupe_jax.compare", "run", 7, "run a suite over positional schemes and tabulate", True,
+                            "attention-logit decomposition (TUPE Fig. 2) and learned positional correlation (Fig. 6)",
+                            False, lambda fn, cfg, a: fn(a.workdir, layer=a.layer, out=a.out, step=a.step)),
+    "shuffle-attention": Command("tupe_jax.analysis.shuffle", "run", 6,
+                                 "attention of a sentence vs its shuffle (causal vs bidirectional)", False,
+                                 lambda fn, cfg, a: fn(a.workdir, text=a.text, layer=a.layer, out=a.out,
+                                                       step=a.step)),
+    "compare": Command("tupe_jax.compare", "run", 6, "run a suite over positional schemes and tabulate", True,
                        lambda fn, cfg, a: fn(cfg, a.workdir)),
     "demo": Command("tupe_jax.train", "demo", 4, "the end-to-end demo on the embedded corpus", False,
                     lambda fn, cfg, a: fn(a.workdir)),
+}
+
+
+# Extra flags of the analysis commands (issue #6); their --workdir may be repeated.
+_OUT = (("--out",), dict(default=None, help="output directory (default: <first workdir>/analysis/)"))
+_LAYER = (("--layer",), dict(type=int, default=0, help="layer to analyse (0 = first block)"))
+ANALYSIS_FLAGS: dict[str, list] = {
+    "extrapolate": [
+        (("--lengths",), dict(default="128,256,512,1024", help="comma-separated evaluation lengths")),
+        (("--mode",), dict(choices=("nonoverlapping", "sliding"), default="nonoverlapping",
+                           help="evaluation windows (sliding: causal LMs only)")),
+        (("--stride",), dict(type=int, default=None, help="sliding-window stride S (default: L; capped at L)")),
+        _OUT],
+    "probe": [(("--probe_steps",), dict(type=int, default=None, help="Adam steps per probe (default 300)")), _OUT],
+    "correlations": [_LAYER, _OUT],
+    "shuffle-attention": [(("--text",), dict(default=None, help="the sentence (default: a built-in one)")),
+                          _LAYER, _OUT],
 }
 
 
@@ -81,14 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="command", parser_class=_Parser)
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
-        p.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints, metrics)")
+        if name in ANALYSIS_FLAGS:
+            p.add_argument("--workdir", required=True, action="append",
+                           help="run directory; repeat to analyse several runs together")
+        else:
+            p.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints, metrics)")
         if cmd.needs_config:
             p.add_argument("--config", required=True, help="configs/FILE.py[:arg]")
             p.add_argument("--overwrite_config", action="store_true",
                            help="replace a workdir/config.json that holds another run's config")
         p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-        if name == "extrapolate":
-            p.add_argument("--lengths", default="128,256,512,1024", help="comma-separated evaluation lengths")
+        for flags, kwargs in ANALYSIS_FLAGS.get(name, ()):
+            p.add_argument(*flags, **kwargs)
         p.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
                        help="call jax.distributed.initialize() (auto: when several processes are configured)")
         p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))

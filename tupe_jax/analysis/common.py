@@ -1,0 +1,231 @@
+"""Shared pieces of the analysis tools: loaded runs, jitted forwards, token windows, atomic JSON/PNG output.
+
+A `Run` is everything a tool needs about one trained model: the run's config (ml_collections, for `config.data`),
+its `ModelConfig`, unboxed params, tokenizer, step and workdir. Tools take `Run`s so tests can build them in
+memory; `load_runs(workdirs)` builds them from disk through `tupe_jax.train.load_run`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tupe_jax.data.tokenizer import CLS_ID
+from tupe_jax.errors import UserError
+from tupe_jax.model import ModelConfig, TransformerLM
+from tupe_jax.positional import TABLE_SCHEMES, canonical_name
+
+# Forward-pass memory bounds: tokens per forward (bounds activations and the (tokens, vocab) logits) and attention
+# matrix elements per layer (B·H·L·L). A length whose single row exceeds them still runs with batch 1.
+DEFAULT_TOKEN_BUDGET = 8192
+ATTENTION_BUDGET = 1 << 27
+
+
+@dataclasses.dataclass
+class Run:
+    """One trained (or freshly initialised) model and what it was trained with."""
+
+    config: Any
+    model_cfg: ModelConfig
+    params: Any
+    tokenizer: Any
+    step: Optional[int] = None
+    workdir: str = ""
+
+    @property
+    def name(self) -> str:
+        base = os.path.basename(os.path.normpath(self.workdir)) if self.workdir else ""
+        return base or f"{self.model_cfg.pe}-{self.model_cfg.objective}"
+
+    @property
+    def pe(self) -> str:
+        return canonical_name(self.model_cfg.pe)
+
+    @property
+    def has_table(self) -> bool:
+        """Whether a learned position table bounds the input length (max_len)."""
+        return self.pe in TABLE_SCHEMES
+
+    def describe(self) -> dict:
+        c = self.model_cfg
+        return {"name": self.name, "workdir": self.workdir, "step": self.step, "pe": self.pe,
+                "objective": c.objective, "max_len": c.max_len, "num_layers": c.num_layers,
+                "hidden_size": c.hidden_size, "num_heads": c.num_heads}
+
+
+def load_runs(workdirs: str | Sequence[str], step: Optional[int] = None) -> list[Run]:
+    """Load each workdir's checkpoint (latest, or `step`) as a `Run`."""
+    if isinstance(workdirs, (str, os.PathLike)):
+        workdirs = [workdirs]
+    try:
+        from tupe_jax.train import load_run  # pylint: disable=import-outside-toplevel
+    except ModuleNotFoundError as err:
+        if err.name not in ("tupe_jax.train",):
+            raise
+        raise UserError("loading a trained run needs tupe_jax.train.load_run, which is not built yet",
+                        "tupe_jax/train.py", "build issue #4 first") from err
+    runs = []
+    for workdir in workdirs:
+        loaded = load_run(str(workdir), step=step)
+        runs.append(Run(config=loaded.config, model_cfg=loaded.model_cfg, params=loaded.params,
+                        tokenizer=loaded.tokenizer, step=getattr(loaded, "step", step), workdir=str(workdir)))
+    return runs
+
+
+def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> Path:
+    """`out`, or `<first workdir>/analysis/`; created."""
+    if not out:
+        first = workdirs if isinstance(workdirs, (str, os.PathLike)) else workdirs[0]
+        out = os.path.join(str(first), "analysis")
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value)}")
+
+
+def _clean(value):
+    """NaN/inf → None so the JSON is standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write `obj` as indented JSON atomically (tmp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    text = json.dumps(_clean(json.loads(json.dumps(obj, default=_json_default))), indent=2)
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    return plt
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Save a matplotlib figure atomically and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
+    pyplot().close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+class Progress:
+    """Throttled progress lines on stderr: `<label>: i/n (elapsed)`."""
+
+    def __init__(self, label: str, total: int, every_s: float = 5.0, stream=None):
+        self.label, self.total, self.every_s = label, total, every_s
+        self.stream = stream or sys.stderr
+        self.start = self.last = time.time()
+
+    def update(self, done: int) -> None:
+        now = time.time()
+        if done >= self.total or now - self.last >= self.every_s:
+            self.last = now
+            print(f"{self.label}: {done}/{self.total} ({now - self.start:.1f}s)", file=self.stream, flush=True)
+
+
+def batch_rows(length: int, model_cfg: ModelConfig, token_budget: int = DEFAULT_TOKEN_BUDGET) -> int:
+    """Rows per forward at `length` so tokens and attention matrices stay within the budgets (at least 1)."""
+    by_tokens = token_budget // max(length, 1)
+    by_attention = ATTENTION_BUDGET // max(model_cfg.num_heads * length * length, 1)
+    return max(1, min(by_tokens, by_attention))
+
+
+@functools.lru_cache(maxsize=32)
+def forward_fn(model_cfg: ModelConfig, return_hidden: bool = False, return_attention: bool = False):
+    """Jitted deterministic `TransformerLM.apply(params, tokens, input_mask, mlm_positions)`."""
+    model = TransformerLM(model_cfg)
+
+    @jax.jit
+    def forward(params, tokens, input_mask=None, mlm_positions=None):
+        return model.apply({"params": params}, tokens, input_mask=input_mask, mlm_positions=mlm_positions,
+                           deterministic=True, return_hidden=return_hidden, return_attention=return_attention)
+
+    return forward
+
+
+def token_stream(run: Run, split: str) -> np.ndarray:
+    """The flat token stream of a split of the run's corpus ([SEP] after every document)."""
+    from tupe_jax.data.pipeline import token_stream as _stream  # pylint: disable=import-outside-toplevel
+    tokens, _ = _stream(run.config, run.tokenizer, split)
+    return tokens
+
+
+def model_windows(run: Run, split: str, length: int, count: Optional[int] = None, seed: int = 0) -> np.ndarray:
+    """(n, length) int32 full-length model inputs cut from the split's token stream (unmasked text).
+
+    CLM: `length` consecutive tokens. MLM: [CLS] + `length`−1 consecutive tokens (as the MLM pipeline lays out an
+    example). Windows are contiguous and non-overlapping; with `count`, that many are drawn at random (`seed`),
+    cycling over the windows if there are fewer.
+    """
+    stream = token_stream(run, split)
+    text = length if run.model_cfg.causal else length - 1
+    n = len(stream) // text
+    if n == 0:
+        raise UserError(f"split {split!r} has {len(stream)} tokens, fewer than one window of {length}",
+                        "config.data", "use a larger corpus or a shorter length")
+    idx = np.arange(n)
+    if count is not None:
+        rng = np.random.default_rng(seed)
+        idx = np.concatenate([rng.permutation(n) for _ in range(-(-count // n))])[:count]
+    rows = np.stack([np.asarray(stream[i * text:(i + 1) * text]) for i in idx]).astype(np.int32)
+    if not run.model_cfg.causal:
+        rows = np.concatenate([np.full((len(rows), 1), CLS_ID, np.int32), rows], axis=1)
+    return rows
+
+
+def hidden_states(run: Run, tokens: np.ndarray, token_budget: int = DEFAULT_TOKEN_BUDGET) -> np.ndarray:
+    """(num_layers + 1, n, L, d) float32: layer 0 = embedding output, then after each block (frozen model)."""
+    forward = forward_fn(run.model_cfg, return_hidden=True)
+    rows = batch_rows(tokens.shape[1], run.model_cfg, token_budget)
+    out = []
+    for i in range(0, len(tokens), rows):
+        chunk = tokens[i:i + rows]
+        pad = rows - len(chunk)
+        batch = np.pad(chunk, ((0, pad), (0, 0))) if pad else chunk
+        hs = forward(run.params, jnp.asarray(batch))["hidden_states"]
+        out.append(np.stack([np.asarray(h, np.float32) for h in hs])[:, :len(chunk)])
+    return np.concatenate(out, axis=1)
+
+
+def attention_probs(run: Run, tokens: np.ndarray) -> np.ndarray:
+    """(num_layers, n, H, L, L) float32 attention probabilities."""
+    forward = forward_fn(run.model_cfg, return_attention=True)
+    out = forward(run.params, jnp.asarray(tokens, jnp.int32))
+    return np.stack([np.asarray(a, np.float32) for a in out["attentions"]])

@@ -1,0 +1,188 @@
+"""Absolute-position probes on frozen hidden states (NoPos, Haviv et al. 2022 §5; research/positional.md §1.3).
+
+For every layer l = 0 (embedding output) … num_layers of a frozen model, a 2-layer ReLU MLP probe
+
+    logits = relu(x W1) W2,    W1: d × 2d,  W2: 2d × n  (no biases, Xavier-uniform init, as the paper's probe)
+
+classifies each token's hidden state x into its absolute position 0..n−1, n = max_len, with cross-entropy and
+Adam(β=(0.9, 0.98), weight decay 0.01, cosine-decayed lr). Inputs are standardised per feature with the
+training tokens' mean/std (an invertible affine map: it removes no information and makes one lr fit every layer).
+Training tokens: full-length windows (`max_len` tokens; MLM: [CLS] + max_len−1) of unmasked text cut from the
+train split's token stream; evaluation on windows of the validation split. Every position occurs equally often,
+so a uniformly random guess has mean absolute distance (MAD) (n²−1)/(3n) — the "chance" line.
+
+Reported per layer: MAD = mean |argmax − position| and accuracy. All layers' probes train together (vmapped).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tupe_jax.analysis import common
+from tupe_jax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSettings:
+    """Probe training knobs (defaults: tiny and fast)."""
+
+    steps: int = 300
+    batch_tokens: int = 512          # tokens per Adam step
+    learning_rate: float = 2e-3       # the NoPos paper's lr
+    weight_decay: float = 0.01
+    train_tokens: int = 16384        # frozen training tokens (rounded up to whole windows)
+    eval_tokens: int = 4096
+    seed: int = 0
+
+
+def chance_mad(n: int) -> float:
+    """E|U − V| for U, V independent uniform on {0..n−1}: (n² − 1) / (3n)."""
+    return (n * n - 1) / (3.0 * n)
+
+
+def _xavier(key, fan_in: int, fan_out: int, layers: int) -> jax.Array:
+    limit = np.sqrt(6.0 / (fan_in + fan_out))
+    return jax.random.uniform(key, (layers, fan_in, fan_out), jnp.float32, -limit, limit)
+
+
+def _logits(params, x):
+    return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+
+
+def train_probes(train_x: np.ndarray, train_y: np.ndarray, eval_x: np.ndarray, eval_y: np.ndarray,
+                 num_classes: int, settings: ProbeSettings = ProbeSettings()) -> list[dict]:
+    """Train one probe per layer and evaluate it.
+
+    train_x (K, N, d) float, train_y (N,) int in [0, num_classes); eval_x (K, M, d), eval_y (M,).
+    Returns per layer {'layer', 'mad', 'accuracy', 'train_loss'}.
+    """
+    train_x = np.asarray(train_x, np.float32)
+    eval_x = np.asarray(eval_x, np.float32)
+    if train_x.ndim != 3 or eval_x.ndim != 3 or train_x.shape[0] != eval_x.shape[0]:
+        raise ValueError(f"expected (layers, tokens, d) features, got {train_x.shape} and {eval_x.shape}")
+    layers, n_train, d = train_x.shape
+    mean = train_x.mean(axis=1, keepdims=True)
+    std = train_x.std(axis=1, keepdims=True) + 1e-6
+    tx = jnp.asarray((train_x - mean) / std)
+    ex = jnp.asarray((eval_x - mean) / std)
+    ty = jnp.asarray(train_y, jnp.int32)
+    ey = jnp.asarray(eval_y, jnp.int32)
+
+    key = jax.random.PRNGKey(settings.seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    params = {"w1": _xavier(k1, d, 2 * d, layers), "w2": _xavier(k2, 2 * d, num_classes, layers)}
+    schedule = optax.cosine_decay_schedule(settings.learning_rate, max(settings.steps, 1), alpha=0.05)
+    opt = optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=settings.weight_decay)
+    batch = min(settings.batch_tokens, n_train)
+    idx = jax.random.randint(k3, (settings.steps, batch), 0, n_train)
+
+    def loss_fn(p, x, y):  # one layer
+        logp = jax.nn.log_softmax(_logits(p, x), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+    grad_fn = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(0, 0, None))
+
+    @jax.jit
+    def fit(params, tx, ty, idx):  # features as arguments, not closure constants baked into the program
+        state = opt.init(params)
+
+        def step(carry, i):
+            p, s = carry
+            loss, grads = grad_fn(p, tx[:, i], ty[i])
+            updates, s = opt.update(grads, s, p)
+            return (optax.apply_updates(p, updates), s), loss
+
+        (params, _), losses = jax.lax.scan(step, (params, state), idx)
+        return params, losses
+
+    params, losses = fit(params, tx, ty, idx)
+
+    @jax.jit
+    def predict(p, x):
+        return jnp.argmax(jax.vmap(_logits)(p, x), axis=-1)
+
+    preds = []
+    for i in range(0, ex.shape[1], 4096):
+        preds.append(np.asarray(predict(params, ex[:, i:i + 4096])))
+    pred = np.concatenate(preds, axis=1)
+    truth = np.asarray(ey)[None]
+    mad = np.abs(pred - truth).mean(axis=1)
+    acc = (pred == truth).mean(axis=1)
+    tail = np.asarray(losses)[-max(1, settings.steps // 10):].mean(axis=0) if settings.steps else np.full(layers,
+                                                                                                          np.nan)
+    return [{"layer": i, "mad": float(mad[i]), "accuracy": float(acc[i]), "train_loss": float(tail[i])}
+            for i in range(layers)]
+
+
+def _features(run: common.Run, split: str, tokens_wanted: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    length = run.model_cfg.max_len
+    count = max(1, -(-tokens_wanted // length))
+    windows = common.model_windows(run, split, length, count=count, seed=seed)
+    states = common.hidden_states(run, windows)                      # (K, n, L, d)
+    k, n, l, d = states.shape
+    return states.reshape(k, n * l, d), np.tile(np.arange(l), n)
+
+
+def probe_run(run: common.Run, settings: ProbeSettings = ProbeSettings()) -> dict:
+    """Probe every layer of one frozen run: {'chance_mad', 'num_classes', 'layers': [...] , ...describe}."""
+    n = run.model_cfg.max_len
+    if n < 2:
+        raise UserError(f"max_len {n} leaves nothing to probe", "model.max_len", "probe a run with max_len ≥ 2")
+    print(f"probe {run.name}: collecting hidden states", flush=True)
+    train_x, train_y = _features(run, "train", settings.train_tokens, settings.seed)
+    eval_x, eval_y = _features(run, "validation", settings.eval_tokens, settings.seed + 1)
+    print(f"probe {run.name}: training {train_x.shape[0]} probes on {train_x.shape[1]} tokens "
+          f"for {settings.steps} steps", flush=True)
+    layers = train_probes(train_x, train_y, eval_x, eval_y, n, settings)
+    return {**run.describe(), "num_classes": n, "chance_mad": chance_mad(n), "train_tokens": int(train_x.shape[1]),
+            "eval_tokens": int(eval_x.shape[1]), "layers": layers}
+
+
+def probe(runs: Sequence[common.Run], settings: ProbeSettings = ProbeSettings()) -> dict:
+    return {"settings": dataclasses.asdict(settings),
+            "protocol": ("2-layer ReLU MLP (d -> 2d -> max_len, no bias) per layer on frozen, standardised hidden "
+                         "states; train split windows for training, validation split for evaluation; "
+                         "MAD = mean |argmax - position|; chance = (n^2-1)/(3n)"),
+            "runs": [probe_run(r, settings) for r in runs]}
+
+
+def plot(report: dict, path) -> None:
+    """MAD vs layer, one line per run, dashed chance level per distinct max_len."""
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for r in report["runs"]:
+        xs = [x["layer"] for x in r["layers"]]
+        ax.plot(xs, [x["mad"] for x in r["layers"]], marker="o", label=f"{r['name']} ({r['pe']}, {r['objective']})")
+    for n in sorted({r["num_classes"] for r in report["runs"]}):
+        ax.axhline(chance_mad(n), color="gray", linestyle="--", label=f"chance, n={n}: {chance_mad(n):.2f}")
+    ax.set_xlabel("layer (0 = embedding output)")
+    ax.set_ylabel("mean absolute distance (positions)")
+    ax.set_title("absolute-position probe (lower = more position information)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    common.save_figure(fig, path)
+
+
+def run(workdir, *, out: Optional[str] = None, step: Optional[int] = None, steps: Optional[int] = None,
+        settings: Optional[ProbeSettings] = None, runs: Optional[Sequence[common.Run]] = None) -> dict:
+    """Load the run(s), probe every layer, write `probe.json` + `probe.png` to `out` (default RUN/analysis/)."""
+    settings = settings or ProbeSettings()
+    if steps is not None:
+        if steps < 1:
+            raise UserError(f"--probe_steps={steps} must be at least 1", "--probe_steps", "give a positive number")
+        settings = dataclasses.replace(settings, steps=steps)
+    runs = list(runs) if runs is not None else common.load_runs(workdir, step)
+    report = probe(runs, settings)
+    directory = common.output_dir(workdir, out)
+    common.write_json(directory / "probe.json", report)
+    plot(report, directory / "probe.png")
+    for r in report["runs"]:
+        mads = ", ".join(f"{x['mad']:.2f}" for x in r["layers"])
+        print(f"probe {r['name']} ({r['pe']}): MAD per layer [{mads}] (chance {r['chance_mad']:.2f})")
+    print(f"probe: wrote {directory / 'probe.json'} and probe.png")
+    return report
