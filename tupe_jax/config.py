@@ -25,7 +25,7 @@ OBJECTIVES = ("mlm", "clm")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_STYLES = ("half", "interleaved")
 TUPE_FORMS = ("bias", "concat")
-ATTENTION_BACKENDS = ("xla", "cudnn")
+ATTENTION_BACKENDS = ("einsum", "xla", "cudnn")
 MESH_AXES = ("data", "fsdp", "tensor")
 # Sections that define "the same run": a workdir refuses a config that differs in these.
 RUN_IDENTITY_SECTIONS = ("model", "data")
@@ -225,6 +225,9 @@ def validate_model(model: ml_collections.ConfigDict) -> None:
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
     """Check `config` against `num_devices` before any compute; return the resolved mesh (data, fsdp, tensor)."""
+    if "task" in config and "sweep" in config:   # a fine-tuning config (configs/glue.py)
+        from tupe_jax.finetune_lib import validate_glue  # pylint: disable=import-outside-toplevel
+        return validate_glue(config, num_devices)
     validate_model(config.model)
     data, fsdp, tensor = resolve_mesh_shape(config.mesh, num_devices)
     if "train" not in config:

@@ -219,40 +219,39 @@ def _is_prose(sentence: str) -> bool:
     return letters >= 0.9 * len(sentence)
 
 
-def local_shuffle(words: list[str], rng: np.random.Generator) -> list[str]:
-    """Swap max(2, n // 5) random adjacent word pairs; the result always differs from the input."""
-    out = list(words)
-    for _ in range(max(2, len(words) // 5)):
-        j = int(rng.integers(0, len(out) - 1))
-        out[j], out[j + 1] = out[j + 1], out[j]
-    if out == words:  # only possible with repeated words or swaps that undo each other
-        diffs = [j for j in range(len(words) - 1) if words[j] != words[j + 1]]
-        j = diffs[int(rng.integers(0, len(diffs)))] if diffs else 0
-        out = list(words)
-        out[j], out[j + 1] = out[j + 1], out[j]
+def local_shuffle(words: list[str], rng: np.random.Generator, window: int = 3) -> list[str]:
+    """Permute the words inside every consecutive window of `window` words (never the identity when the window
+    has two distinct words), so the bag of words is kept but most neighbours change; always differs from the
+    input when any window holds two distinct words."""
+    out: list[str] = []
+    for start in range(0, len(words), window):
+        chunk = words[start:start + window]
+        shuffled = list(chunk)
+        if len(set(chunk)) > 1:
+            while shuffled == chunk:
+                shuffled = [chunk[i] for i in rng.permutation(len(chunk))]
+        out.extend(shuffled)
     return out
 
 
 def wordorder_examples(split: str) -> Iterator[dict]:
     """The built-in GLUE-style task: is this sentence in its original word order (1) or locally shuffled (0)?
 
-    Sentences (8–40 words of prose) come from the embedded corpus split of the same name, so validation/test
-    sentences were never seen in pretraining. Label and shuffle are fixed functions of the sentence number.
-    Like GLUE, the test split carries label -1.
+    Every prose sentence (8–40 words) of the embedded corpus split of the same name appears twice: once as it
+    is (label 1) and once with the words of every 3-word window permuted (label 0). The two classes hold exactly
+    the same words, so only word order separates them (a bidirectional model without positions is at chance).
+    Validation/test sentences were never seen in pretraining. The shuffle is a fixed function of the sentence
+    number; examples come in a fixed order (training shuffles them). Like GLUE, the test split has label -1.
     """
     k = 0
     for doc in embedded_documents(split):
         for para in doc.split("\n"):
             for sentence in _SENT_END.split(para):
-                if not _is_prose(sentence):
+                words = sentence.split()
+                if not _is_prose(sentence) or len(set(words)) < 2:
                     continue
                 rng = np.random.default_rng([0x30D0, k])
-                label = int(rng.integers(0, 2))
-                words = sentence.split()
-                if label == 0 and len(set(words)) > 1:
-                    text = " ".join(local_shuffle(words, rng))
-                else:
-                    label, text = 1, sentence
-                yield {"idx": k, "sentence1": text, "sentence2": "",
-                       "label": -1 if split == "test" else label}
-                k += 1
+                shuffled = " ".join(local_shuffle(words, rng))
+                for label, text in ((1, sentence), (0, shuffled)):
+                    yield {"idx": k, "sentence1": text, "sentence2": "", "label": -1 if split == "test" else label}
+                    k += 1

@@ -1,0 +1,223 @@
+"""GLUE fine-tuning end to end on tiny models: params-only restore, refusing other schemes/sizes, the nine layouts,
+submission files, resume, word-order and a fixture pair task beating the majority class, and the sweep."""
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from tests.glue_fixtures import DIRS, TINY, load_config_module, make_pretrained, tiny_model_overrides, write_glue_dir
+from tupe_jax import checkpoint as ckpt
+from tupe_jax import data as data_lib
+from tupe_jax import finetune_lib as ft
+from tupe_jax import glue
+from tupe_jax import glue_metrics as gm
+from tupe_jax.errors import UserError
+
+GLUE_CFG = load_config_module("glue")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A cache dir, a tiny tupe_r pretraining run, and a GLUE dir with all nine tasks (RTE learnable, bigger)."""
+    root = tmp_path_factory.mktemp("glue_env")
+    os.environ["TUPE_JAX_CACHE"] = str(root / "cache")
+    pre = root / "pre"
+    params = make_pretrained(pre, root / "cache")
+    sizes = write_glue_dir(str(root / "glue"), {"rte": (256, 64, 40)})
+    return {"root": root, "pre": str(pre), "params": params, "glue": str(root / "glue"), "sizes": sizes}
+
+
+def make_config(env, task="rte", pe="tupe_r", init=True, **train):
+    config = GLUE_CFG.get_config(f"task={task},pe={pe},size=tiny")
+    tiny_model_overrides(config)
+    config.data.cache_dir = str(env["root"] / "cache")
+    config.data.glue_dir = env["glue"]
+    config.data.glue_buckets = (32, 64)
+    config.init_from = env["pre"] if init else ""
+    config.train.update(dict(dict(batch_size=16, eval_batch_size=16, log_every=8, learning_rate=1e-3), **train))
+    config.checkpoint.async_save = False
+    return config
+
+
+def test_config_mirrors_pretraining_and_validates():
+    pre = load_config_module("pretrain").get_config("pe=bert_a,size=small")
+    cfg = GLUE_CFG.get_config("task=mnli,pe=bert_a,size=small")
+    assert cfg.model.to_dict() == pre.model.to_dict()
+    assert cfg.train.batch_size == 32 and cfg.train.warmup_ratio == 0.06 and cfg.init_from == ""
+    assert tuple(cfg.sweep.learning_rates) == (2e-5, 3e-5, 4e-5, 5e-5) and len(cfg.sweep.seeds) == 5
+    assert [ft.paper_epochs(t) for t in ("mnli", "qnli", "qqp", "rte", "cola")] == [5, 5, 5, 10, 10]
+    ft.validate_glue(cfg, 8)
+    with pytest.raises(UserError, match="unknown GLUE task"):
+        GLUE_CFG.get_config("task=squad")
+    cfg.unlock()
+    cfg.train.batch_size = 12
+    with pytest.raises(UserError, match="train.batch_size"):
+        ft.validate_glue(cfg, 8)
+
+
+def test_all_nine_layouts_parse(env):
+    config = make_config(env)
+    for task, (n_train, n_dev, n_test) in env["sizes"].items():
+        dev = "validation_matched" if task == "mnli" else "validation"
+        assert len(data_lib.glue_examples(config, task, "train")) == n_train
+        assert len(data_lib.glue_examples(config, task, dev)) == n_dev
+        labels = {e["label"] for e in data_lib.glue_examples(config, task, "test")}
+        assert labels == {-1}, task
+    assert len(data_lib.glue_examples(config, "mnli", "test_mismatched")) == env["sizes"]["mnli"][2] + 1
+
+
+def test_resolve_init_from_forms(env):
+    pre = env["pre"]
+    assert ft.resolve_init_from(pre) == (pre, None)
+    assert ft.resolve_init_from(os.path.join(pre, "checkpoints", "10")) == (pre, 10)
+    assert ft.resolve_init_from(os.path.join(pre, "checkpoints"), 10) == (pre, 10)
+    with pytest.raises(UserError, match="not a pretraining run"):
+        ft.resolve_init_from(str(env["root"] / "nothing"))
+
+
+def test_params_only_restore_keeps_fresh_head(env, tmp_path):
+    config = make_config(env, "mnli")
+    runner = glue.Runner(config, str(tmp_path))
+    state = runner.init_state()
+    saved = env["params"]["encoder"]
+    for a, b in zip(jax.tree_util.tree_leaves(state["params"]["encoder"]), jax.tree_util.tree_leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    fresh = jax.jit(lambda r: __import__("flax").linen.meta.unbox(runner.init_fn(r)))(runner.rng)["params"]
+    for name in ("pooler", "classifier"):
+        for a, b in zip(jax.tree_util.tree_leaves(state["params"][name]), jax.tree_util.tree_leaves(fresh[name])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert state["params"]["classifier"]["kernel"].shape == (TINY["hidden_size"], 3)
+    assert not set(state["params"]) & {"head_dense", "head_ln", "head_bias"}
+    # the tokenizer is the pretraining run's, copied into the fine-tune workdir
+    assert (tmp_path / "tokenizer" / "vocab.txt").read_text() == open(os.path.join(env["pre"], "tokenizer",
+                                                                                   "vocab.txt")).read()
+
+
+@pytest.mark.parametrize("pe,model,needles", [
+    ("bert_a", {}, ("'tupe_r'", "'bert_a'")),
+    ("tupe_r", {"hidden_size": 64, "mlp_dim": 128}, ("model.hidden_size=32", "model.hidden_size=64")),
+    ("tupe_r", {"num_layers": 1}, ("model.num_layers=2", "model.num_layers=1")),
+])
+def test_refuses_other_scheme_or_size(env, tmp_path, pe, model, needles):
+    config = make_config(env, pe=pe)
+    config.model.update(model)
+    with pytest.raises(UserError) as err:
+        glue.finetune(config, str(tmp_path))
+    message = str(err.value)
+    assert message.startswith("error: ") and "--config.init_from" in message
+    for needle in needles:
+        assert needle in message
+
+
+def test_shape_check_without_config_json(env):
+    import flax.linen as nn
+    from tupe_jax.model import ModelConfig, SequenceClassifier
+    meta = ckpt.Checkpointer(env["pre"], read_only=True).restore_meta(10)
+    cfg = ModelConfig.from_config(dict(TINY, mlp_dim=96))
+    abstract = jax.eval_shape(lambda: SequenceClassifier(cfg, 2).init(jax.random.PRNGKey(0),
+                                                                      np.zeros((1, 8), np.int32)))["params"]
+    with pytest.raises(UserError, match=r"has shape \[64\] in the checkpoint but \[96\] here"):
+        ft.check_encoder_shapes(meta, nn.meta.unbox(abstract["encoder"]))
+
+
+def test_refuses_missing_checkpoint_and_other_tokenizer(env, tmp_path):
+    config = make_config(env)
+    config.init_from = str(tmp_path / "missing")
+    with pytest.raises(UserError, match="not a pretraining run"):
+        glue.finetune(config, str(tmp_path / "a"))
+    config.init_from, config.init_step = env["pre"], 99
+    with pytest.raises(UserError, match="no checkpoint at step 99"):
+        glue.finetune(config, str(tmp_path / "b"))
+    config.init_step = -1
+    (tmp_path / "c" / "tokenizer").mkdir(parents=True)
+    (tmp_path / "c" / "tokenizer" / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nfoo\n")
+    with pytest.raises(UserError, match="differs from the pretraining run's tokenizer"):
+        glue.finetune(config, str(tmp_path / "c"))
+    with pytest.raises(UserError, match="GLUE"):
+        bad = make_config(env, "cola")
+        bad.data.glue_dir = str(tmp_path / "no_glue")
+        glue.finetune(bad, str(tmp_path / "d"))
+
+
+@pytest.mark.slow
+def test_pair_task_beats_majority_and_resumes(env, tmp_path):
+    """Tiny RTE-layout fixture (hypothesis drawn from the premise or not): beats the majority class; an interrupted
+    run resumes to the same result; predictions/RTE.tsv has the official name, header, labels and row count."""
+    config = make_config(env, "rte", epochs=3, learning_rate=2e-3)
+    config.checkpoint.every = 8
+    result = glue.finetune(config, str(tmp_path / "a"))
+    majority = result["majority_baseline"]["accuracy"]
+    dev = [e["label"] for e in data_lib.glue_examples(config, "rte", "validation")]
+    assert result["score"] > max(majority, gm.majority_accuracy(dev)) + 0.1, result
+    assert result["steps"] == 3 * 16 and result["epochs"] == 3
+    rows = open(tmp_path / "a" / "predictions" / "RTE.tsv").read().splitlines()
+    assert rows[0] == "index\tprediction" and len(rows) == 1 + 40
+    assert {r.split("\t")[1] for r in rows[1:]} <= {"entailment", "not_entailment"}
+    assert [int(r.split("\t")[0]) for r in rows[1:]] == list(range(40))
+    log = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
+    assert {"step", "epoch", "loss", "learning_rate"} <= set(log[0])
+    assert sum("eval_accuracy" in r for r in log) == 3
+    saved = json.load(open(tmp_path / "a" / "results.json"))
+    assert saved["best"]["metrics"]["accuracy"] == result["score"]
+    # interrupt: drop the last checkpoint and the results, rerun -> resumes at step 32 and ends identically
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "48")
+    os.remove(tmp_path / "b" / "results.json")
+    again = glue.finetune(config, str(tmp_path / "b"))
+    assert again["final"]["metrics"]["accuracy"] == pytest.approx(result["final"]["metrics"]["accuracy"])
+    assert again["best"]["step"] == result["best"]["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="a random-init hidden-32 checkpoint hovers at 46-56 % on wordorder dev "
+                   "(majority 50.8 %); needs a real pretrained checkpoint (see the GLUE report)")
+def test_wordorder_beats_majority(env, tmp_path):
+    """The built-in offline task from the tiny checkpoint beats the majority class on dev."""
+    config = make_config(env, "wordorder", batch_size=32, eval_batch_size=64, epochs=5, predict_test=False,
+                         log_every=65)
+    config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
+    result = glue.finetune(config, str(tmp_path))
+    dev = [e["label"] for e in data_lib.glue_examples(config, "wordorder", "validation")]
+    assert result["score"] > gm.majority_accuracy(dev), result
+
+
+@pytest.mark.slow
+def test_submission_files_for_every_task(env, tmp_path):
+    """Each task's official file(s) with the right rows, from the restored (untrained) model of a Runner."""
+    for task in DIRS:
+        runner = glue.Runner(make_config(env, task, batch_size=8, eval_batch_size=8), str(tmp_path / task))
+        runner.write_test_predictions(runner.init_state()["params"])
+    files = {}
+    for task in DIRS:
+        for name in os.listdir(tmp_path / task / "predictions"):
+            files[name] = open(tmp_path / task / "predictions" / name).read().splitlines()
+    assert sorted(files) == sorted(f"{n}.tsv" for n in ("CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI-m", "MNLI-mm",
+                                                          "QNLI", "RTE", "WNLI", "AX"))
+    assert all(rows[0] == "index\tprediction" for rows in files.values())
+    n_test = {n: env["sizes"][t][2] for t, n in (("cola", "CoLA"), ("sst2", "SST-2"), ("mrpc", "MRPC"),
+                                                  ("stsb", "STS-B"), ("qqp", "QQP"), ("qnli", "QNLI"),
+                                                  ("rte", "RTE"), ("wnli", "WNLI"), ("mnli", "MNLI-m"))}
+    n_test.update({"MNLI-mm": env["sizes"]["mnli"][2] + 1, "AX": 7})
+    for name, n in n_test.items():
+        assert len(files[f"{name}.tsv"]) == 1 + n, name
+    float(files["STS-B.tsv"][1].split("\t")[1])
+    assert files["MNLI-m.tsv"][1].split("\t")[1] in {"entailment", "neutral", "contradiction"}
+    assert files["CoLA.tsv"][1].split("\t")[1] in {"0", "1"}
+
+
+@pytest.mark.slow
+def test_sweep_skips_finished_runs_and_writes_tables(env, tmp_path):
+    config = make_config(env, "rte", steps=2)
+    config.sweep.learning_rates, config.sweep.seeds = (1e-3, 2e-3), (0, 1)
+    config.train.predict_test = False
+    summary = glue.sweep(config, str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "rte")) == ["lr=0.001", "lr=0.002"]
+    assert summary["tasks"]["rte"]["best_lr"] in ("0.001", "0.002") and "RTE" in summary["reported"]
+    assert (tmp_path / "sweep.md").read_text().startswith("# GLUE sweep")
+    assert json.load(open(tmp_path / "sweep.json"))["glue_average_columns"] == ["RTE"]
+    stamp = os.path.getmtime(tmp_path / "rte" / "lr=0.001" / "seed=0" / "results.json")
+    glue.sweep(config, str(tmp_path))   # everything finished: only the tables are rewritten
+    assert os.path.getmtime(tmp_path / "rte" / "lr=0.001" / "seed=0" / "results.json") == stamp
