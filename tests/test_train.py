@@ -112,11 +112,11 @@ def test_resume_onto_another_mesh_shape(cache_dir, tmp_path):
     assert jax.tree_util.tree_structure(abstract) == jax.tree_util.tree_structure(params_of(tmp_path))
 
 
-def test_evaluate_reports_validation_metrics(cache_dir, tmp_path):
+def test_evaluate_reports_validation_metrics(cache_dir, tmp_path, monkeypatch):
     config = tiny_config("pe=alibi,objective=clm", cache_dir, steps=3)
     train.pretrain(config, str(tmp_path))
-    config_lib.write_workdir_config(str(tmp_path), config)
-    values = train.evaluate(str(tmp_path))
+    monkeypatch.chdir(tmp_path.parent)   # a relative --workdir, as users type it (Orbax wants absolute paths)
+    values = train.evaluate(tmp_path.name)
     assert values["eval_perplexity"] == pytest.approx(np.exp(values["eval_loss"]), rel=1e-6)
     last = read_metrics(str(tmp_path))[-1]
     assert last["split"] == "validation" and last["step"] == 3

@@ -15,9 +15,12 @@ with `force=True`, calls `wait()` and exits 0.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import signal
+import time
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -45,9 +48,11 @@ def stop_requested() -> bool:
 
 
 def checkpoint_dir(path: str) -> str:
-    """`path/checkpoints` if `path` is a workdir, else `path` itself (already a checkpoints directory)."""
+    """Absolute `path/checkpoints` if `path` is a workdir, else `path` itself (already a checkpoints directory).
+
+    Absolute because Orbax refuses relative checkpoint paths (`--workdir=runs/x` is the common spelling)."""
     sub = os.path.join(path, "checkpoints")
-    return sub if os.path.isdir(sub) else path
+    return os.path.abspath(sub if os.path.isdir(sub) else path)
 
 
 def param_shapes(params: Any) -> dict[str, list[int]]:
@@ -78,6 +83,26 @@ def check_compatible(meta: Mapping[str, Any], pe: str, shapes: Mapping[str, list
                             "use the same model size (model.* keys) as the pretraining run")
 
 
+# Write failures that mean "the disk (or quota, or file-size limit) is full". Tensorstore reports them as
+# ValueError text carrying the OS error code, Python writes as OSError.
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FULL_TEXT = ("no space left on device", "disk quota exceeded", "file too large") + tuple(
+    f"os_error_code='{code}'" for code in _FULL_ERRNOS)
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """True if `err` (or an exception it wraps) is a write that failed for lack of space."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _FULL_ERRNOS:
+            return True
+        if any(t in str(err).lower() for t in _FULL_TEXT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 class Checkpointer:
     """Save / restore train state + data-iterator state + meta under `workdir/checkpoints/`."""
 
@@ -90,6 +115,10 @@ class Checkpointer:
             enable_async_checkpointing=async_)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "data", "meta"))
+        self._async = bool(async_)
+        self._pending: int | None = None   # the step of the save in flight (for error messages)
+        self._reported_full = False
+        self._failed_tmp: str | None = None
 
     def save(self, step: int, state: Any, data_state: Mapping[str, Any] | None = None,
              meta: Mapping[str, Any] | None = None, force: bool = False) -> bool:
@@ -99,7 +128,60 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   data=ocp.args.JsonSave(dict(data_state or {})),
                                   meta=ocp.args.JsonSave(dict(meta or {})))
-        return bool(self._manager.save(int(step), args=args, force=True))
+        with self._write_errors():   # also surfaces a failure of the previous (asynchronous) save
+            self._manager.wait_until_finished()
+        if int(step) in self.all_steps():  # a committed step that failed to restore (we resumed before it)
+            self._set_aside(int(step))
+        self._pending = int(step)
+        with self._write_errors():
+            saved = bool(self._manager.save(int(step), args=args, force=True))
+        if not self._async:
+            self._pending = None
+        return saved
+
+    def _set_aside(self, step: int) -> None:
+        """Rename the unrestorable step dir to `<step>.bad-<time>` (kept for inspection, never deleted)."""
+        src = os.path.join(self.directory, str(step))
+        dst = f"{src}.bad-{time.strftime('%Y%m%d-%H%M%S')}"
+        log.warning("checkpoint step %d in %s did not restore; moving it to %s (not deleted) to save step %d again",
+                    step, self.directory, dst, step)
+        os.rename(src, dst)
+        self._manager.reload()
+
+    def _write_errors(self):
+        """Context manager: a disk-full failure of the pending save becomes a one-line UserError."""
+        checkpointer = self
+
+        class _Guard:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, kind, err, tb):
+                if err is None or isinstance(err, UserError) or not is_disk_full(err):
+                    return False
+                if checkpointer._reported_full:   # Orbax re-raises a stored failure on every wait: said once
+                    return True
+                checkpointer._reported_full = True
+                step = checkpointer._pending
+                checkpointer._pending = None
+                try:   # let the other writers of this save finish (they fail too) before cleaning up
+                    checkpointer._manager.wait_until_finished()
+                except Exception:  # pylint: disable=broad-except
+                    pass
+                tmp = os.path.join(checkpointer.directory, f"{step}.orbax-checkpoint-tmp")
+                checkpointer._failed_tmp = tmp if step is not None else None
+                if step is not None and os.path.isdir(tmp):   # the unfinished write, never a committed step
+                    shutil.rmtree(tmp, ignore_errors=True)
+                try:
+                    checkpointer._manager.reload()
+                    kept = checkpointer.all_steps()
+                except Exception:  # pylint: disable=broad-except
+                    kept = []
+                reason = next((t for t in _FULL_TEXT if t in str(err).lower()), "disk full")
+                raise UserError(f"disk full: could not write checkpoint step {step} ({reason})",
+                                checkpointer.directory, "free space (or raise the quota) and rerun the same command "
+                                f"to resume; the committed checkpoints {kept} are intact") from None
+        return _Guard()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -110,7 +192,8 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def _restore_one(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+                                  meta=ocp.args.JsonRestore())   # meta too: a fine-tune reads it later
         restored = self._manager.restore(step, args=args)
         return restored["state"], dict(restored["data"] or {})
 
@@ -154,13 +237,20 @@ class Checkpointer:
         return stop_requested() or bool(self._manager.reached_preemption(int(step)))
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are committed."""
-        self._manager.wait_until_finished()
+        """Block until pending asynchronous saves are committed (UserError if the disk filled up)."""
+        with self._write_errors():
+            self._manager.wait_until_finished()
+        self._pending = None
 
     def close(self) -> None:
         """Wait for pending saves and release the manager."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            with self._write_errors():
+                self._manager.close()
+            if self._failed_tmp and os.path.isdir(self._failed_tmp):   # written to after the failure was seen
+                shutil.rmtree(self._failed_tmp, ignore_errors=True)
 
     def __enter__(self) -> "Checkpointer":
         return self
