@@ -209,11 +209,56 @@ def run(argv: Sequence[str]) -> int:
         from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
         config_lib.validate(config, jax.device_count())
     fn = resolve_function(args.command)
-    if config is not None:
-        config_lib.write_workdir_config(args.workdir, config, overwrite=args.overwrite_config,
-                                        write=jax.process_index() == 0)
-    COMMANDS[args.command].call(fn, config, args)
+    before = _listing(args.workdir) if config is not None else None
+    try:
+        if config is not None:
+            config_lib.write_workdir_config(args.workdir, config, overwrite=args.overwrite_config,
+                                            write=jax.process_index() == 0)
+        COMMANDS[args.command].call(fn, config, args)
+    except UserError:
+        if config is not None and jax.process_index() == 0:
+            remove_partial_outputs(args.workdir, before)
+        raise
     return 0
+
+
+def _listing(workdir: str) -> set[str] | None:
+    """The entries of `workdir` (None if it does not exist)."""
+    return set(os.listdir(workdir)) if os.path.isdir(workdir) else None
+
+
+def _holds_results(path: str) -> bool:
+    """True if `path` holds a committed checkpoint step or a results file (worth keeping after an error)."""
+    if os.path.isfile(path):
+        return False
+    for root, dirs, files in os.walk(path):
+        if os.path.basename(root) == "checkpoints" and any(d.isdigit() for d in dirs):
+            return True
+        if {"results.json", "sweep.json"} & set(files):
+            return True
+    return False
+
+
+def remove_partial_outputs(workdir: str, before: set[str] | None) -> None:
+    """After a UserError: remove what this invocation created in `workdir` (config.json, tokenizer/, metrics, ...)
+    unless it produced checkpoints or results. Entries that existed before are never touched."""
+    import shutil  # pylint: disable=import-outside-toplevel
+    if not os.path.isdir(workdir):
+        return
+    new = sorted(set(os.listdir(workdir)) - (before or set()))
+    if any(_holds_results(os.path.join(workdir, name)) for name in new):
+        return
+    for name in new:
+        path = os.path.join(workdir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+    if before is None and not os.listdir(workdir):
+        os.rmdir(workdir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -204,10 +204,19 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Option
         values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
         if not all(math.isfinite(v) for v in values.values()):
             bad = ", ".join(f"{k}={v}" for k, v in values.items() if not math.isfinite(v))
-            raise UserError(f"training diverged at step {step} ({bad})", f"{workdir}/checkpoints",
-                            "lower --config.train.learning_rate or raise warmup; the last good checkpoint "
-                            f"(step {checkpointer.latest_step()}) is kept")
+            checkpointer.wait()   # let an in-flight save of a good step commit before we stop
+            diverged(step, bad)
         return values
+
+    def diverged(step: int, what: str) -> None:
+        kept = checkpointer.latest_step()
+        raise UserError(f"training diverged at step {step} ({what})", f"{workdir}/checkpoints",
+                        "lower --config.train.learning_rate or raise warmup; "
+                        + (f"the last good checkpoint (step {kept}) is kept" if kept is not None
+                           else "no checkpoint had been written yet"))
+
+    all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
+                                                         for x in jax.tree_util.tree_leaves(tree)])))
 
     def log_step(step: int, values: dict) -> None:
         nonlocal window_start, window_steps
@@ -246,6 +255,9 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Option
             if step % log_every == 0 or step == total_steps:
                 log_step(step, values)
             pending = None
+            if not bool(all_finite(state["params"])):   # finite loss, but the update overflowed the params
+                checkpointer.wait()
+                diverged(step, "non-finite parameters after the update")
             checkpointer.save(step, state, train_iter.get_state(), meta, force=True)
         if eval_every > 0 and step % eval_every == 0 and step < total_steps:
             write_eval(writer, step, eval_step, state["params"], config, tokenizer, mesh, model.cfg.causal)
@@ -296,6 +308,8 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
     checkpointer.close()
     if not steps:
         raise UserError(f"no checkpoint in {workdir}/checkpoints", "--workdir", "pretrain this workdir first")
+    if step is not None and step not in steps:
+        raise UserError(f"no checkpoint at step {step} in {workdir}/checkpoints", "--step", f"use one of {steps}")
     step = steps[-1] if step is None else step
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)},

@@ -181,8 +181,17 @@ def corpus_builder(config):
         raise UserError(f"unknown data.split_by {split_by!r}", "config.data.split_by", "use 'blank_line' or 'file'")
 
     def make(split):
+        n = 0
         for t in sources.corpus_documents(by_split, named, split, split_by, holdout, wikitext=wiki):
+            n += 1
             yield {"text": t}
+        if n == 0:   # tfds would fail with a bare AssertionError ("No examples were yielded")
+            held = not named and split == "validation"
+            raise UserError(f"the {split} split of data.name={name} is empty (no non-blank text"
+                            + (f"; {split} gets document i when i % data.holdout == {holdout - 1})" if held else ")"),
+                            str(d.get("path", "")) or "config.data.path",
+                            "lower --config.data.holdout or set it to 0" if held else
+                            "put text in the files (blank lines separate documents) or fix data.path")
 
     return local_builder(config, name, spec, splits, _doc_features(), make)
 
