@@ -138,3 +138,17 @@ def test_sigterm_checkpoints_current_step_and_exits_zero(cache_dir, tmp_path):
     steps = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
     assert steps and steps[-1] >= sent_at and steps[-1] <= len(losses(workdir)) + 1
     assert "preemption: saved step" in out
+
+
+def test_swapped_tokenizer_is_refused(cache_dir, tmp_path):
+    config = tiny_config("pe=nopos,objective=clm", cache_dir, steps=2)
+    train.pretrain(config, str(tmp_path), devices=jax.devices()[:1])
+    vocab = tmp_path / "tokenizer" / "vocab.txt"
+    lines = vocab.read_text(encoding="utf-8").splitlines()
+    lines[10], lines[11] = lines[11], lines[10]          # same size, other ids
+    vocab.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(train.UserError, match=r"tokenizer at .*vocab\.txt.*not the one the checkpoint"):
+        train.load_run(str(tmp_path))
+    config = tiny_config("pe=nopos,objective=clm", cache_dir, steps=4)
+    with pytest.raises(train.UserError, match="not the one the checkpoint"):
+        train.pretrain(config, str(tmp_path), devices=jax.devices()[:1])

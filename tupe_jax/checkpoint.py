@@ -61,11 +61,21 @@ def param_shapes(params: Any) -> dict[str, list[int]]:
     return {jax.tree_util.keystr(p): [int(d) for d in np.shape(x)] for p, x in leaves}
 
 
-def make_meta(config: Any, params: Any) -> dict[str, Any]:
+def make_meta(config: Any, params: Any, tokenizer_fingerprint: str = "") -> dict[str, Any]:
     """The `meta` item: what a later fine-tune or evaluation needs to refuse an incompatible checkpoint."""
     from tupe_jax.config import config_hash  # pylint: disable=import-outside-toplevel
     return {"config_hash": config_hash(config), "pe": str(config.model.pe),
-            "objective": str(config.model.objective), "param_shapes": param_shapes(params)}
+            "objective": str(config.model.objective), "param_shapes": param_shapes(params),
+            "tokenizer": tokenizer_fingerprint}
+
+
+def check_tokenizer(meta: Mapping[str, Any], fingerprint: str, vocab_path: str) -> None:
+    """Raise UserError if the checkpoint was trained with another vocabulary than the one at `vocab_path`."""
+    saved = meta.get("tokenizer") or ""
+    if saved and fingerprint and saved != fingerprint:
+        raise UserError(f"the tokenizer at {vocab_path} (fingerprint {fingerprint}) is not the one the checkpoint "
+                        f"was trained with (fingerprint {saved})", vocab_path,
+                        "restore the run's original vocab.txt or start a fresh workdir")
 
 
 def check_compatible(meta: Mapping[str, Any], pe: str, shapes: Mapping[str, list[int]] | None = None,

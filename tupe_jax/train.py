@@ -176,10 +176,12 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Option
         state = jax.jit(lambda r: nn.meta.unbox(init_fn(r)), out_shardings=shardings)(rng)
     else:
         state, data_state = restored
+        ckpt_lib.check_tokenizer(checkpointer.restore_meta(int(state["step"])), tokenizer.fingerprint,
+                                 os.path.join(workdir, "tokenizer", "vocab.txt"))
         train_iter.set_state(data_state)
         print(f"resumed from step {int(state['step'])} of {workdir}", flush=True)
     start_step = int(state["step"])
-    meta = ckpt_lib.make_meta(config, state["params"])
+    meta = ckpt_lib.make_meta(config, state["params"], tokenizer.fingerprint)
 
     # --------------------------------------------------------------------------------------- compile
     batch_sh = sharding_lib.batch_sharding(mesh)
@@ -305,12 +307,15 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
     cfg, model = build_model(config)
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     steps = checkpointer.all_steps() if os.path.isdir(checkpointer.directory) else []
-    checkpointer.close()
     if not steps:
+        checkpointer.close()
         raise UserError(f"no checkpoint in {workdir}/checkpoints", "--workdir", "pretrain this workdir first")
     if step is not None and step not in steps:
+        checkpointer.close()
         raise UserError(f"no checkpoint at step {step} in {workdir}/checkpoints", "--step", f"use one of {steps}")
     step = steps[-1] if step is None else step
+    meta = checkpointer.restore_meta(step)
+    checkpointer.close()
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0)},
                                                  jnp.zeros((1, 8), jnp.int32))["params"])
@@ -318,6 +323,7 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
                                       nn.meta.unbox(abstract))
     params = ckpt_lib.restore_params(workdir, step, abstract)
     tokenizer = data_lib.get_tokenizer(config, workdir)
+    ckpt_lib.check_tokenizer(meta, tokenizer.fingerprint, os.path.join(workdir, "tokenizer", "vocab.txt"))
     return LoadedRun(config, cfg, params, tokenizer, step)
 
 
