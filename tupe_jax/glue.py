@@ -99,7 +99,7 @@ def _host(x: jax.Array) -> np.ndarray:
 class Runner:
     """Everything one fine-tuning run needs: tokenizer, mesh, model, jitted steps, and split evaluation."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices: list | None = None):
         self.config, self.workdir, self.task = config, workdir, str(config.task)
         self.source = ft.open_init_source(config) if config.init_from else None
         if self.source is not None:
@@ -109,7 +109,7 @@ class Runner:
         require(self.tokenizer.vocab_size <= int(config.model.vocab_size),
                 f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
                 f"{config.model.vocab_size}", "--config.model.vocab_size", "use the pretraining run's vocab_size")
-        self.mesh = sh.make_mesh(config)
+        self.mesh = sh.make_mesh(config, devices)
         self.model = SequenceClassifier(ModelConfig.from_config(config.model), data_lib.num_labels(self.task))
         t = config.train
         self.batch_size, self.seed = int(t.batch_size), int(t.seed)
@@ -237,11 +237,15 @@ def _write_json(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Fine-tune `config.task` in `workdir` (resuming from its latest checkpoint); returns results.json's dict."""
-    ft.validate_glue(config, jax.device_count())
+def finetune(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict[str, Any]:
+    """Fine-tune `config.task` in `workdir` (resuming from its latest checkpoint); returns results.json's dict.
+
+    `devices`: the devices of the mesh (default: all; the launcher always uses all).
+    """
+    devices = list(devices) if devices is not None else jax.devices()
+    ft.validate_glue(config, len(devices))
     os.makedirs(workdir, exist_ok=True)
-    runner = Runner(config, workdir)
+    runner = Runner(config, workdir, devices)
     task, total, spe = runner.task, runner.total_steps, runner.steps_per_epoch
     key = gm.headline_key(task)
     t = config.train
