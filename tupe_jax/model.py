@@ -44,8 +44,8 @@ class ModelConfig:
     rel_num_buckets: int = 32
     rel_max_distance: int = 128
     layer_norm_eps: float = 1e-5
-    attention_backend: str = "einsum"
-    tupe_form: str = "bias"
+    attention_backend: str = "einsum"   # einsum | xla | cudnn (see attention.py)
+    tupe_form: str = "bias"             # TUPE position term as a logit bias or as concatenated heads (tupe.py)
 
     @classmethod
     def from_config(cls, model_config: Any) -> "ModelConfig":
@@ -71,7 +71,8 @@ class ModelConfig:
             hidden_size=self.hidden_size, num_heads=self.num_heads, max_len=self.max_len, causal=self.causal,
             untie_cls=self.untie_cls and not self.causal, rope_base=self.rope_base, rope_style=self.rope_style,
             rope_fraction=self.rope_fraction, rel_num_buckets=self.rel_num_buckets,
-            rel_max_distance=self.rel_max_distance, layer_norm_eps=self.layer_norm_eps, dtype=self.compute_dtype)
+            rel_max_distance=self.rel_max_distance, layer_norm_eps=self.layer_norm_eps, tupe_form=self.tupe_form,
+            dtype=self.compute_dtype)
 
 
 def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:

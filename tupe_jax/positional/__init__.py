@@ -54,8 +54,8 @@ def make_positional(name: str, settings: PositionalSettings, module_name: str = 
         "t5": lambda: RelativeBias(settings, name=module_name),
         "bert_r": lambda: BertR(settings, name=module_name),
         "nopos": lambda: NoPos(settings, name=module_name),
-        "tupe_a": lambda: UntiedPositional(settings, relative=False, name=module_name),
-        "tupe_r": lambda: UntiedPositional(settings, relative=True, name=module_name),
+        "tupe_a": lambda: UntiedPositional(settings, relative=False, form=settings.tupe_form, name=module_name),
+        "tupe_r": lambda: UntiedPositional(settings, relative=True, form=settings.tupe_form, name=module_name),
         "bert_ad": lambda: DisentangledAbsolute(settings, name=module_name),
     }
     return builders[name]()

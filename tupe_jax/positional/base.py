@@ -41,6 +41,7 @@ class PositionalSettings:
     rel_num_buckets: int = 32
     rel_max_distance: int = 128
     layer_norm_eps: float = 1e-5
+    tupe_form: str = "bias"          # TUPE only: position term as a logit 'bias' or as 'concat'enated heads
     dtype: jnp.dtype = jnp.float32   # compute dtype; biases, angles and slopes stay float32
 
     @property

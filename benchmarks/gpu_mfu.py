@@ -1,0 +1,161 @@
+"""BERT-base MLM training-step MFU on one GPU (seq 512, bfloat16): bert_a and tupe_a, bias vs concat form,
+XLA vs cuDNN attention. Prepared to finish in under 5 minutes on an H100/H200; not a test.
+
+    pip install -e ".[bench]" "jax[cuda12]"     # on the GPU machine
+    python benchmarks/gpu_mfu.py [--batch 32] [--steps 20] [--budget_s 270] [--json gpu_mfu.json]
+    python benchmarks/gpu_mfu.py --smoke         # 2-layer d128 seq 128 on any backend (checks the script itself)
+
+Per configuration: `configs/pretrain.py:pe=<scheme>,size=base` (12 layers, d 768, 12 heads, MLP 3072, vocab 30522),
+max_len 512, dtype bfloat16 (params float32), attention-probability dropout 0 (the fused kernels have no dropout;
+hidden dropout stays 0.1), no padding (input_mask None, so no mask reaches the kernel), MLM head on the P = 77
+masked positions. The full jitted train step (forward + backward + clip + AdamW, donated state, batches already
+on the device) is timed over `--steps` steps after `--warmup` steps; step time = median, each step synced.
+Model FLOPs from `tupe_jax.metrics.transformer_training_flops`; MFU against (a) the device's dense bf16 peak from
+`tupe_jax.metrics.PEAK_TFLOPS` and (b) a bf16 8192³ matmul measured in the same run. A configuration that fails
+(e.g. cuDNN refusing a shape) is reported with its error; configurations are skipped once `--budget_s` is spent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+# (scheme, tupe_form, attention_backend); cheapest-to-skip last
+CONFIGS = [("bert_a", "bias", "cudnn"), ("tupe_a", "bias", "cudnn"), ("tupe_a", "concat", "cudnn"),
+           ("bert_a", "bias", "xla"), ("tupe_a", "bias", "xla"), ("tupe_a", "concat", "xla")]
+
+
+def measured_matmul_peak(dtype_name: str, n: int) -> float:
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    dtype = jnp.bfloat16 if dtype_name == "bfloat16" else jnp.float32
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        mm(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def run_config(args, scheme: str, form: str, backend: str) -> dict:
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax.metrics import transformer_training_flops  # pylint: disable=import-outside-toplevel
+    from tupe_jax.optim import make_optimizer  # pylint: disable=import-outside-toplevel
+    from tupe_jax.train import build_model, init_state_fn, make_train_step  # pylint: disable=import-outside-toplevel
+
+    config = get_config(f"pe={scheme},size={'tiny' if args.smoke else 'base'}")
+    with config.unlocked():
+        m = config.model
+        m.max_len, m.dtype = args.seq, args.dtype
+        m.attention_dropout_rate = 0.0
+        m.tupe_form, m.attention_backend = form, backend
+        config.train.batch_size, config.train.steps, config.train.warmup_steps = args.batch, 10_000, 100
+    cfg, model = build_model(config)
+    tx, schedule = make_optimizer(config.train)
+    state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, config)(r)))(jax.random.PRNGKey(0))
+    step_fn = jax.jit(make_train_step(model, tx, schedule, 1), donate_argnums=0)
+    predictions = -(-15 * args.seq // 100)
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(2):
+        inputs = rng.integers(5, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32)
+        positions = np.sort(np.stack([rng.choice(np.arange(1, args.seq), predictions, replace=False)
+                                      for _ in range(args.batch)]), axis=1).astype(np.int32)
+        batches.append(jax.device_put({
+            "inputs": inputs, "input_mask": None, "mlm_positions": positions,
+            "mlm_labels": np.take_along_axis(inputs, positions, 1),
+            "mlm_weights": np.ones(positions.shape, np.float32)}))
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        state, metrics = step_fn(state, batches[i % 2])
+    loss0 = float(metrics["loss"])
+    compile_and_warmup = time.perf_counter() - t0
+    times = []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        state, metrics = step_fn(state, batches[i % 2])
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    flops = transformer_training_flops(cfg.num_layers, cfg.hidden_size, cfg.mlp_dim, cfg.vocab_size, args.seq,
+                                       args.batch, causal=False, mlm_predictions=predictions)
+    return {"scheme": scheme, "form": form, "backend": backend, "step_ms": 1e3 * step_s,
+            "min_step_ms": 1e3 * min(times), "tokens_per_s": args.batch * args.seq / step_s,
+            "model_tflops_per_s": flops / step_s / 1e12, "model_tflop_per_step": flops / 1e12,
+            "loss_after_warmup": loss0, "final_loss": float(metrics["loss"]),
+            "compile_and_warmup_s": compile_and_warmup}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--budget_s", type=float, default=270.0, help="stop starting new configurations after this")
+    ap.add_argument("--configs", default="", help="subset, e.g. 'bert_a:bias:cudnn,tupe_a:concat:cudnn'")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, seq 128, batch 4, float32, 2 steps")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    if args.smoke:
+        args.seq, args.batch, args.steps, args.warmup, args.dtype = 128, 4, 2, 1, "float32"
+    start = time.perf_counter()
+
+    import jax  # pylint: disable=import-outside-toplevel
+    from tupe_jax.metrics import peak_tflops  # pylint: disable=import-outside-toplevel
+    device = jax.devices()[0]
+    table_peak = peak_tflops(0.0, device.device_kind)
+    measured = measured_matmul_peak(args.dtype, 2048 if args.smoke else 8192)
+    configs = CONFIGS if not args.configs else [tuple(c.split(":")) for c in args.configs.split(",")]
+    rows = []
+    for scheme, form, backend in configs:
+        if time.perf_counter() - start > args.budget_s:
+            rows.append({"scheme": scheme, "form": form, "backend": backend, "error": "skipped: time budget spent"})
+            continue
+        try:
+            row = run_config(args, scheme, form, backend)
+        except Exception as e:  # pylint: disable=broad-except
+            row = {"scheme": scheme, "form": form, "backend": backend,
+                   "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                   "traceback": traceback.format_exc()[-2000:]}
+        rows.append(row)
+        print("#", json.dumps({k: v for k, v in row.items() if k != "traceback"}), file=sys.stderr, flush=True)
+
+    print(f"\ndevice: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}; BERT-base "
+          f"{'(smoke: tiny) ' if args.smoke else ''}seq {args.seq}, batch {args.batch}, {args.dtype}; "
+          f"median of {args.steps} steps after {args.warmup}; peak: table {table_peak:.0f} TFLOP/s, measured "
+          f"{args.dtype} matmul {measured / 1e12:.1f} TFLOP/s; total {time.perf_counter() - start:.0f} s\n")
+    print("| scheme | form | attention | step ms | tokens/s | model TFLOP/s | MFU (table peak) | MFU (measured) |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['error']} | | | | |")
+            continue
+        mfu_table = f"{100 * r['model_tflops_per_s'] / table_peak:.1f}%" if table_peak else "n/a"
+        print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['model_tflops_per_s']:.1f} | {mfu_table} | "
+              f"{100 * r['model_tflops_per_s'] * 1e12 / measured:.1f}% |")
+    out = args.json or os.path.join(os.environ.get("OUT", HERE), "gpu_mfu.json")
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump({"device": device.device_kind, "args": vars(args), "table_peak_tflops": table_peak,
+                   "measured_peak_flops": measured, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Performance formulations that must not change the maths (issue #7).
+
+1. TUPE's concat form (`model.tupe_form='concat'`: concatenated heads [xW ; pU (; θ2 dim)], no bias for the
+   absolute part) gives the same attention probabilities, outputs and gradients as the bias form, and both equal
+   an independent NumPy "standard attention over concatenated heads" reference at scale 1/√(2·d_h).
+2. The MLM head on the masked positions only (the gather form used by `train.batch_loss`) gives the same loss
+   and gradients as the dense head over every position with dense label/weight grids.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from tupe_jax.model import ModelConfig, TransformerLM, init_params
+from tupe_jax.train import batch_loss
+
+TINY = dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, mlp_dim=64, max_len=16,
+            dropout_rate=0.0, attention_dropout_rate=0.0)
+CASES = [("tupe_a", "mlm", True), ("tupe_a", "mlm", False), ("tupe_a", "clm", False), ("tupe_r", "mlm", True)]
+
+
+def config(pe, objective="mlm", untie_cls=True, **kw):
+    return ModelConfig(pe=pe, objective=objective, untie_cls=untie_cls, **{**TINY, **kw})
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_hidden", "return_attention"))
+def run(cfg, params, toks, mask=None, **kw):
+    return TransformerLM(cfg).apply({"params": params}, toks, input_mask=mask, **kw)
+
+
+def inputs(length=12, seed=0):
+    toks = jax.random.randint(jax.random.key(seed), (2, length), 5, TINY["vocab_size"])
+    mask = jnp.ones_like(toks).at[1, length - 3:].set(0)
+    return toks, mask
+
+
+def layer_norm(x, scale, bias, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * scale + bias
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+# ------------------------------------------------------------------------------------------ concat == bias
+@pytest.mark.parametrize("pe,objective,untie_cls", CASES)
+def test_concat_form_equals_bias_form(pe, objective, untie_cls):
+    """Same params (the forms share parameter names), same probs / logits / hidden states to 1e-5."""
+    bias_cfg = config(pe, objective, untie_cls, num_layers=2)  # the shared terms reach every layer
+    concat_cfg = dataclasses.replace(bias_cfg, tupe_form="concat")
+    params = init_params(bias_cfg, jax.random.key(1))
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(
+        init_params(concat_cfg, jax.random.key(1)))
+    toks, mask = inputs()
+    a = run(bias_cfg, params, toks, mask, return_attention=True, return_hidden=True)
+    b = run(concat_cfg, params, toks, mask, return_attention=True, return_hidden=True)
+    for pa, pb in zip(a["attentions"], b["attentions"]):
+        np.testing.assert_allclose(np.asarray(pb), np.asarray(pa), atol=1e-5)
+    for ha, hb in zip(a["hidden_states"], b["hidden_states"]):
+        np.testing.assert_allclose(np.asarray(hb), np.asarray(ha), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(b["logits"]), np.asarray(a["logits"]), atol=1e-5)
+    # the fused path (jax.nn.dot_product_attention, v zero-padded to the widened head dim) agrees too
+    fused = run(dataclasses.replace(concat_cfg, attention_backend="xla"), params, toks, mask)
+    np.testing.assert_allclose(np.asarray(fused["logits"]), np.asarray(a["logits"]), atol=1e-5)
+
+
+@pytest.mark.parametrize("pe", ["tupe_a", "tupe_r"])
+def test_concat_form_has_the_same_gradients(pe):
+    bias_cfg = config(pe)
+    concat_cfg = dataclasses.replace(bias_cfg, tupe_form="concat", attention_backend="xla")
+    params = init_params(bias_cfg, jax.random.key(2))
+    toks, mask = inputs(seed=3)
+
+    def grads(cfg):
+        def loss(p):
+            logits = TransformerLM(cfg).apply({"params": p}, toks, input_mask=mask)["logits"]
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 7])
+        return jax.jit(jax.grad(loss))(params)
+
+    ga, gb = grads(bias_cfg), grads(concat_cfg)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree_util.tree_leaves(gb)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-6, rtol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))
+    table = np.asarray(gb["encoder"]["positional"]["proj"]["pos_table"])
+    assert np.all(table[0] == 0.0)  # θ1 drops out: exactly zero gradient in the concat form as well
+
+
+@pytest.mark.parametrize("untie_cls", [True, False])
+def test_tupe_a_is_standard_attention_over_concatenated_heads(untie_cls):
+    """Independent NumPy reference: q' = [xW^Q ; pU^Q (; 1)], k' = [xW^K ; pU^K (; θ2·√(2d_h))] for i, j ≥ 1,
+    position parts of [CLS] zeroed, standard softmax(q'k'ᵀ/√(2d_h)) — against the BIAS form's layer-0 probs."""
+    cfg = config("tupe_a", untie_cls=untie_cls)
+    params = init_params(cfg, jax.random.key(4))
+    toks, mask = inputs(length=10, seed=5)
+    out = run(cfg, params, toks, mask, return_attention=True, return_hidden=True)
+    f64 = lambda v: np.asarray(v, np.float64)  # noqa: E731
+    h0 = f64(out["hidden_states"][0])
+    qkv = params["encoder"]["blocks_0"]["attention"]["qkv"]
+    proj = np.einsum("bld,dthk->btlhk", h0, f64(qkv["kernel"])) + f64(qkv["bias"])[None, :, None]
+    q, k = proj[:, 0], proj[:, 1]                                         # (B, L, H, d_h)
+    pos = params["encoder"]["positional"]["proj"]
+    length, heads, d_h = 10, cfg.num_heads, cfg.head_dim
+    rows = layer_norm(f64(pos["pos_table"])[: length + int(untie_cls)], f64(pos["pos_ln"]["scale"]),
+                      f64(pos["pos_ln"]["bias"]))
+    pq = np.einsum("ld,dhk->lhk", rows, f64(pos["pos_q"]["kernel"])) + f64(pos["pos_q"]["bias"])
+    pk = np.einsum("ld,dhk->lhk", rows, f64(pos["pos_k"]["kernel"])) + f64(pos["pos_k"]["bias"])
+    if untie_cls:
+        theta2 = np.sum(pq[1] * pk[1], -1)                                # (H,), unscaled
+        pq, pk = pq[1:].copy(), pk[1:].copy()
+        pq[0] = pk[0] = 0.0
+        extra_q = np.ones((length, heads, 1))
+        extra_q[0] = 0.0
+        extra_k = np.zeros((length, heads, 1))
+        extra_k[0, :, 0] = theta2
+        pq, pk = np.concatenate([pq, extra_q], -1), np.concatenate([pk, extra_k], -1)
+        assert pq.shape[-1] == d_h + 1                                    # one extra dimension carries θ2
+    q2 = np.concatenate([q, np.broadcast_to(pq, q.shape[:2] + pq.shape[1:])], -1)
+    k2 = np.concatenate([k, np.broadcast_to(pk, k.shape[:2] + pk.shape[1:])], -1)
+    logits = np.einsum("bqhd,bkhd->bhqk", q2, k2) / np.sqrt(2 * d_h)
+    logits = np.where(np.asarray(mask, bool)[:, None, None, :], logits, -1e30)
+    np.testing.assert_allclose(np.asarray(out["attentions"][0]), softmax(logits), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ gather head == dense head
+def mlm_batch(length=12, predictions=4, seed=0):
+    rng = np.random.default_rng(seed)
+    toks, mask = (np.asarray(a) for a in inputs(length, seed))
+    positions = np.zeros((2, predictions), np.int32)
+    weights = np.zeros((2, predictions), np.float32)
+    for b, real in enumerate(mask.sum(1)):
+        picked = rng.choice(np.arange(1, real), size=predictions - b, replace=False)  # row 1 has one empty slot
+        positions[b, : len(picked)] = picked
+        weights[b, : len(picked)] = 1.0
+    labels = rng.integers(5, TINY["vocab_size"], (2, predictions)).astype(np.int32) * (weights > 0)
+    return {"inputs": toks, "input_mask": mask, "mlm_positions": positions, "mlm_labels": labels,
+            "mlm_weights": weights}
+
+
+def dense_reference_loss(model, params, batch, rng, deterministic):
+    """Σ weighted NLL with the head on EVERY position and (B, L) label / weight grids."""
+    logits = model.apply({"params": params}, batch["inputs"], input_mask=batch["input_mask"],
+                         deterministic=deterministic, rngs={"dropout": rng})["logits"]       # (B, L, V)
+    rows = np.arange(batch["inputs"].shape[0])[:, None]
+    labels = jnp.zeros(batch["inputs"].shape, jnp.int32).at[rows, batch["mlm_positions"]].add(
+        batch["mlm_labels"] * (batch["mlm_weights"] > 0))
+    weights = jnp.zeros(batch["inputs"].shape, jnp.float32).at[rows, batch["mlm_positions"]].add(
+        batch["mlm_weights"])
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights)
+
+
+@pytest.mark.parametrize("pe,deterministic", [("bert_a", True), ("tupe_r", False)])
+def test_gather_head_matches_dense_head_loss_and_gradients(pe, deterministic):
+    cfg = config(pe, dropout_rate=0.1, attention_dropout_rate=0.1)
+    model = TransformerLM(cfg)
+    params = init_params(cfg, jax.random.key(6))
+    batch = {k: jnp.asarray(v) for k, v in mlm_batch().items()}
+    rng = jax.random.key(7)
+    gather_fn = jax.jit(jax.value_and_grad(lambda p: batch_loss(model, p, batch, rng, deterministic)[0]))
+    dense_fn = jax.jit(jax.value_and_grad(lambda p: dense_reference_loss(model, p, batch, rng, deterministic)))
+    (lg, gg), (ld, gd) = gather_fn(params), dense_fn(params)
+    np.testing.assert_allclose(float(lg), float(ld), rtol=1e-6)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(gd), jax.tree_util.tree_leaves(gg)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-6, rtol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))
