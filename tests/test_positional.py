@@ -95,6 +95,14 @@ def test_sinusoid_matches_vaswani():
             assert row[2 * i + 1] == pytest.approx(math.cos(angle), abs=1e-5)
 
 
+def test_sinusoidal_input_matches_token_embedding_scale():
+    from tupe_jax.positional import Sinusoidal
+    terms = Sinusoidal(PositionalSettings(hidden_size=64, num_heads=4, max_len=8)).apply({}, 500)
+    vec = np.asarray(terms.input_vector)
+    np.testing.assert_allclose(vec, 0.02 * math.sqrt(2) * np.asarray(sinusoid_table(jnp.arange(500), 64)), atol=1e-7)
+    assert np.sqrt(np.mean(vec ** 2)) == pytest.approx(0.02, rel=0.02)
+
+
 # ----------------------------------------------------------------------------------------------- RoPE
 def reference_rope(x, positions, base, style, rot):
     """Block-diagonal 2x2 rotations of RoFormer eq. (13), plane i at angle m * base^(-2i/rot)."""

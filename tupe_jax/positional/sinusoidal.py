@@ -6,8 +6,15 @@
 Ordering: INTERLEAVED as in the paper (even features sin, odd features cos), not the [sin | cos] concatenation
 of tensor2tensor/fairseq; the two differ by a fixed permutation of features. Computed in float32 for any
 length, then cast to the compute dtype. No parameters; any length is accepted.
+
+Scale: what is added is `AMPLITUDE · PE` with AMPLITUDE = 0.02·√2, so its per-feature RMS (PE's is 1/√2) equals
+the std of our N(0, 0.02) token embeddings. Vaswani et al. keep the two at a similar scale by multiplying
+N(0, d^-1/2) embeddings by √d; added raw to BERT-initialised embeddings, PE would be ~35× larger than the token
+signal and the model would see mostly positions (a tiny causal LM then stalls near the unigram loss).
 """
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -25,10 +32,13 @@ def sinusoid_table(positions: jnp.ndarray, dim: int) -> jnp.ndarray:
     return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(positions.shape[0], dim)
 
 
+AMPLITUDE = 0.02 * math.sqrt(2.0)  # RMS of AMPLITUDE·PE = 0.02 = the token-embedding init std
+
+
 class Sinusoidal(nn.Module):
     settings: PositionalSettings
 
     def __call__(self, length: int, offset: int = 0) -> PositionalTerms:
         s = self.settings
-        table = sinusoid_table(jnp.arange(length) + offset, s.hidden_size)
+        table = AMPLITUDE * sinusoid_table(jnp.arange(length) + offset, s.hidden_size)
         return PositionalTerms(input_vector=table.astype(s.dtype), logit_scale=standard_scale(s))
