@@ -1,0 +1,110 @@
+"""Comparison suites (issue #6, item 5): configs, scheme parsing, GLUE task resolution, and a tiny suite end to end."""
+import json
+import os
+
+import pytest
+
+import launch
+from tupe_jax import compare
+from tupe_jax import config as config_lib
+from tupe_jax.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "compare.py")
+
+
+def load(arg, **overrides):
+    config = config_lib.load_config(f"{CONFIG}:{arg}")
+    return config_lib.apply_overrides(config, {k: str(v) for k, v in overrides.items()})
+
+
+@pytest.mark.parametrize("suite", ["extrapolation", "tupe", "probe"])
+def test_every_suite_config_validates(suite):
+    config = load(f"suite={suite}")
+    config_lib.validate(config, 8)           # what the launcher checks
+    compare.validate_compare(config, 8)      # and every scheme's own pretraining config
+    schemes = compare.parse_schemes(config)
+    assert len(schemes) >= 5
+    assert len({compare.scheme_config(config, s).model.pe for s in schemes}) >= 4
+
+
+def test_scheme_names_objectives_and_tied_cls():
+    config = load("suite=tupe", schemes="tupe_a,learned-clm,tupe_a-tiedcls,nopos-mlm")
+    schemes = compare.parse_schemes(config)
+    assert [s.name for s in schemes] == ["tupe_a-mlm", "bert_a-clm", "tupe_a-mlm-tiedcls", "nopos-mlm"]
+    subs = [compare.scheme_config(config, s).model for s in schemes]
+    assert [m.untie_cls for m in subs] == [True, False, False, True]
+    assert [m.objective for m in subs] == ["mlm", "clm", "mlm", "mlm"]
+    # everything but the scheme keys is shared
+    shared = {k: v for k, v in subs[0].items() if k not in ("pe", "objective", "untie_cls")}
+    assert all({k: v for k, v in m.items() if k in shared} == shared for m in subs)
+
+
+@pytest.mark.parametrize("schemes,needle", [("bert_a,nonsense", "nonsense"), ("bert_a-xyz", "-xyz"),
+                                            ("alibi-clm-tiedcls", "tiedcls"), ("rope,rope", "twice"), ("", "no")])
+def test_bad_schemes_are_one_line_errors(schemes, needle):
+    with pytest.raises(UserError, match=needle):
+        compare.parse_schemes(load("suite=extrapolation", schemes=schemes))
+
+
+def test_bad_suite_is_a_user_error():
+    with pytest.raises(UserError, match="suite"):
+        load("suite=nope")
+
+
+def test_glue_tasks_auto_finds_the_tsvs(tmp_path):
+    (tmp_path / "RTE").mkdir()
+    for split in ("train", "dev"):
+        (tmp_path / "RTE" / f"{split}.tsv").write_text("index\tsentence1\tsentence2\tlabel\n")
+    (tmp_path / "QNLI").mkdir()
+    (tmp_path / "QNLI" / "dev.tsv").write_text("")           # dev only: not usable
+    config = load("suite=tupe", **{"glue.tasks": "auto", "data.glue_dir": tmp_path})
+    assert compare.glue_tasks(config) == ["wordorder", "rte"]
+    assert compare.glue_tasks(load("suite=tupe", **{"glue.tasks": "auto"})) == ["wordorder"]
+    with pytest.raises(UserError, match="glue_dir"):      # before any training
+        compare.validate_compare(load("suite=tupe", **{"glue.tasks": "rte"}), 8)
+
+
+TINY = {"model.hidden_size": 32, "model.num_layers": 2, "model.num_heads": 2, "model.mlp_dim": 64,
+        "model.vocab_size": 512, "model.max_len": 32, "train.steps": 20, "train.batch_size": 8,
+        "train.warmup_steps": 4, "train.eval_every": 10, "train.eval_steps": 2, "train.log_every": 5,
+        "checkpoint.async_save": "false", "eval.lengths": "(16,32,64)", "eval.max_tokens": 2048}
+
+
+@pytest.mark.slow
+def test_tiny_extrapolation_suite_end_to_end_and_resume(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    workdir = tmp_path / "cmp"
+    argv = ["compare", f"--config={CONFIG}:suite=extrapolation", f"--workdir={workdir}",
+            "--config.schemes=alibi,bert_a", f"--config.data.cache_dir={cache}"]
+    argv += [f"--config.{k}={v}" for k, v in TINY.items()]
+    assert launch.main(argv) == 0
+    for name in ("REPORT.md", "report.json", "loss_curves.png", "extrapolation.png", "extrapolation.json",
+                 "config.json"):
+        assert (workdir / name).is_file(), name
+    report = json.loads((workdir / "report.json").read_text())
+    assert [s["name"] for s in report["schemes"]] == ["alibi-clm", "bert_a-clm"]
+    assert all(len(s["eval"]) == 2 and s["train"] for s in report["schemes"])
+    runs = {r["name"]: r for r in report["extrapolation"]["runs"]}
+    assert [x["defined"] for x in runs["alibi-clm"]["results"]] == [True, True, True]
+    assert [x["defined"] for x in runs["bert_a-clm"]["results"]] == [True, True, False]  # learned table: ≤ max_len
+    text = (workdir / "REPORT.md").read_text()
+    assert "## Extrapolation" in text and "## Checks" in text and "`alibi-clm`" in text
+
+    # a second run reuses the finished pretraining runs; a different train config is refused
+    capsys.readouterr()
+    assert launch.main(argv) == 0
+    assert capsys.readouterr().out.count("reusing it") == 2
+    assert launch.main(argv + ["--config.train.learning_rate=0.5"]) == 2
+    assert "other keys" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_tupe_suite_fine_tunes_and_tabulates(tmp_path):
+    workdir = tmp_path / "cmp"
+    config = load("suite=tupe", schemes="tupe_a", **TINY, **{"data.cache_dir": tmp_path / "cache",
+                                                              "glue.max_steps": 3, "glue.epochs": 1})
+    report = compare.run(config, str(workdir))
+    assert set(report["glue"]) == {"tupe_a-mlm"}
+    assert report["glue"]["tupe_a-mlm"]["wordorder"]["steps"] == 3
+    assert (workdir / "glue.png").is_file() and "## Fine-tuning" in (workdir / "REPORT.md").read_text()

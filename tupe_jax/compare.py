@@ -1,0 +1,343 @@
+"""Comparison suites (`python -m launch compare --config=configs/compare.py:suite=...`): several positional schemes
+trained with identical data, seed and compute, then the suite's analyses, then `REPORT.md` + PNGs + `report.json`.
+
+    run(config, workdir) -> dict          the whole suite (resumable: finished pretraining / fine-tuning runs are
+                                          reused, so rerunning the command only does what is missing)
+    parse_schemes(config) -> [Scheme]     `config.schemes` ("tupe_a-tiedcls,nopos-mlm,...") as Schemes
+    scheme_config(config, scheme)         the pretraining config of one scheme (configs/pretrain.py's layout)
+    glue_tasks(config) -> [str]           `config.glue.tasks` resolved ('auto': what data.glue_dir holds)
+
+Layout of a compare workdir:
+    DIR/config.json, DIR/REPORT.md, DIR/report.json, DIR/*.png, DIR/*.json (the analyses' own outputs)
+    <runs_dir or DIR>/<pe>-<objective>[-tiedcls]/    one `launch pretrain` workdir per scheme
+    DIR/glue/<scheme>/<task>/                         one `launch finetune` workdir per (scheme, task)
+Suites: see configs/compare.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from typing import Any, Optional
+
+import ml_collections
+
+from tupe_jax import config as config_lib
+from tupe_jax.errors import UserError, require
+
+GLUE_CANDIDATES = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte")   # 'auto' (WNLI excluded)
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUITES = ("extrapolation", "tupe", "probe")
+_SECTIONS = ("model", "data", "train", "mesh", "checkpoint", "metrics")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """One positional scheme of a suite: the `pe`, the objective and (TUPE) whether [CLS] is untied."""
+    pe: str
+    objective: str
+    tied_cls: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.pe}-{self.objective}" + ("-tiedcls" if self.tied_cls else "")
+
+    @property
+    def label(self) -> str:
+        """Short name for tables: 'tupe_a (tied [CLS])', 'nopos (MLM)'."""
+        extra = [e for e, on in (("tied [CLS]", self.tied_cls),) if on]
+        return self.pe + (f" ({', '.join(extra)})" if extra else "")
+
+
+def parse_schemes(config: ml_collections.ConfigDict) -> list[Scheme]:
+    """`config.schemes` → Schemes; raises UserError naming a bad entry."""
+    where = "--config.schemes"
+    default = str(config.objective)
+    config_lib._one_of(default, config_lib.OBJECTIVES, "objective")  # pylint: disable=protected-access
+    schemes: list[Scheme] = []
+    for item in (s.strip() for s in str(config.schemes).split(",")):
+        if not item:
+            continue
+        pe, *suffixes = item.split("-")
+        pe = config_lib.PE_ALIASES.get(pe, pe)
+        require(pe in config_lib.PE_SCHEMES, f"unknown positional scheme {pe!r} in schemes", where,
+                "use <pe>[-mlm|-clm][-tiedcls] with pe one of " + "|".join(config_lib.PE_SCHEMES))
+        objective, tied = default, False
+        for suffix in suffixes:
+            require(suffix in ("mlm", "clm", "tiedcls"), f"unknown scheme suffix -{suffix} in {item!r}", where,
+                    "use -mlm, -clm or -tiedcls")
+            if suffix == "tiedcls":
+                tied = True
+            else:
+                objective = suffix
+        require(not (tied and objective == "clm"), f"{item!r}: -tiedcls needs an MLM ([CLS]) model", where,
+                "drop -tiedcls or add -mlm")
+        scheme = Scheme(pe, objective, tied)
+        require(scheme not in schemes, f"scheme {item!r} is listed twice", where, "list each scheme once")
+        schemes.append(scheme)
+    require(bool(schemes), "no schemes given", where, "write e.g. --config.schemes=bert_a,alibi")
+    return schemes
+
+
+def scheme_config(config: ml_collections.ConfigDict, scheme: Scheme) -> ml_collections.ConfigDict:
+    """The pretraining config of `scheme`: the suite's shared sections, with pe / objective / untie_cls set."""
+    sub = ml_collections.ConfigDict({s: config[s].to_dict() for s in _SECTIONS if s in config})
+    sub.model.pe, sub.model.objective = scheme.pe, scheme.objective
+    sub.model.untie_cls = scheme.objective == "mlm" and not scheme.tied_cls
+    return config_lib.lock(sub)
+
+
+def runs_root(config: ml_collections.ConfigDict, workdir: str) -> str:
+    return str(config.runs_dir) or workdir
+
+
+def validate_compare(config: ml_collections.ConfigDict, num_devices: int) -> None:
+    """Everything checkable before compute: the shared sections, each scheme's config, the suite's keys."""
+    require(config.suite in SUITES, f"unknown suite {config.suite!r}", "--config.suite", "use one of " + "|".join(SUITES))
+    for scheme in parse_schemes(config):
+        config_lib.validate(scheme_config(config, scheme), num_devices)
+    require(len(config.eval.lengths) > 0 and min(config.eval.lengths) >= 2, f"eval.lengths = {config.eval.lengths} "
+            "needs lengths of at least 2", "--config.eval.lengths", "write e.g. '(128,256,512,1024)'")
+    for key in ("steps", "train_tokens", "eval_tokens"):
+        require(config.probe[key] > 0, f"probe.{key} must be positive", f"--config.probe.{key}", "give a positive value")
+    for key in ("epochs", "batch_size"):
+        require(config.glue[key] > 0, f"glue.{key} must be positive", f"--config.glue.{key}", "give a positive value")
+    require(config.glue.max_steps >= 0, "glue.max_steps must be >= 0", "--config.glue.max_steps", "0 = no cap")
+    if config.suite == "tupe":
+        glue_tasks(config)                        # unknown tasks / a missing glue_dir fail before any training
+
+
+# ================================================================================================ pretraining
+def _finished_step(path: str) -> Optional[int]:
+    from tupe_jax import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
+    if not os.path.isdir(os.path.join(path, "checkpoints")):
+        return None
+    checkpointer = ckpt_lib.Checkpointer(path, read_only=True, async_=False)
+    try:
+        steps = checkpointer.all_steps()
+    finally:
+        checkpointer.close()
+    return steps[-1] if steps else None
+
+
+def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
+    """Refuse to reuse a run trained with other model/data/train keys (not identical compute)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return
+    with open(file, encoding="utf-8") as f:
+        old = json.load(f)
+    ignore = ("train.log_every", "train.eval_every", "train.eval_steps")
+    diffs = [d for d in config_lib.config_differences(old, sub.to_dict(), ("model", "data", "train"))
+             if not d.startswith(ignore)]
+    require(not diffs, f"{path} was trained with other keys ({'; '.join(diffs[:3])})", "--config.runs_dir",
+            "use a fresh workdir/runs_dir, or the same config as that run")
+
+
+def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme]) -> list[dict]:
+    """Train every scheme (skipping finished runs); [{'scheme', 'path', 'seconds', 'reused'}]."""
+    from tupe_jax import train  # pylint: disable=import-outside-toplevel
+    root, total, out = runs_root(config, workdir), int(config.train.steps), []
+    for i, scheme in enumerate(schemes, 1):
+        path = os.path.abspath(os.path.join(root, scheme.name))   # Orbax wants absolute paths
+        sub = scheme_config(config, scheme)
+        _check_same_run(path, sub)
+        done = _finished_step(path)
+        head = f"[compare {config.suite}] [{i}/{len(schemes)}] {scheme.name}"
+        if done is not None and done >= total:
+            print(f"{head}: finished run at step {done} in {path}, reusing it", flush=True)
+            out.append({"scheme": scheme.name, "path": path, "seconds": None, "reused": True})
+            continue
+        print(f"{head}: pretraining {total} steps -> {path}", flush=True)
+        start = time.time()
+        final = train.pretrain(sub, path)
+        seconds = time.time() - start
+        if int(final.get("step", total)) < total:     # preempted (SIGTERM): stop here, the run resumes next time
+            raise UserError(f"pretraining {scheme.name} stopped at step {final.get('step')} of {total} (preempted)",
+                            path, "rerun the same command to continue; finished runs are reused")
+        print(f"{head}: done in {seconds / 60:.1f} min", flush=True)
+        out.append({"scheme": scheme.name, "path": path, "seconds": seconds, "reused": False})
+    return out
+
+
+def pretrain_summary(path: str) -> dict:
+    """From metrics.jsonl: train loss history, eval history, final values."""
+    from tupe_jax.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+    rows = read_metrics(path)
+    train_rows = [r for r in rows if "loss" in r and "split" not in r]
+    evals = [r for r in rows if "eval_loss" in r and "split" not in r]
+    by_step: dict[int, dict] = {}
+    for r in evals:                                   # a resumed run may log a step twice: keep the last
+        by_step[int(r["step"])] = r
+    evals = [by_step[s] for s in sorted(by_step)]
+    tps = [r["tokens_per_sec"] for r in train_rows if "tokens_per_sec" in r]
+    seconds, prev = 0.0, 0
+    for r in train_rows:                              # step_time_s: mean over the steps since the previous row
+        if "step_time_s" in r and int(r["step"]) > prev:
+            seconds += float(r["step_time_s"]) * (int(r["step"]) - prev)
+            prev = int(r["step"])
+    return {"train": [{"step": int(r["step"]), "loss": float(r["loss"])} for r in train_rows],
+            "eval": [{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")} for r in evals],
+            "final_eval": evals[-1] if evals else {},
+            "median_tokens_per_sec": sorted(tps)[len(tps) // 2] if tps else None,
+            "train_seconds": seconds}
+
+
+# ================================================================================================ GLUE
+def glue_tasks(config: ml_collections.ConfigDict) -> list[str]:
+    """`glue.tasks` as a list; 'auto' = wordorder + each GLUE task with train and dev TSVs in data.glue_dir."""
+    from tupe_jax.data import GLUE_TASKS  # pylint: disable=import-outside-toplevel
+    raw = str(config.glue.tasks).strip()
+    if raw == "auto":
+        tasks = ["wordorder"]
+        if config.data.glue_dir:
+            from tupe_jax.data.glue_tsv import available_splits  # pylint: disable=import-outside-toplevel
+            tasks += [t for t in GLUE_CANDIDATES
+                      if {"train", "validation"} <= set(available_splits(config.data.glue_dir, t))
+                      or {"train", "validation_matched"} <= set(available_splits(config.data.glue_dir, t))]
+        return tasks
+    tasks = [t.strip() for t in raw.split(",") if t.strip()]
+    for task in tasks:
+        require(task in GLUE_TASKS, f"unknown GLUE task {task!r} in glue.tasks", "--config.glue.tasks",
+                "use 'auto' or a comma-separated list of " + "|".join(GLUE_TASKS))
+        require(task == "wordorder" or bool(config.data.glue_dir), f"glue task {task!r} needs data.glue_dir",
+                "--config.data.glue_dir", "point it at the GLUE TSVs, or use --config.glue.tasks=wordorder")
+    return tasks
+
+
+def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, pretrain_path: str, task: str
+                ) -> ml_collections.ConfigDict:
+    """configs/glue.py's config for (scheme, task): the scheme's model/data, the suite's glue.* settings."""
+    from tupe_jax import data as data_lib  # pylint: disable=import-outside-toplevel
+    path = os.path.join(_REPO, "configs", "glue.py")
+    require(os.path.isfile(path), f"{path} is missing", "configs/", "run from a checkout of tupe-jax")
+    g = config_lib.load_config(f"{path}:task={task},pe={scheme.pe},objective={scheme.objective}")
+    sub = scheme_config(config, scheme)
+    with g.unlocked():
+        g.model = ml_collections.ConfigDict(sub.model.to_dict())
+        g.data = ml_collections.ConfigDict(sub.data.to_dict())
+        g.mesh = ml_collections.ConfigDict(sub.mesh.to_dict())
+    g.init_from = pretrain_path
+    gl = config.glue
+    g.train.batch_size, g.train.learning_rate, g.train.seed = int(gl.batch_size), float(gl.learning_rate), int(gl.seed)
+    g.train.epochs, g.train.predict_test, g.train.log_every = int(gl.epochs), False, 50
+    g.checkpoint.every = 100_000
+    n_train = len(data_lib.glue_examples(g, task, "train"))
+    steps = int(gl.epochs) * max(n_train // int(gl.batch_size), 1)
+    g.train.steps = min(steps, int(gl.max_steps)) if int(gl.max_steps) > 0 else steps
+    return config_lib.lock(g)
+
+
+def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:
+    """Refuse to reuse a fine-tuning run made with other keys (e.g. another glue.max_steps or learning rate)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return
+    with open(file, encoding="utf-8") as f:
+        old = json.load(f)
+    ignore = ("train.log_every",)
+    diffs = [d for d in config_lib.config_differences(old, g.to_dict(), ("model", "data", "train", "init_from"))
+             if not d.startswith(ignore)]
+    require(not diffs, f"{path} was fine-tuned with other keys ({'; '.join(diffs[:3])})", "--workdir",
+            "use a fresh compare workdir for other glue.* settings")
+
+
+def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
+                 runs: list[dict]) -> dict:
+    """Fine-tune every (scheme, task) not done yet; {scheme: {task: results.json dict}}."""
+    from tupe_jax import glue  # pylint: disable=import-outside-toplevel
+    tasks = glue_tasks(config)
+    results: dict[str, dict] = {}
+    for scheme, info in zip(schemes, runs):
+        if scheme.objective != "mlm":
+            continue
+        results[scheme.name] = {}
+        for task in tasks:
+            path = os.path.join(workdir, "glue", scheme.name, task)
+            done = os.path.join(path, "results.json")
+            g = glue_config(config, scheme, info["path"], task)
+            _check_same_finetune(path, g)
+            if not os.path.isfile(done):
+                print(f"[compare {config.suite}] fine-tuning {scheme.name} on {task}: {int(g.train.steps)} steps "
+                      f"-> {path}", flush=True)
+                start = time.time()
+                config_lib.write_workdir_config(path, g)
+                out = glue.finetune(g, path)
+                if out.get("preempted"):
+                    raise UserError("fine-tuning was preempted", path, "rerun the same command to continue")
+                out["seconds"] = time.time() - start
+                with open(done, "w", encoding="utf-8") as f:   # record the time too
+                    json.dump(out, f, indent=2, sort_keys=True, default=float)
+            with open(done, encoding="utf-8") as f:
+                results[scheme.name][task] = json.load(f)
+    return results
+
+
+# ================================================================================================ the suite
+def _command() -> str:
+    """The command line that started this process (as `python -m launch ...` when it was the launcher)."""
+    argv = list(sys.argv)
+    if argv and argv[0].replace(os.sep, "/").endswith("launch/__main__.py"):
+        argv = ["python", "-m", "launch"] + argv[1:]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Train the suite's schemes, run its analyses, write REPORT.md, report.json and PNGs into `workdir`."""
+    import jax  # pylint: disable=import-outside-toplevel
+    from tupe_jax import compare_report  # pylint: disable=import-outside-toplevel
+    from tupe_jax.analysis import extrapolate, probe  # pylint: disable=import-outside-toplevel
+
+    validate_compare(config, jax.device_count())
+    schemes = parse_schemes(config)
+    suite = str(config.suite)
+    os.makedirs(workdir, exist_ok=True)
+    timings: dict[str, float] = {}
+    print(f"[compare {suite}] {len(schemes)} schemes: {', '.join(s.name for s in schemes)}; "
+          f"{config.train.steps} steps x batch {config.train.batch_size} x {config.model.max_len} tokens each, "
+          f"seed {config.train.seed}, data {config.data.name}", flush=True)
+
+    start = time.time()
+    runs = pretrain_all(config, workdir, schemes)
+    timings["pretrain_s"] = time.time() - start
+    report: dict[str, Any] = {
+        "suite": suite, "command": _command(), "config": json.loads(config_lib.to_json(config)), "schemes": [],
+        "timings": timings}
+    for scheme, info in zip(schemes, runs):
+        report["schemes"].append({**dataclasses.asdict(scheme), "name": scheme.name, "label": scheme.label,
+                                  **info, **pretrain_summary(info["path"])})
+
+    paths = [r["path"] for r in runs]
+    if suite == "extrapolation":
+        start = time.time()
+        causal = [p for s, p in zip(schemes, paths) if s.objective == "clm"]
+        print(f"[compare {suite}] extrapolation: {len(causal)} runs at lengths {tuple(config.eval.lengths)}",
+              flush=True)
+        report["extrapolation"] = extrapolate.run(causal, [int(x) for x in config.eval.lengths],
+                                                  mode=str(config.eval.mode), out=workdir,
+                                                  max_tokens=int(config.eval.max_tokens) or None)
+        timings["extrapolation_s"] = time.time() - start
+    if suite == "probe":
+        start = time.time()
+        settings = probe.ProbeSettings(steps=int(config.probe.steps), train_tokens=int(config.probe.train_tokens),
+                                       eval_tokens=int(config.probe.eval_tokens),
+                                       learning_rate=float(config.probe.learning_rate), seed=int(config.train.seed))
+        print(f"[compare {suite}] probes: {len(paths)} runs, {settings.steps} steps per probe", flush=True)
+        report["probe"] = probe.run(paths, out=workdir, settings=settings)
+        timings["probe_s"] = time.time() - start
+    if suite == "tupe" and glue_tasks(config):
+        start = time.time()
+        report["glue"] = finetune_all(config, workdir, schemes, runs)
+        report["glue_tasks"] = glue_tasks(config)
+        timings["glue_s"] = time.time() - start
+
+    path = os.path.join(workdir, "report.json")   # first, so a report can be re-rendered from it (render())
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1, sort_keys=True, default=str)
+    os.replace(path + ".tmp", path)
+    files = compare_report.write(report, workdir)
+    print(f"[compare {suite}] wrote {', '.join(files)} in {workdir}", flush=True)
+    return report
