@@ -1,7 +1,6 @@
 """`python -m launch ...`: see `launch/__init__.py`."""
-import sys
-
 import logging
+import sys
 
 from absl import logging as absl_logging
 
