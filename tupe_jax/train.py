@@ -366,7 +366,9 @@ def demo(workdir: str) -> dict[str, Any]:
     pretrain(config, workdir)
     values = evaluate(workdir)
     history = [m for m in metrics_lib.read_metrics(workdir) if "loss" in m and "split" not in m]
-    png = plots.loss_curve(history, os.path.join(workdir, "loss.png"), title="demo: TUPE-R MLM, embedded corpus")
+    evals = [m for m in metrics_lib.read_metrics(workdir) if "eval_loss" in m and "split" not in m]
+    png = plots.loss_curve(history, os.path.join(workdir, "loss.png"), title="demo: TUPE-R MLM, embedded corpus",
+                           eval_history=evals)
     first, last = history[0], history[-1]
     print(f"\nloss: step {first['step']} {first['loss']:.3f} -> step {last['step']} {last['loss']:.3f}; "
           f"validation loss {values['eval_loss']:.3f}, MLM accuracy {values['eval_mlm_accuracy']:.3f}")
