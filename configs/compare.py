@@ -43,12 +43,11 @@ Keys beyond configs/pretrain.py's (model/data/train/mesh/checkpoint are shared b
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import ml_collections
 
-from tupe_jax.config import lock, parse_arg
+from tupe_jax.config import load_config, lock, parse_arg
 from tupe_jax.errors import UserError
 
 SUITES = {
@@ -67,12 +66,8 @@ TRAIN = {
 
 
 def _pretrain_config(arg: str):
-    """`configs/pretrain.py:get_config(arg)`, loaded by path (works wherever configs/ is)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain.py")
-    spec = importlib.util.spec_from_file_location("tupe_configs_pretrain_for_compare", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module.get_config(arg)
+    """`configs/pretrain.py:get_config(arg)`, found next to this file (works wherever configs/ is)."""
+    return load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain.py") + ":" + arg)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -123,18 +123,23 @@ def _finished_step(path: str) -> Optional[int]:
     return steps[-1] if steps else None
 
 
-def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
-    """Refuse to reuse a run trained with other model/data/train keys (not identical compute)."""
+def _refuse_other_config(path: str, new: ml_collections.ConfigDict, sections: tuple[str, ...],
+                         ignore: tuple[str, ...], what: str, where: str, fix: str) -> None:
+    """Refuse to reuse the run at `path` if its config.json differs from `new` in `sections` (bar `ignore`)."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         return
     with open(file, encoding="utf-8") as f:
         old = json.load(f)
-    ignore = ("train.log_every", "train.eval_every", "train.eval_steps")
-    diffs = [d for d in config_lib.config_differences(old, sub.to_dict(), ("model", "data", "train"))
-             if not d.startswith(ignore)]
-    require(not diffs, f"{path} was trained with other keys ({'; '.join(diffs[:3])})", "--config.runs_dir",
-            "use a fresh workdir/runs_dir, or the same config as that run")
+    diffs = [d for d in config_lib.config_differences(old, new.to_dict(), sections) if not d.startswith(ignore)]
+    require(not diffs, f"{path} was {what} with other keys ({'; '.join(diffs[:3])})", where, fix)
+
+
+def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
+    """Refuse to reuse a run trained with other model/data/train keys (not identical compute)."""
+    _refuse_other_config(path, sub, ("model", "data", "train"),
+                         ("train.log_every", "train.eval_every", "train.eval_steps"), "trained", "--config.runs_dir",
+                         "use a fresh workdir/runs_dir, or the same config as that run")
 
 
 def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme]) -> list[dict]:
@@ -233,16 +238,8 @@ def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, pretrain_path
 
 def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:
     """Refuse to reuse a fine-tuning run made with other keys (e.g. another glue.max_steps or learning rate)."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        return
-    with open(file, encoding="utf-8") as f:
-        old = json.load(f)
-    ignore = ("train.log_every",)
-    diffs = [d for d in config_lib.config_differences(old, g.to_dict(), ("model", "data", "train", "init_from"))
-             if not d.startswith(ignore)]
-    require(not diffs, f"{path} was fine-tuned with other keys ({'; '.join(diffs[:3])})", "--workdir",
-            "use a fresh compare workdir for other glue.* settings")
+    _refuse_other_config(path, g, ("model", "data", "train", "init_from"), ("train.log_every",), "fine-tuned",
+                         "--workdir", "use a fresh compare workdir for other glue.* settings")
 
 
 def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
