@@ -73,6 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         batch_size=32, eval_batch_size=64, learning_rate=2e-5, epochs=0, steps=0, warmup_ratio=0.06, seed=0,
         weight_decay=0.01, clip_norm=1.0, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-6, grad_accum_steps=1,
         log_every=50, eval_every=0, predict_test=True,
+        dropout_rng="threefry2x32",       # threefry2x32 | rbg | unsafe_rbg (see configs/pretrain.py)
     ))
     config.sweep = ml_collections.ConfigDict(dict(
         tasks="", learning_rates=(2e-5, 3e-5, 4e-5, 5e-5), seeds=(0, 1, 2, 3, 4),

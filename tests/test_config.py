@@ -91,6 +91,7 @@ def test_overrides_convert_types():
     ({"train.warmup_steps": -1}, "--config.train.warmup_steps"),
     ({"data.max_predictions": 500}, "--config.data.max_predictions"),
     ({"model.objective": "clm"}, "--config.model.untie_cls"),
+    ({"train.dropout_rng": "philox"}, "unknown train.dropout_rng 'philox', --config.train.dropout_rng"),
 ])
 def test_validate_names_the_key(overrides, needle):
     config = _load(**overrides)

@@ -154,6 +154,8 @@ CASES = [
     Case("zero_layers", "zero layers", lambda e: pretrain(e, "n3", model__num_layers=0), "--config.model.num_layers"),
     Case("heads_not_dividing", "head count that does not divide hidden_size",
          lambda e: pretrain(e, "n4", model__num_heads=3), "--config.model.num_heads"),
+    Case("unknown_dropout_rng", "unknown dropout PRNG implementation",
+         lambda e: pretrain(e, "n6", train__dropout_rng="philox"), "--config.train.dropout_rng"),
     Case("mask_prob", "MLM mask_prob outside (0, 1)", lambda e: pretrain(e, "n5", data__mask_prob=1.5),
          "--config.data.mask_prob"),
     # ---------------------------------------------------------------- data

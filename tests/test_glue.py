@@ -54,6 +54,10 @@ def test_config_mirrors_pretraining_and_validates():
     with pytest.raises(UserError, match="unknown GLUE task"):
         GLUE_CFG.get_config("task=squad")
     cfg.unlock()
+    cfg.train.dropout_rng = "philox"
+    with pytest.raises(UserError, match="--config.train.dropout_rng"):
+        ft.validate_glue(cfg, 8)
+    cfg.train.dropout_rng = "rbg"
     cfg.train.batch_size = 12
     with pytest.raises(UserError, match="train.batch_size"):
         ft.validate_glue(cfg, 8)

@@ -88,3 +88,27 @@ def test_optimizer_chain_runs_with_clip():
     updates, _ = tx.update({"w": jnp.full((3,), 100.0)}, state, params)
     assert np.all(np.isfinite(np.asarray(updates["w"])))
     assert isinstance(tx, optax.GradientTransformation)
+
+
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_dropout_key_is_deterministic_per_step_and_differs_from_threefry(impl):
+    """`train.dropout_rng`: same raw step key -> same masks (exact resume holds); other step -> other masks;
+    the threefry default passes the raw key through unchanged."""
+    raw = jax.random.fold_in(jax.random.PRNGKey(3), 7)
+    assert optim.dropout_key(raw, "threefry2x32") is raw
+
+    def mask(key):
+        return np.asarray(jax.jit(lambda k: jax.random.bernoulli(k, 0.9, (64, 64)))(key))
+
+    key = optim.dropout_key(raw, impl)
+    assert jax.random.key_impl(key) == jax.random.key_impl(jax.random.key(0, impl=impl))
+    np.testing.assert_array_equal(mask(key), mask(optim.dropout_key(raw, impl)))
+    assert (mask(key) != mask(optim.dropout_key(jax.random.fold_in(raw, 1), impl))).any()
+    assert (mask(key) != mask(raw)).any()
+    assert 0.85 < mask(key).mean() < 0.95
+
+
+def test_unknown_dropout_rng_is_a_user_error():
+    from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    with pytest.raises(UserError, match="--config.train.dropout_rng"):
+        optim.dropout_key(jax.random.PRNGKey(0), "philox")

@@ -22,6 +22,8 @@ from tupe_jax.errors import UserError, require
 PE_SCHEMES = ("bert_a", "sinusoidal", "rope", "alibi", "t5", "bert_r", "nopos", "tupe_a", "tupe_r", "bert_ad")
 PE_ALIASES = {"learned": "bert_a"}
 OBJECTIVES = ("mlm", "clm")
+# PRNG implementations for dropout masks (`train.dropout_rng`, see optim.dropout_key)
+DROPOUT_RNGS = ("threefry2x32", "rbg", "unsafe_rbg")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_STYLES = ("half", "interleaved")
 TUPE_FORMS = ("bias", "concat")
@@ -246,6 +248,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     require((batch // accum) % shards == 0,
             f"train.batch_size = {batch} (microbatch {batch // accum}) is not divisible by the data-parallel size "
             f"mesh.data*mesh.fsdp = {shards}", "--config.train.batch_size", f"use a multiple of {shards * accum}")
+    if "dropout_rng" in train:
+        _one_of(train.dropout_rng, DROPOUT_RNGS, "train.dropout_rng")
     if "checkpoint" in config:
         _positive(config, ("checkpoint.every", "checkpoint.keep"))
     if "data" in config and config.model.objective == "mlm" and "mask_prob" in config.data:

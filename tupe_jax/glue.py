@@ -38,7 +38,7 @@ from tupe_jax import sharding as sh
 from tupe_jax.data.tokenizer import Tokenizer
 from tupe_jax.errors import UserError, require
 from tupe_jax.model import ModelConfig, SequenceClassifier
-from tupe_jax.optim import accumulate_gradients, make_optimizer
+from tupe_jax.optim import accumulate_gradients, dropout_key, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,9 @@ def make_loss_fn(model: SequenceClassifier) -> Callable:
 
 
 def make_train_step(model: SequenceClassifier, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    grad_accum_steps: int) -> Callable:
-    loss_fn = make_loss_fn(model)
+                    grad_accum_steps: int, dropout_rng: str = "threefry2x32") -> Callable:
+    plain_loss_fn = make_loss_fn(model)
+    loss_fn = lambda p, b, r: plain_loss_fn(p, b, dropout_key(r, dropout_rng))  # noqa: E731
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         rng = jax.random.fold_in(state["rng"], state["step"])
@@ -124,7 +125,8 @@ class Runner:
         self.abstract = jax.eval_shape(self.init_fn, self.rng)
         self.shardings = sh.logical_to_shardings(self.abstract, self.mesh)
         batch_sh, rep = sh.batch_sharding(self.mesh), sh.replicated(self.mesh)
-        self.train_step = jax.jit(make_train_step(self.model, self.tx, self.schedule, int(t.grad_accum_steps)),
+        self.train_step = jax.jit(make_train_step(self.model, self.tx, self.schedule, int(t.grad_accum_steps),
+                                                  str(t.get("dropout_rng", "threefry2x32"))),
                                   in_shardings=(self.shardings, batch_sh), out_shardings=(self.shardings, rep),
                                   donate_argnums=0)
         self.eval_step = jax.jit(make_eval_step(self.model), in_shardings=(self.shardings["params"], batch_sh),

@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from tupe_jax.config import DROPOUT_RNGS
+from tupe_jax.errors import UserError
+
 def learning_rate_fn(train: Any) -> optax.Schedule:
     """Linear warmup 0 → `train.learning_rate` over `warmup_steps`, then linear to 0 at `decay_steps`
     (0 means `train.steps`); 0 afterwards. A warmup longer than the decay span is cut to it (short smoke runs)."""
@@ -107,3 +110,19 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, num_micro: in
     denom = jnp.maximum(weight, 1e-9).astype(jnp.float32)
     grads = jax.tree_util.tree_map(lambda g: (g / denom).astype(g.dtype), grads)
     return loss_sum / denom, grads, aux
+
+
+def dropout_key(rng: jax.Array, impl: str) -> jax.Array:
+    """The step's raw threefry key -> the key dropout draws from, in the PRNG implementation `impl`.
+
+    The train state keeps a raw threefry key whatever `impl` is (checkpoints do not depend on it); 'rbg' and
+    'unsafe_rbg' re-key from 4 threefry words. They draw the masks with XLA's RngBitGenerator instead of threefry
+    hashing: BERT-base step on an H200 −4 %, no gain on CPU (benchmarks/RESULTS.md). Different bits, so a run's
+    dropout masks (not its statistics) depend on the choice.
+    """
+    if impl == "threefry2x32":
+        return rng
+    if impl not in DROPOUT_RNGS:
+        raise UserError(f"unknown train.dropout_rng {impl!r}", "--config.train.dropout_rng",
+                        "use one of " + "|".join(DROPOUT_RNGS))
+    return jax.random.wrap_key_data(jax.random.bits(rng, (4,), jnp.uint32), impl=impl)

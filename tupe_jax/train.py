@@ -31,7 +31,7 @@ from tupe_jax import metrics as metrics_lib
 from tupe_jax import sharding as sharding_lib
 from tupe_jax.errors import UserError
 from tupe_jax.model import ModelConfig, TransformerLM
-from tupe_jax.optim import accumulate_gradients, make_optimizer
+from tupe_jax.optim import accumulate_gradients, dropout_key, make_optimizer
 
 log = logging.getLogger(__name__)
 Batch = dict[str, jax.Array]
@@ -68,10 +68,10 @@ def summarize(sums: dict[str, float], causal: bool, prefix: str = "") -> dict[st
 
 # ================================================================================================ steps
 def make_train_step(model: TransformerLM, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    grad_accum_steps: int) -> Callable:
+                    grad_accum_steps: int, dropout_rng: str = "threefry2x32") -> Callable:
     def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
         rng = jax.random.fold_in(state["rng"], state["step"])
-        loss_fn = lambda p, b, r: batch_loss(model, p, b, r, deterministic=False)  # noqa: E731
+        loss_fn = lambda p, b, r: batch_loss(model, p, b, dropout_key(r, dropout_rng), deterministic=False)  # noqa
         loss, grads, aux = accumulate_gradients(loss_fn, state["params"], batch, grad_accum_steps, rng)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
@@ -185,7 +185,8 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Option
 
     # --------------------------------------------------------------------------------------- compile
     batch_sh = sharding_lib.batch_sharding(mesh)
-    train_step = jax.jit(make_train_step(model, tx, schedule, int(config.train.grad_accum_steps)),
+    train_step = jax.jit(make_train_step(model, tx, schedule, int(config.train.grad_accum_steps),
+                                         str(config.train.get("dropout_rng", "threefry2x32"))),
                          in_shardings=(shardings, batch_sh),
                          out_shardings=(shardings, sharding_lib.replicated(mesh)), donate_argnums=0)
     eval_step = jax.jit(make_eval_step(model), in_shardings=(shardings["params"], batch_sh))
