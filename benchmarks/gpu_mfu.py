@@ -28,9 +28,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-# (scheme, tupe_form, attention_backend); cheapest-to-skip last
+# (scheme, tupe_form, attention_backend[, dropout_rng]); cheapest-to-skip last
 CONFIGS = [("bert_a", "bias", "cudnn"), ("tupe_a", "bias", "cudnn"), ("tupe_a", "concat", "cudnn"),
-           ("bert_a", "bias", "xla"), ("tupe_a", "bias", "xla"), ("tupe_a", "concat", "xla")]
+           ("bert_a", "bias", "xla"), ("tupe_a", "bias", "xla"), ("tupe_a", "concat", "xla"),
+           ("tupe_r", "bias", "cudnn")]
 
 
 def measured_matmul_peak(dtype_name: str, n: int) -> float:
@@ -49,7 +50,7 @@ def measured_matmul_peak(dtype_name: str, n: int) -> float:
     return 2.0 * n ** 3 / best
 
 
-def run_config(args, scheme: str, form: str, backend: str) -> dict:
+def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "threefry2x32") -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
@@ -68,7 +69,7 @@ def run_config(args, scheme: str, form: str, backend: str) -> dict:
     cfg, model = build_model(config)
     tx, schedule = make_optimizer(config.train)
     state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, config)(r)))(jax.random.PRNGKey(0))
-    step_fn = jax.jit(make_train_step(model, tx, schedule, 1), donate_argnums=0)
+    step_fn = jax.jit(make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
     predictions = -(-15 * args.seq // 100)
     rng = np.random.default_rng(0)
     batches = []
@@ -92,9 +93,20 @@ def run_config(args, scheme: str, form: str, backend: str) -> dict:
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    if args.profile_dir:  # a jax.profiler trace of 3 steps, copied up to <profile_dir>/trace_<config>.json.gz
+        import glob  # pylint: disable=import-outside-toplevel
+        import shutil  # pylint: disable=import-outside-toplevel
+        tmp = f"/tmp/gpu_mfu_trace_{scheme}_{form}_{backend}_{rng_impl}"
+        jax.profiler.start_trace(tmp)
+        for i in range(3):
+            state, metrics = step_fn(state, batches[i % 2])
+        jax.block_until_ready(metrics["loss"])
+        jax.profiler.stop_trace()
+        for path in glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[:1]:
+            shutil.copy(path, os.path.join(args.profile_dir, f"trace_{scheme}_{form}_{backend}_{rng_impl}.json.gz"))
     flops = transformer_training_flops(cfg.num_layers, cfg.hidden_size, cfg.mlp_dim, cfg.vocab_size, args.seq,
                                        args.batch, causal=False, mlm_predictions=predictions)
-    return {"scheme": scheme, "form": form, "backend": backend, "step_ms": 1e3 * step_s,
+    return {"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl, "step_ms": 1e3 * step_s,
             "min_step_ms": 1e3 * min(times), "tokens_per_s": args.batch * args.seq / step_s,
             "model_tflops_per_s": flops / step_s / 1e12, "model_tflop_per_step": flops / 1e12,
             "loss_after_warmup": loss0, "final_loss": float(metrics["loss"]),
@@ -109,9 +121,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget_s", type=float, default=270.0, help="stop starting new configurations after this")
-    ap.add_argument("--configs", default="", help="subset, e.g. 'bert_a:bias:cudnn,tupe_a:concat:cudnn'")
+    ap.add_argument("--configs", default="", help="subset, e.g. 'bert_a:bias:cudnn,tupe_a:concat:cudnn:rbg' "
+                    "(scheme:tupe_form:attention_backend[:dropout_rng])")
     ap.add_argument("--smoke", action="store_true", help="tiny model, seq 128, batch 4, float32, 2 steps")
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile_dir", default="", help="also write a 3-step jax.profiler trace per configuration")
     args = ap.parse_args()
     if args.smoke:
         args.seq, args.batch, args.steps, args.warmup, args.dtype = 128, 4, 2, 1, "float32"
@@ -124,14 +138,16 @@ def main() -> None:
     measured = measured_matmul_peak(args.dtype, 2048 if args.smoke else 8192)
     configs = CONFIGS if not args.configs else [tuple(c.split(":")) for c in args.configs.split(",")]
     rows = []
-    for scheme, form, backend in configs:
+    for scheme, form, backend, *rng in configs:
+        rng_impl = rng[0] if rng else "threefry2x32"
         if time.perf_counter() - start > args.budget_s:
-            rows.append({"scheme": scheme, "form": form, "backend": backend, "error": "skipped: time budget spent"})
+            rows.append({"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl,
+                         "error": "skipped: time budget spent"})
             continue
         try:
-            row = run_config(args, scheme, form, backend)
+            row = run_config(args, scheme, form, backend, rng_impl)
         except Exception as e:  # pylint: disable=broad-except
-            row = {"scheme": scheme, "form": form, "backend": backend,
+            row = {"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl,
                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
                    "traceback": traceback.format_exc()[-2000:]}
         rows.append(row)
@@ -141,20 +157,25 @@ def main() -> None:
           f"{'(smoke: tiny) ' if args.smoke else ''}seq {args.seq}, batch {args.batch}, {args.dtype}; "
           f"median of {args.steps} steps after {args.warmup}; peak: table {table_peak:.0f} TFLOP/s, measured "
           f"{args.dtype} matmul {measured / 1e12:.1f} TFLOP/s; total {time.perf_counter() - start:.0f} s\n")
-    print("| scheme | form | attention | step ms | tokens/s | model TFLOP/s | MFU (table peak) | MFU (measured) |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| scheme | form | attention | dropout rng | step ms | tokens/s | model TFLOP/s | MFU (table peak) | "
+          "MFU (measured) |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['error']} | | | | |")
+            print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['dropout_rng']} | {r['error']} | | | | |")
             continue
         mfu_table = f"{100 * r['model_tflops_per_s'] / table_peak:.1f}%" if table_peak else "n/a"
-        print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+        print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['dropout_rng']} | {r['step_ms']:.1f} | "
+              f"{r['tokens_per_s']:,.0f} | "
               f"{r['model_tflops_per_s']:.1f} | {mfu_table} | "
               f"{100 * r['model_tflops_per_s'] * 1e12 / measured:.1f}% |")
     out = args.json or os.path.join(os.environ.get("OUT", HERE), "gpu_mfu.json")
     with open(out, "w", encoding="utf-8") as f:
         json.dump({"device": device.device_kind, "args": vars(args), "table_peak_tflops": table_peak,
                    "measured_peak_flops": measured, "rows": rows}, f, indent=1)
+    failed = [r for r in rows if "error" in r and "cuDNN is not detected" not in r["error"]]
+    if args.smoke and failed:  # the smoke checks the script itself: any other failure is a non-zero exit
+        sys.exit(f"smoke: {len(failed)} configuration(s) failed: {failed[0]['error']}")
 
 
 if __name__ == "__main__":
