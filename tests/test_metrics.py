@@ -21,6 +21,18 @@ def test_writer_jsonl_and_tensorboard(tmp_path):
     assert events and events[0].startswith("events.out.tfevents")
 
 
+def test_resume_marker_supersedes_the_redone_steps(tmp_path):
+    with metrics.MetricsWriter(str(tmp_path), enabled=True, tensorboard=False) as w:
+        for step in (1, 2, 3, 4, 5):
+            w.write(step, {"loss": float(step)})
+        w.write(3, {"event": metrics.RESUMED})          # restarted from the step-3 checkpoint
+        for step in (4, 5, 6):
+            w.write(step, {"loss": 10.0 + step})
+    rows = metrics.read_metrics(str(tmp_path))
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
+    assert len(metrics.read_metrics(str(tmp_path), raw=True)) == 9
+
+
 def test_writer_disabled_writes_nothing(tmp_path):
     w = metrics.MetricsWriter(str(tmp_path / "x"), enabled=False)
     w.write(1, {"loss": 1.0})

@@ -90,11 +90,16 @@ def test_stop_and_resume_is_bitwise_exact(cache_dir, tmp_path):
     train.pretrain(config, str(tmp_path / "resumed"), stop_after=5)
     assert train.load_run(str(tmp_path / "resumed")).step == 5
     train.pretrain(config, str(tmp_path / "resumed"), stop_after=4)
+    # as if a process killed with -9 had logged steps 10 and 11 after its last checkpoint (step 9)
+    with open(tmp_path / "resumed" / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 10, "loss": 99.0}\n{"step": 11, "loss": 99.0}\n')
     train.pretrain(config, str(tmp_path / "resumed"))
     a, b = params_of(tmp_path / "straight"), params_of(tmp_path / "resumed")
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_array_equal(x, y)
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")   # redone steps logged once
+    raw = [m for m in read_metrics(str(tmp_path / "resumed"), raw=True) if m.get("loss") == 99.0]
+    assert len(raw) == 2   # the file itself keeps what the killed process wrote
 
 
 def test_resume_onto_another_mesh_shape(cache_dir, tmp_path):

@@ -99,15 +99,27 @@ class MetricsWriter:
         self.close()
 
 
-def read_metrics(workdir: str) -> list[dict[str, Any]]:
-    """All rows of `workdir/metrics.jsonl` (skipping a torn last line)."""
-    rows = []
+RESUMED = "resumed"  # value of the `event` key of the row a restarted run writes at its checkpoint step
+
+
+def read_metrics(workdir: str, raw: bool = False) -> list[dict[str, Any]]:
+    """The rows of `workdir/metrics.jsonl` (skipping a torn last line), as one history.
+
+    A run killed after its step-N checkpoint and restarted redoes steps N+1..; it first writes a row
+    {"step": N, "event": "resumed"}. Such a row drops the earlier rows of steps > N (the file keeps them) and is
+    not returned itself. `raw=True` returns every row as written, markers included.
+    """
+    rows: list[dict[str, Any]] = []
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
         for line in f:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if not raw and row.get("event") == RESUMED:
+                rows = [r for r in rows if int(r.get("step", 0)) <= int(row["step"])]
+                continue
+            rows.append(row)
     return rows
 
 

@@ -197,6 +197,8 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Option
     # --------------------------------------------------------------------------------------- loop
     ckpt_lib.install_sigterm_handler()
     writer = metrics_lib.MetricsWriter(workdir)
+    if restored is not None:  # rows logged after this checkpoint by the previous process describe redone steps
+        writer.write(start_step, {"event": metrics_lib.RESUMED})
     progress = metrics_lib.Progress(total_steps, start_step)
     log_every, eval_every = max(int(config.train.log_every), 1), int(config.train.eval_every)
     pending: Optional[tuple[int, dict]] = None   # (step, device metrics) of the previous step, fetched one late
