@@ -18,6 +18,7 @@ import optax
 from tupe_jax.config import DROPOUT_RNGS
 from tupe_jax.errors import UserError
 
+
 def learning_rate_fn(train: Any) -> optax.Schedule:
     """Linear warmup 0 → `train.learning_rate` over `warmup_steps`, then linear to 0 at `decay_steps`
     (0 means `train.steps`); 0 afterwards. A warmup longer than the decay span is cut to it (short smoke runs)."""
