@@ -56,7 +56,7 @@ def parse_schemes(config: ml_collections.ConfigDict) -> list[Scheme]:
     """`config.schemes` → Schemes; raises UserError naming a bad entry."""
     where = "--config.schemes"
     default = str(config.objective)
-    config_lib._one_of(default, config_lib.OBJECTIVES, "objective")  # pylint: disable=protected-access
+    config_lib.require_one_of(default, config_lib.OBJECTIVES, "objective")
     schemes: list[Scheme] = []
     for item in (s.strip() for s in str(config.schemes).split(",")):
         if not item:

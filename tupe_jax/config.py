@@ -185,7 +185,7 @@ def _positive(config: ml_collections.ConfigDict, keys: tuple[str, ...], allow_ze
                 "give a " + ("non-negative" if allow_zero else "positive") + " value")
 
 
-def _one_of(value: Any, known: tuple[str, ...], key: str) -> None:
+def require_one_of(value: Any, known: tuple[str, ...], key: str) -> None:
     require(value in known, f"unknown {key} {value!r}", f"--config.{key}", "use one of " + "|".join(known))
 
 
@@ -194,12 +194,12 @@ def validate_model(model: ml_collections.ConfigDict) -> None:
     cfg = ml_collections.ConfigDict({"model": model.to_dict()})
     _positive(cfg, ("model.num_layers", "model.hidden_size", "model.num_heads", "model.mlp_dim",
                     "model.vocab_size", "model.max_len", "model.rope_base", "model.layer_norm_eps"))
-    _one_of(PE_ALIASES.get(model.pe, model.pe), PE_SCHEMES, "model.pe")
-    _one_of(model.objective, OBJECTIVES, "model.objective")
-    _one_of(model.dtype, DTYPES, "model.dtype")
-    _one_of(model.rope_style, ROPE_STYLES, "model.rope_style")
-    _one_of(model.tupe_form, TUPE_FORMS, "model.tupe_form")
-    _one_of(model.attention_backend, ATTENTION_BACKENDS, "model.attention_backend")
+    require_one_of(PE_ALIASES.get(model.pe, model.pe), PE_SCHEMES, "model.pe")
+    require_one_of(model.objective, OBJECTIVES, "model.objective")
+    require_one_of(model.dtype, DTYPES, "model.dtype")
+    require_one_of(model.rope_style, ROPE_STYLES, "model.rope_style")
+    require_one_of(model.tupe_form, TUPE_FORMS, "model.tupe_form")
+    require_one_of(model.attention_backend, ATTENTION_BACKENDS, "model.attention_backend")
     require(model.hidden_size % model.num_heads == 0,
             f"model.hidden_size = {model.hidden_size} is not divisible by model.num_heads = {model.num_heads}",
             "--config.model.num_heads", "pick a head count that divides hidden_size")
@@ -249,7 +249,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
             f"train.batch_size = {batch} (microbatch {batch // accum}) is not divisible by the data-parallel size "
             f"mesh.data*mesh.fsdp = {shards}", "--config.train.batch_size", f"use a multiple of {shards * accum}")
     if "dropout_rng" in train:
-        _one_of(train.dropout_rng, DROPOUT_RNGS, "train.dropout_rng")
+        require_one_of(train.dropout_rng, DROPOUT_RNGS, "train.dropout_rng")
     if "checkpoint" in config:
         _positive(config, ("checkpoint.every", "checkpoint.keep"))
     if "data" in config and config.model.objective == "mlm" and "mask_prob" in config.data:

@@ -54,8 +54,7 @@ def validate_glue(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
         require(0.0 <= t[key] < 1.0, f"train.{key} = {t[key]} is outside [0, 1)", f"--config.train.{key}",
                 "use e.g. 0.9 / 0.999")
     if "dropout_rng" in t:
-        require(t.dropout_rng in config_lib.DROPOUT_RNGS, f"unknown train.dropout_rng {t.dropout_rng!r}",
-                "--config.train.dropout_rng", "use one of " + "|".join(config_lib.DROPOUT_RNGS))
+        config_lib.require_one_of(t.dropout_rng, config_lib.DROPOUT_RNGS, "train.dropout_rng")
     shards = data * fsdp
     require(t.batch_size % t.grad_accum_steps == 0,
             f"train.grad_accum_steps = {t.grad_accum_steps} does not divide train.batch_size = {t.batch_size}",
