@@ -102,7 +102,10 @@ def worker_ours(args, s: dict) -> dict:
     sys.path.insert(0, ROOT)
     from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
     from tupe_jax.optim import make_optimizer  # pylint: disable=import-outside-toplevel
-    from tupe_jax.train import build_model, init_state_fn, make_train_step  # pylint: disable=import-outside-toplevel
+    from tupe_jax.data.batch import LMBatch  # pylint: disable=import-outside-toplevel
+    from tupe_jax.model import ModelConfig, TransformerLM  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain.steps import make_train_step  # pylint: disable=import-outside-toplevel
+    from tupe_jax.trainer import init_state_fn  # pylint: disable=import-outside-toplevel
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
 
     scheme, _, form = args.worker_arg.partition(":")
@@ -115,11 +118,12 @@ def worker_ours(args, s: dict) -> dict:
         m.tupe_form = form or "bias"
         m.attention_backend = args.backend
         config.train.batch_size, config.train.steps, config.train.warmup_steps = s["batch"], 1000, 10
-    _, model = build_model(config)
+    model = TransformerLM(ModelConfig.from_config(config.model))
     tx, schedule = make_optimizer(config.train)
-    state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, config)(r)))(jax.random.PRNGKey(0))
+    state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, config.model.max_len)(r)))(jax.random.PRNGKey(0))
     step_fn = jax.jit(make_train_step(model, tx, schedule, 1), donate_argnums=0)
-    batches = [jax.device_put(b) for b in synthetic_batches(s, 4, args.predictions)]  # prefetched onto the device
+    batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))     # prefetched onto the device
+               for b in synthetic_batches(s, 4, args.predictions)]
     holder = {"state": state, "i": 0}
 
     def step():

@@ -27,7 +27,8 @@ def loss_and_grads(scheme: str, form: str, backend: str, args):
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     from tupe_jax.model import ModelConfig, TransformerLM, init_params  # pylint: disable=import-outside-toplevel
-    from tupe_jax.train import batch_loss  # pylint: disable=import-outside-toplevel
+    from tupe_jax.data.batch import LMBatch  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain.steps import batch_loss  # pylint: disable=import-outside-toplevel
 
     width = dict(hidden_size=64, num_heads=4, mlp_dim=128, vocab_size=512) if args.smoke else \
         dict(hidden_size=768, num_heads=12, mlp_dim=3072, vocab_size=30522)
@@ -39,9 +40,9 @@ def loss_and_grads(scheme: str, form: str, backend: str, args):
     inputs = rng.integers(5, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32)
     positions = np.sort(np.stack([rng.choice(np.arange(1, args.seq), 16, replace=False)
                                   for _ in range(args.batch)]), axis=1).astype(np.int32)
-    batch = {"inputs": inputs, "input_mask": None, "mlm_positions": positions,
-             "mlm_labels": np.take_along_axis(inputs, positions, 1), "mlm_weights": np.ones((args.batch, 16),
-                                                                                           np.float32)}
+    batch = LMBatch(inputs=inputs, targets=None, weights=None, mlm_positions=positions,
+                    mlm_labels=np.take_along_axis(inputs, positions, 1), mlm_weights=np.ones((args.batch, 16),
+                                                                                              np.float32))
     fn = jax.jit(jax.value_and_grad(lambda p: batch_loss(model, p, batch, jax.random.PRNGKey(1), True)[0] / 16
                                     / args.batch))
     loss, grads = fn(params)

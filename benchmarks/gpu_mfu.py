@@ -57,7 +57,10 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
     from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
     from tupe_jax.metrics import transformer_training_flops  # pylint: disable=import-outside-toplevel
     from tupe_jax.optim import make_optimizer  # pylint: disable=import-outside-toplevel
-    from tupe_jax.train import build_model, init_state_fn, make_train_step  # pylint: disable=import-outside-toplevel
+    from tupe_jax.data.batch import LMBatch  # pylint: disable=import-outside-toplevel
+    from tupe_jax.model import ModelConfig, TransformerLM  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain.steps import make_train_step  # pylint: disable=import-outside-toplevel
+    from tupe_jax.trainer import init_state_fn  # pylint: disable=import-outside-toplevel
 
     config = get_config(f"pe={scheme},size={'tiny' if args.smoke else 'base'}")
     with config.unlocked():
@@ -66,9 +69,10 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
         m.attention_dropout_rate = 0.0
         m.tupe_form, m.attention_backend = form, backend
         config.train.batch_size, config.train.steps, config.train.warmup_steps = args.batch, 10_000, 100
-    cfg, model = build_model(config)
+    cfg = ModelConfig.from_config(config.model)
+    model = TransformerLM(cfg)
     tx, schedule = make_optimizer(config.train)
-    state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, config)(r)))(jax.random.PRNGKey(0))
+    state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, cfg.max_len)(r)))(jax.random.PRNGKey(0))
     step_fn = jax.jit(make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
     predictions = -(-15 * args.seq // 100)
     rng = np.random.default_rng(0)
@@ -77,10 +81,9 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
         inputs = rng.integers(5, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32)
         positions = np.sort(np.stack([rng.choice(np.arange(1, args.seq), predictions, replace=False)
                                       for _ in range(args.batch)]), axis=1).astype(np.int32)
-        batches.append(jax.device_put({
-            "inputs": inputs, "input_mask": None, "mlm_positions": positions,
-            "mlm_labels": np.take_along_axis(inputs, positions, 1),
-            "mlm_weights": np.ones(positions.shape, np.float32)}))
+        batches.append(jax.device_put(LMBatch(
+            inputs=inputs, targets=None, weights=None, mlm_positions=positions,
+            mlm_labels=np.take_along_axis(inputs, positions, 1), mlm_weights=np.ones(positions.shape, np.float32))))
     t0 = time.perf_counter()
     for i in range(args.warmup):
         state, metrics = step_fn(state, batches[i % 2])

@@ -38,6 +38,7 @@ Keys beyond configs/pretrain.py's (model/data/train/mesh/checkpoint are shared b
   glue.tasks     comma-separated tasks; 'auto' = wordorder + every GLUE task with train and dev TSVs under
                  data.glue_dir (WNLI excluded, as in the TUPE paper); '' = no fine-tuning;
   glue.epochs / glue.learning_rate / glue.batch_size / glue.seed   one fine-tuning run per (scheme, task);
+  finetune       configs/glue.py's remaining sections (train, sweep, checkpoint, ...) for the fine-tunes;
   glue.max_steps fine-tuning steps per task are min(epochs x examples // batch, max_steps) (0 = no cap): a
                  capped big task (SST-2) sees only max_steps x batch_size training examples (said in the report).
 """
@@ -65,9 +66,9 @@ TRAIN = {
 }
 
 
-def _pretrain_config(arg: str):
-    """`configs/pretrain.py:get_config(arg)`, found next to this file (works wherever configs/ is)."""
-    return load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain.py") + ":" + arg)
+def _sibling_config(name: str, arg: str):
+    """`configs/<name>.py:get_config(arg)`, found next to this file (works wherever configs/ is)."""
+    return load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py") + ":" + arg)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -81,7 +82,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                         "use one of " + "|".join(TRAIN))
     schemes, objective = SUITES[arg.suite]
     first_pe = schemes.split(",")[0].split("-")[0]
-    pre = _pretrain_config(f"pe={first_pe},size={arg.size},objective={objective}")
+    pre = _sibling_config("pretrain", f"pe={first_pe},size={arg.size},objective={objective}")
+    glue = _sibling_config("glue", f"task=wordorder,pe={first_pe},size={arg.size}")
     steps, batch, lr, warmup, eval_every = TRAIN[arg.size]
 
     config = ml_collections.ConfigDict()
@@ -104,4 +106,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                                   learning_rate=2e-3))
     config.glue = ml_collections.ConfigDict(dict(tasks="wordorder", epochs=3, learning_rate=1e-4, batch_size=32,
                                                  seed=0, max_steps=150))
+    # configs/glue.py's settings for the fine-tunes; task, model, data, mesh, init_from and the glue.* keys above
+    # are filled in per (scheme, task) by the suite.
+    config.finetune = ml_collections.ConfigDict({k: v for k, v in glue.to_dict().items()
+                                                 if k not in ("model", "data", "mesh")})
     return lock(config)

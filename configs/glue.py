@@ -45,9 +45,8 @@ import os
 import ml_collections
 
 from tupe_jax.config import load_config, lock, parse_arg
+from tupe_jax.data import GLUE_TASKS
 from tupe_jax.errors import UserError
-
-GLUE_TASK_NAMES = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli", "wordorder")
 
 
 def _pretrain_config(arg: str):
@@ -58,9 +57,9 @@ def _pretrain_config(arg: str):
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """Build the locked fine-tuning config for `arg` = "task=...,pe=...,size=...,objective=..."."""
     arg = parse_arg(arg, task="rte", pe="tupe_r", size="tiny", objective="mlm")
-    if arg.task not in GLUE_TASK_NAMES:
+    if arg.task not in GLUE_TASKS:
         raise UserError(f"unknown GLUE task task={arg.task!r}", "--config=configs/glue.py:task=...",
-                        "use one of " + "|".join(GLUE_TASK_NAMES))
+                        "use one of " + "|".join(GLUE_TASKS))
     pre = _pretrain_config(f"pe={arg.pe},size={arg.size},objective={arg.objective}")
 
     config = ml_collections.ConfigDict()

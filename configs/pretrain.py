@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import ml_collections
 
-from tupe_jax.config import OBJECTIVES, PE_SCHEMES, lock, parse_arg
+from tupe_jax.config import lock, parse_arg
 from tupe_jax.data import default_data_config
 from tupe_jax.errors import UserError
+from tupe_jax.model import OBJECTIVES
+from tupe_jax.positional import ALIASES, SCHEMES
 
 # Model-shape presets: (num_layers, hidden_size, num_heads, mlp_dim, vocab_size, max_len).
 SIZES = {
@@ -50,10 +52,10 @@ TRAIN = {
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     """Build the locked pretraining config for `arg` = "pe=...,size=...,objective=..."."""
     arg = parse_arg(arg, pe="tupe_r", size="tiny", objective="mlm")
-    pe = "bert_a" if arg.pe == "learned" else arg.pe
-    if pe not in PE_SCHEMES:
+    pe = ALIASES.get(arg.pe, arg.pe)
+    if pe not in SCHEMES:
         raise UserError(f"unknown positional scheme pe={arg.pe!r}", "--config=configs/pretrain.py:pe=...",
-                        "use one of " + "|".join(PE_SCHEMES + ("learned",)))
+                        "use one of " + "|".join(SCHEMES + tuple(ALIASES)))
     for name, value, known in (("size", arg.size, tuple(SIZES)), ("objective", arg.objective, OBJECTIVES)):
         if value not in known:
             raise UserError(f"unknown {name}={value!r}", f"--config=configs/pretrain.py:{name}=...",

@@ -1,7 +1,9 @@
 """`python -m launch <command> --config=configs/X.py:arg --workdir=DIR [--config.a.b=c ...]`.
 
-Short by design: parse flags, load + override + validate the config, initialise multi-process JAX if asked, and
-dispatch to a library function (imported lazily). Any `UserError` becomes one line `error: ...` on stderr, exit 2.
+The command table (`COMMANDS`) and dispatch: parse flags, load + override the config, initialise multi-process
+JAX if asked, run the command's own validator, claim the workdir (`workdir.claim`: config.json, cleanup after a
+failure) and call the library function (imported lazily). Any `UserError` becomes one line `error: ...` on
+stderr, exit 2.
 
 Multi-process runs: run the SAME command on every host. On Cloud TPU pod slices, Slurm and Kubernetes (GKE)
 `--distributed=on` calls `jax.distributed.initialize()` with no arguments and JAX detects the cluster; with the
@@ -23,45 +25,51 @@ from tupe_jax.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-    """A launcher command: the library function it calls and how to call it."""
+    """A launcher command: the library function it calls, how to call it, and (for commands that take --config)
+    the validator that checks the config before any compute (`module:function`)."""
     module: str
     function: str
-    issue: int
     help: str
-    needs_config: bool
     call: Callable[[Callable[..., Any], Any, argparse.Namespace], Any]
+    validator: str = ""          # "" = the command reads its config from --workdir
+
+    @property
+    def needs_config(self) -> bool:
+        return bool(self.validator)
 
 
+_PRETRAIN = "tupe_jax.pretrain.validate:validate"
+_FINETUNE = "tupe_jax.finetune.validate:validate"
 COMMANDS: dict[str, Command] = {
-    "pretrain": Command("tupe_jax.train", "pretrain", 4, "pretrain a model (MLM or causal LM)", True,
-                        lambda fn, cfg, a: fn(cfg, a.workdir)),
-    "evaluate": Command("tupe_jax.train", "evaluate", 4, "evaluate a pretraining checkpoint", False,
+    "pretrain": Command("tupe_jax.pretrain.loop", "pretrain", "pretrain a model (MLM or causal LM)",
+                        lambda fn, cfg, a: fn(cfg, a.workdir), _PRETRAIN),
+    "evaluate": Command("tupe_jax.pretrain.evaluate", "evaluate", "evaluate a pretraining checkpoint",
                         lambda fn, cfg, a: fn(a.workdir, a.step)),
-    "finetune": Command("tupe_jax.glue", "finetune", 5, "fine-tune a pretrained run on a GLUE task", True,
-                        lambda fn, cfg, a: fn(cfg, a.workdir)),
-    "glue-sweep": Command("tupe_jax.glue", "sweep", 5, "fine-tune over GLUE tasks and learning rates", True,
-                          lambda fn, cfg, a: fn(cfg, a.workdir)),
-    "extrapolate": Command("tupe_jax.analysis.extrapolate", "run", 6,
-                           "perplexity / MLM loss vs evaluation length (several --workdir: one line each)", False,
+    "finetune": Command("tupe_jax.finetune.loop", "finetune", "fine-tune a pretrained run on a GLUE task",
+                        lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE),
+    "glue-sweep": Command("tupe_jax.finetune.sweep", "sweep", "fine-tune over GLUE tasks and learning rates",
+                          lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE),
+    "extrapolate": Command("tupe_jax.analysis.extrapolate", "run",
+                           "perplexity / MLM loss vs evaluation length (several --workdir: one line each)",
                            lambda fn, cfg, a: fn(a.workdir, _lengths(a.lengths), mode=a.mode, stride=a.stride,
                                                  out=a.out, step=a.step)),
-    "probe": Command("tupe_jax.analysis.probe", "run", 6, "probe each layer's hidden states for absolute position",
-                     False, lambda fn, cfg, a: fn(a.workdir, out=a.out, step=a.step, steps=a.probe_steps)),
-    "correlations": Command("tupe_jax.analysis.correlations", "run", 6,
+    "probe": Command("tupe_jax.analysis.probe", "run", "probe each layer's hidden states for absolute position",
+                     lambda fn, cfg, a: fn(a.workdir, out=a.out, step=a.step, steps=a.probe_steps)),
+    "correlations": Command("tupe_jax.analysis.correlations", "run",
                             "attention-logit decomposition (TUPE Fig. 2) and learned positional correlation (Fig. 6)",
-                            False, lambda fn, cfg, a: fn(a.workdir, layer=a.layer, out=a.out, step=a.step)),
-    "shuffle-attention": Command("tupe_jax.analysis.shuffle", "run", 6,
-                                 "attention of a sentence vs its shuffle (causal vs bidirectional)", False,
+                            lambda fn, cfg, a: fn(a.workdir, layer=a.layer, out=a.out, step=a.step)),
+    "shuffle-attention": Command("tupe_jax.analysis.shuffle", "run",
+                                 "attention of a sentence vs its shuffle (causal vs bidirectional)",
                                  lambda fn, cfg, a: fn(a.workdir, text=a.text, layer=a.layer, out=a.out,
                                                        step=a.step)),
-    "compare": Command("tupe_jax.compare", "run", 6, "run a suite over positional schemes and tabulate", True,
-                       lambda fn, cfg, a: fn(cfg, a.workdir)),
-    "demo": Command("tupe_jax.train", "demo", 4, "the end-to-end demo on the embedded corpus", False,
+    "compare": Command("tupe_jax.analysis.suite", "run", "run a suite over positional schemes and tabulate",
+                       lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.analysis.suite:validate"),
+    "demo": Command("launch.demo", "demo", "the end-to-end demo on the embedded corpus",
                     lambda fn, cfg, a: fn(a.workdir)),
 }
 
 
-# Extra flags of the analysis commands (issue #6); their --workdir may be repeated.
+# Extra flags of the analysis commands; their --workdir may be repeated.
 _OUT = (("--out",), dict(default=None, help="output directory (default: <first workdir>/analysis/)"))
 _LAYER = (("--layer",), dict(type=int, default=0, help="layer to analyse (0 = first block)"))
 ANALYSIS_FLAGS: dict[str, list] = {
@@ -155,21 +163,10 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return rest, overrides
 
 
-def resolve_function(name: str) -> Callable[..., Any]:
-    """Import the library function behind command `name`, or raise UserError if it is not built yet."""
-    cmd = COMMANDS[name]
-    not_built = UserError(f"'{name}' is not built yet (issue #{cmd.issue})")
-    try:
-        module = importlib.import_module(cmd.module)
-    except ModuleNotFoundError as err:
-        parts = cmd.module.split(".")
-        if err.name in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
-            raise not_built from None
-        raise
-    fn = getattr(module, cmd.function, None)
-    if fn is None:
-        raise not_built
-    return fn
+def resolve(spec: str) -> Callable[..., Any]:
+    """The function named "package.module:function"."""
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def maybe_initialize_distributed(args: argparse.Namespace) -> None:
@@ -194,8 +191,9 @@ def run(argv: Sequence[str]) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    command = COMMANDS[args.command]
     config = None
-    if getattr(args, "config", None):
+    if command.needs_config:
         from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
         config = config_lib.load_config(args.config)
         config_lib.apply_overrides(config, overrides)
@@ -204,61 +202,16 @@ def run(argv: Sequence[str]) -> int:
         raise UserError(f"--config.{first} given without --config", f"--config.{first}",
                         f"'{args.command}' reads the run's config from --workdir; drop the override")
     maybe_initialize_distributed(args)
-    if config is not None:
-        import jax  # pylint: disable=import-outside-toplevel
-        from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-        config_lib.validate(config, jax.device_count())
-    fn = resolve_function(args.command)
-    before = _listing(args.workdir) if config is not None else None
-    try:
-        if config is not None:
-            config_lib.write_workdir_config(args.workdir, config, overwrite=args.overwrite_config,
-                                            write=jax.process_index() == 0)
-        COMMANDS[args.command].call(fn, config, args)
-    except UserError:
-        if config is not None and jax.process_index() == 0:
-            remove_partial_outputs(args.workdir, before)
-        raise
+    fn = resolve(f"{command.module}:{command.function}")
+    if config is None:
+        command.call(fn, config, args)
+        return 0
+    import jax  # pylint: disable=import-outside-toplevel
+    from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+    resolve(command.validator)(config, jax.device_count())
+    with workdir_lib.claim(args.workdir, config, overwrite=args.overwrite_config):
+        command.call(fn, config, args)
     return 0
-
-
-def _listing(workdir: str) -> set[str] | None:
-    """The entries of `workdir` (None if it does not exist)."""
-    return set(os.listdir(workdir)) if os.path.isdir(workdir) else None
-
-
-def _holds_results(path: str) -> bool:
-    """True if `path` holds a committed checkpoint step or a results file (worth keeping after an error)."""
-    if os.path.isfile(path):
-        return False
-    for root, dirs, files in os.walk(path):
-        if os.path.basename(root) == "checkpoints" and any(d.isdigit() for d in dirs):
-            return True
-        if {"results.json", "sweep.json"} & set(files):
-            return True
-    return False
-
-
-def remove_partial_outputs(workdir: str, before: set[str] | None) -> None:
-    """After a UserError: remove what this invocation created in `workdir` (config.json, tokenizer/, metrics, ...)
-    unless it produced checkpoints or results. Entries that existed before are never touched."""
-    import shutil  # pylint: disable=import-outside-toplevel
-    if not os.path.isdir(workdir):
-        return
-    new = sorted(set(os.listdir(workdir)) - (before or set()))
-    if any(_holds_results(os.path.join(workdir, name)) for name in new):
-        return
-    for name in new:
-        path = os.path.join(workdir, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
-    if before is None and not os.listdir(workdir):
-        os.rmdir(workdir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

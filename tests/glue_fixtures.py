@@ -115,38 +115,19 @@ def tiny_model_overrides(config, **extra):
 def make_pretrained(workdir, cache_dir, pe="tupe_r", **model):
     """Init a tiny TransformerLM and save it as a pretraining run: config.json, tokenizer/, checkpoints/10."""
     from tupe_jax import checkpoint as ckpt
-    from tupe_jax import config as config_lib
     from tupe_jax import data as data_lib
+    from tupe_jax import workdir as workdir_lib
     from tupe_jax.model import ModelConfig, init_params
 
     config = load_config_module("pretrain").get_config(f"pe={pe},size=tiny")
     tiny_model_overrides(config, **model)
     config.data.cache_dir = str(cache_dir)
     os.makedirs(workdir, exist_ok=True)
-    config_lib.write_workdir_config(str(workdir), config)
+    workdir_lib.write_config(str(workdir), config)
     data_lib.get_tokenizer(config, str(workdir))
     params = init_params(ModelConfig.from_config(config.model), jax.random.PRNGKey(1))
     state = {"step": jnp.int32(10), "params": params, "opt_state": optax.adamw(1e-3).init(params),
              "rng": jax.random.PRNGKey(0)}
     with ckpt.Checkpointer(str(workdir), async_=False) as c:
-        c.save(10, state, data_state={}, meta=ckpt.make_meta(config, params), force=True)
+        c.save(10, state, data_state={}, meta=workdir_lib.make_meta(config, params), force=True)
     return params
-
-
-# A real (short) MLM pretraining run on the embedded corpus for the word-order test: hidden 128 keeps enough
-# capacity for the local-order features; max_len 64 covers every wordorder sentence (8-40 words) and halves the cost.
-WORDORDER_MODEL = dict(num_layers=2, hidden_size=128, num_heads=2, mlp_dim=256, vocab_size=1024, max_len=64)
-
-
-def pretrain_wordorder(workdir, cache_dir, pe="tupe_r", steps=300, seed=0):
-    """Pretrain WORDORDER_MODEL for `steps` steps (batch 32, lr 2e-3) on one device; returns the config's model."""
-    from tupe_jax import train
-
-    config = load_config_module("pretrain").get_config(f"pe={pe},size=tiny")
-    config.model.update(WORDORDER_MODEL)
-    config.train.update(dict(steps=steps, batch_size=32, learning_rate=2e-3, warmup_steps=20, log_every=100,
-                             eval_every=0, seed=seed))
-    config.data.cache_dir = str(cache_dir)
-    config.checkpoint.update(dict(every=100000, async_save=False))
-    train.pretrain(config, str(workdir), devices=jax.devices()[:1])
-    return config.model

@@ -57,11 +57,11 @@ def test_windows_score_every_token_once_with_context(n, length, mode, stride):
     begin, lo, hi = E.clm_windows(n, length, mode, stride)
     stream = np.arange(n, dtype=np.int32)
     batch = E.clm_batch(stream, begin, lo, hi, length)
-    scored = batch["targets"][batch["weights"] > 0]
+    scored = batch.targets[batch.weights > 0]
     np.testing.assert_array_equal(np.sort(scored), np.arange(1, n))           # each target exactly once
     # inputs are the stream shifted by one: target t is predicted from input t-1 of the same window
-    rows, cols = np.nonzero(batch["weights"])
-    np.testing.assert_array_equal(batch["inputs"][rows, cols] + 1, batch["targets"][rows, cols])
+    rows, cols = np.nonzero(batch.weights)
+    np.testing.assert_array_equal(batch.inputs[rows, cols] + 1, batch.targets[rows, cols])
     if mode == "sliding" and stride < length:
         later = rows > 0
         assert (cols[later] >= length - stride).all()                        # ≥ L−S tokens of context
@@ -77,10 +77,10 @@ def test_extrapolation_at_train_length_matches_the_pipeline(corpus):
     forward = jax.jit(lambda p, x: jax.nn.log_softmax(model.apply({"params": p}, x)["logits"]))
     total = count = 0.0
     for b in it:
-        logp = forward(run.params, jnp.asarray(b["inputs"]))
-        nll = -np.take_along_axis(np.asarray(logp), b["targets"][..., None], -1)[..., 0]
-        total += float((nll * b["weights"]).sum())
-        count += float(b["weights"].sum())
+        logp = forward(run.params, jnp.asarray(b.inputs))
+        nll = -np.take_along_axis(np.asarray(logp), b.targets[..., None], -1)[..., 0]
+        total += float((nll * b.weights).sum())
+        count += float(b.weights.sum())
     assert ours["tokens"] == count
     assert ours["nll"] == pytest.approx(total / count, rel=1e-5)
     assert ours["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
@@ -234,7 +234,8 @@ def test_launcher_flags_reach_the_analysis_functions(monkeypatch):
         return lambda *args, **kwargs: calls.setdefault(name, (args, kwargs))
 
     for name in ("extrapolate", "probe", "correlations", "shuffle-attention"):
-        monkeypatch.setattr(launch, "resolve_function", lambda n: fake(n))
+        monkeypatch.setattr(launch, "resolve", lambda spec: fake(next(n for n, c in launch.COMMANDS.items()
+                                                                      if spec == f"{c.module}:{c.function}")))
     assert launch.main(["extrapolate", "--workdir=a", "--workdir=b", "--lengths=8,16", "--mode=sliding",
                         "--stride=4", "--out=o"]) == 0
     assert launch.main(["probe", "--workdir=a", "--probe_steps=7"]) == 0

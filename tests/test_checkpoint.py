@@ -11,6 +11,7 @@ import pytest
 
 from tupe_jax import checkpoint as ckpt
 from tupe_jax import sharding
+from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
 
 
@@ -127,12 +128,12 @@ def test_restore_params_only_and_meta_check(tmp_path, standin_model):
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(state["params"])
     with ckpt.Checkpointer(str(tmp_path), read_only=True) as c:
         meta = c.restore_meta()
-    ckpt.check_compatible(meta, "tupe_r", ckpt.param_shapes(state["params"]))
+    workdir_lib.check_compatible(meta, "tupe_r", ckpt.param_shapes(state["params"]))
     with pytest.raises(UserError, match="pe='tupe_r'"):
-        ckpt.check_compatible(meta, "rope")
+        workdir_lib.check_compatible(meta, "rope")
     shapes = ckpt.param_shapes(standin_model(embed=32).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
     with pytest.raises(UserError, match="shape"):
-        ckpt.check_compatible(meta, "tupe_r", shapes)
+        workdir_lib.check_compatible(meta, "tupe_r", shapes)
 
 
 def test_sigterm_sets_the_stop_flag(monkeypatch):

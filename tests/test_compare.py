@@ -5,7 +5,7 @@ import os
 import pytest
 
 import launch
-from tupe_jax import compare
+from tupe_jax.analysis import suite as suite_lib
 from tupe_jax import config as config_lib
 from tupe_jax.errors import UserError
 
@@ -21,18 +21,17 @@ def load(arg, **overrides):
 @pytest.mark.parametrize("suite", ["extrapolation", "tupe", "probe"])
 def test_every_suite_config_validates(suite):
     config = load(f"suite={suite}")
-    config_lib.validate(config, 8)           # what the launcher checks
-    compare.validate_compare(config, 8)      # and every scheme's own pretraining config
-    schemes = compare.parse_schemes(config)
+    suite_lib.validate(config, 8)           # what the launcher checks: every scheme's own pretraining config too
+    schemes = suite_lib.parse_schemes(config)
     assert len(schemes) >= 5
-    assert len({compare.scheme_config(config, s).model.pe for s in schemes}) >= 4
+    assert len({suite_lib.scheme_config(config, s).model.pe for s in schemes}) >= 4
 
 
 def test_scheme_names_objectives_and_tied_cls():
     config = load("suite=tupe", schemes="tupe_a,learned-clm,tupe_a-tiedcls,nopos-mlm")
-    schemes = compare.parse_schemes(config)
+    schemes = suite_lib.parse_schemes(config)
     assert [s.name for s in schemes] == ["tupe_a-mlm", "bert_a-clm", "tupe_a-mlm-tiedcls", "nopos-mlm"]
-    subs = [compare.scheme_config(config, s).model for s in schemes]
+    subs = [suite_lib.scheme_config(config, s).model for s in schemes]
     assert [m.untie_cls for m in subs] == [True, False, False, True]
     assert [m.objective for m in subs] == ["mlm", "clm", "mlm", "mlm"]
     # everything but the scheme keys is shared
@@ -44,7 +43,7 @@ def test_scheme_names_objectives_and_tied_cls():
                                             ("alibi-clm-tiedcls", "tiedcls"), ("rope,rope", "twice"), ("", "no")])
 def test_bad_schemes_are_one_line_errors(schemes, needle):
     with pytest.raises(UserError, match=needle):
-        compare.parse_schemes(load("suite=extrapolation", schemes=schemes))
+        suite_lib.parse_schemes(load("suite=extrapolation", schemes=schemes))
 
 
 def test_bad_suite_is_a_user_error():
@@ -59,10 +58,10 @@ def test_glue_tasks_auto_finds_the_tsvs(tmp_path):
     (tmp_path / "QNLI").mkdir()
     (tmp_path / "QNLI" / "dev.tsv").write_text("")           # dev only: not usable
     config = load("suite=tupe", **{"glue.tasks": "auto", "data.glue_dir": tmp_path})
-    assert compare.glue_tasks(config) == ["wordorder", "rte"]
-    assert compare.glue_tasks(load("suite=tupe", **{"glue.tasks": "auto"})) == ["wordorder"]
+    assert suite_lib.glue_tasks(config) == ["wordorder", "rte"]
+    assert suite_lib.glue_tasks(load("suite=tupe", **{"glue.tasks": "auto"})) == ["wordorder"]
     with pytest.raises(UserError, match="glue_dir"):      # before any training
-        compare.validate_compare(load("suite=tupe", **{"glue.tasks": "rte"}), 8)
+        suite_lib.validate(load("suite=tupe", **{"glue.tasks": "rte"}), 8)
 
 
 TINY = {"model.hidden_size": 32, "model.num_layers": 2, "model.num_heads": 2, "model.mlp_dim": 64,
@@ -104,7 +103,7 @@ def test_tiny_tupe_suite_fine_tunes_and_tabulates(tmp_path):
     workdir = tmp_path / "cmp"
     config = load("suite=tupe", schemes="tupe_a", **TINY, **{"data.cache_dir": tmp_path / "cache",
                                                               "glue.max_steps": 3, "glue.epochs": 1})
-    report = compare.run(config, str(workdir))
+    report = suite_lib.run(config, str(workdir))
     assert set(report["glue"]) == {"tupe_a-mlm"}
     assert report["glue"]["tupe_a-mlm"]["wordorder"]["steps"] == 3
     assert (workdir / "glue.png").is_file() and "## Fine-tuning" in (workdir / "REPORT.md").read_text()

@@ -5,6 +5,9 @@ import os
 import pytest
 
 from tupe_jax import config as config_lib
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.positional import SCHEMES
+from tupe_jax.pretrain.validate import validate
 from tupe_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,10 +22,10 @@ def _load(arg="pe=tupe_r,size=tiny", **overrides):
 @pytest.mark.parametrize("size", ["tiny", "small", "base", "large"])
 @pytest.mark.parametrize("objective", ["mlm", "clm"])
 def test_every_scheme_builds_and_validates(size, objective):
-    for pe in config_lib.PE_SCHEMES:
+    for pe in SCHEMES:
         config = _load(f"pe={pe},size={size},objective={objective}")
         assert config.model.pe == pe and config.model.objective == objective
-        assert config_lib.validate(config, 8)[0] * config_lib.validate(config, 8)[1] >= 1
+        assert validate(config, 8) == (8, 1, 1)  # mesh data=-1 fills the 8 devices
         assert config.model.untie_cls == (objective == "mlm")
 
 
@@ -96,13 +99,29 @@ def test_overrides_convert_types():
 def test_validate_names_the_key(overrides, needle):
     config = _load(**overrides)
     with pytest.raises(UserError) as info:
-        config_lib.validate(config, 8)
+        validate(config, 8)
     assert needle in str(info.value), str(info.value)
 
 
+def test_float16_is_refused_before_compute_by_every_command(tmp_path):
+    """float16 would need loss scaling (not implemented): one line naming the key and the way out, from the
+    pretraining and the fine-tuning validators (the one dtype table of model.py)."""
+    from tupe_jax.finetune.validate import validate as validate_finetune
+    from tupe_jax.model import DTYPES
+    assert "float16" not in DTYPES
+    glue = config_lib.load_config(os.path.join(ROOT, "configs", "glue.py") + ":task=rte")
+    config_lib.apply_overrides(glue, {"model.dtype": "float16"})
+    for check, config in ((validate, _load(**{"model.dtype": "float16"})), (validate_finetune, glue)):
+        with pytest.raises(UserError) as info:
+            check(config, 8)
+        message = str(info.value)
+        assert message.startswith("error: model.dtype float16 is not supported") and "\n" not in message
+        assert "--config.model.dtype" in message and "bfloat16" in message
+
+
 def test_mesh_fill():
-    assert config_lib.validate(_load(**{"mesh.fsdp": 2}), 8) == (4, 2, 1)
-    assert config_lib.validate(_load(**{"mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": 2}), 8) == (1, 4, 2)
+    assert validate(_load(**{"mesh.fsdp": 2}), 8) == (4, 2, 1)
+    assert validate(_load(**{"mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": 2}), 8) == (1, 4, 2)
 
 
 def test_bad_config_arg():
@@ -116,11 +135,11 @@ def test_bad_config_arg():
 
 def test_workdir_refuses_another_runs_config(tmp_path):
     workdir = str(tmp_path / "run")
-    config_lib.write_workdir_config(workdir, _load())
-    config_lib.write_workdir_config(workdir, _load(**{"train.steps": 7}))  # train keys: same run, resumable
+    workdir_lib.write_config(workdir, _load())
+    workdir_lib.write_config(workdir, _load(**{"train.steps": 7}))  # train keys: same run, resumable
     with pytest.raises(UserError) as info:
-        config_lib.write_workdir_config(workdir, _load("pe=rope"))
+        workdir_lib.write_config(workdir, _load("pe=rope"))
     assert "model.pe: 'tupe_r' -> 'rope'" in str(info.value) and "--overwrite_config" in str(info.value)
-    assert config_lib.load_workdir_config(workdir).model.pe == "tupe_r"  # untouched
-    config_lib.write_workdir_config(workdir, _load("pe=rope"), overwrite=True)
-    assert config_lib.load_workdir_config(workdir).model.pe == "rope"
+    assert workdir_lib.read_config(workdir).model.pe == "tupe_r"  # untouched
+    workdir_lib.write_config(workdir, _load("pe=rope"), overwrite=True)
+    assert workdir_lib.read_config(workdir).model.pe == "rope"

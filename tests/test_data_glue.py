@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tupe_jax import data as D
-from tupe_jax.data import glue
+from tupe_jax.data import classification as glue
 from tupe_jax.data.tokenizer import SPECIALS, Tokenizer
 from tupe_jax.errors import UserError
 
@@ -147,27 +147,27 @@ def test_batches_layout_padding_and_processes(tmp_path):
     one = list(D.glue_batches(c, tok, "rte", "validation", batch_size=4, process_index=0, process_count=1))
     assert len(one) == 3
     b = one[0]
-    assert b["inputs"].dtype == np.int32 and b["label"].dtype == np.int32
+    assert b.inputs.dtype == np.int32 and b.label.dtype == np.int32
     first = [2] + tok.encode("the cat sat .") + [3] + tok.encode("a dog ran .") + [3]
-    np.testing.assert_array_equal(b["inputs"][0], first + [0] * (12 - len(first)))
-    np.testing.assert_array_equal(b["input_mask"][0], [1] * len(first) + [0] * (12 - len(first)))
-    assert b["inputs"][0][0] == tok.cls_id and (b["inputs"] == tok.sep_id).sum(1).tolist() == [2, 2, 2, 2]
-    assert [x["inputs"].shape[1] for x in one] == [12, 16, 24]  # buckets; max_len always allowed
-    assert (one[2]["example_weight"] == [1, 1, 1, 0]).all() and one[2]["example_index"][3] == -1
-    seen = np.concatenate([x["example_index"][x["example_weight"] > 0] for x in one])
+    np.testing.assert_array_equal(b.inputs[0], first + [0] * (12 - len(first)))
+    np.testing.assert_array_equal(b.input_mask[0], [1] * len(first) + [0] * (12 - len(first)))
+    assert b.inputs[0][0] == tok.cls_id and (b.inputs == tok.sep_id).sum(1).tolist() == [2, 2, 2, 2]
+    assert [x.inputs.shape[1] for x in one] == [12, 16, 24]  # buckets; max_len always allowed
+    assert (one[2].example_weight == [1, 1, 1, 0]).all() and one[2].example_index[3] == -1
+    seen = np.concatenate([x.example_index[x.example_weight > 0] for x in one])
     np.testing.assert_array_equal(np.sort(seen), np.arange(11))
-    assert one[0]["label"].tolist() == [1, 0, 1, 0]  # not_entailment = 1
+    assert one[0].label.tolist() == [1, 0, 1, 0]  # not_entailment = 1
     # two processes: disjoint rows whose interleaving is the global batch, same bucket width
     two = [list(D.glue_batches(c, tok, "rte", "validation", batch_size=4, process_index=p, process_count=2))
            for p in range(2)]
     for g, h0, h1 in zip(one, *two):
-        assert h0["inputs"].shape == h1["inputs"].shape == (2, g["inputs"].shape[1])
-        np.testing.assert_array_equal(np.stack([h0["inputs"], h1["inputs"]], 1).reshape(g["inputs"].shape),
-                                      g["inputs"])
+        assert h0.inputs.shape == h1.inputs.shape == (2, g.inputs.shape[1])
+        np.testing.assert_array_equal(np.stack([h0.inputs, h1.inputs], 1).reshape(g.inputs.shape),
+                                      g.inputs)
     # training: shuffled by (seed, epoch), remainder dropped
     tr = list(D.glue_batches(c, tok, "rte", "validation", batch_size=4, shuffle=True, seed=1, process_index=0,
                              process_count=1))
-    assert len(tr) == 2 and all(x["example_weight"].all() for x in tr)
+    assert len(tr) == 2 and all(x.example_weight.all() for x in tr)
 
 
 def test_wordorder_task(tmp_path):
@@ -180,3 +180,33 @@ def test_wordorder_task(tmp_path):
     assert all(e["label"] == -1 for e in D.glue_examples(c, "wordorder", "test"))
     shuffled = [e["sentence1"] for e in val if e["label"] == 0]
     assert shuffled and all(len(s.split()) >= 8 for s in shuffled)
+
+
+@pytest.mark.parametrize("split", ["train", "validation", "test"])
+def test_wordorder_label0_is_a_window_permutation_of_its_label1_pair(tmp_path, split):
+    """`sources.wordorder_examples`: examples come in pairs (idx 2j: the sentence as is, label 1; idx 2j+1: the
+    same sentence with the words of every aligned 3-word window [3i, 3i+3) permuted, label 0; test labels -1).
+    So the pair has the same words overall AND within each aligned window (the last may hold 1-2 words); a window
+    with two distinct words is never left as it was, a window of one repeated word can only stay; hence the
+    shuffled sentence differs from the original exactly when some window has two distinct words. The original is
+    a prose sentence of 8-40 words from the embedded corpus split of the same name."""
+    c = make_config(tmp_path, max_len=64)
+    ex = D.glue_examples(c, "wordorder", split)
+    assert len(ex) >= 200 and len(ex) % 2 == 0
+    assert [e["idx"] for e in ex] == list(range(len(ex)))
+    assert [e["label"] for e in ex] == ([-1, -1] if split == "test" else [1, 0]) * (len(ex) // 2)
+    assert all(e["sentence2"] == "" for e in ex)
+    corpus = "\n".join(D.load_documents(c, split))
+    changed_somewhere = 0
+    for orig, shuf in zip(ex[0::2], ex[1::2]):
+        w, s = orig["sentence1"].split(), shuf["sentence1"].split()
+        assert 8 <= len(w) <= 40 and orig["sentence1"] in corpus, orig
+        assert len(s) == len(w) and sorted(s) == sorted(w)
+        for i in range(0, len(w), 3):
+            win, got = w[i:i + 3], s[i:i + 3]
+            assert sorted(got) == sorted(win), (orig, shuf, i)
+            if len(set(win)) > 1:
+                assert got != win, (orig, shuf, i)
+        assert (s != w) == any(len(set(w[i:i + 3])) > 1 for i in range(0, len(w), 3))
+        changed_somewhere += s != w
+    assert changed_somewhere == len(ex) // 2  # in practice every prose sentence has such a window

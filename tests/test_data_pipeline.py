@@ -27,6 +27,7 @@ def it(c, tok, **kw):
 
 
 def assert_same(a, b):
+    a, b = a.present(), b.present()
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
@@ -35,14 +36,14 @@ def assert_same(a, b):
 def test_mlm_batch_layout(setup):
     c, tok = setup
     b = next(it(c, tok))
-    shapes = {k: (v.shape, v.dtype.name) for k, v in b.items()}
+    shapes = {k: (v.shape, v.dtype.name) for k, v in b.present().items()}
     assert shapes == {"inputs": ((8, 32), "int32"), "input_mask": ((8, 32), "int32"), "targets": ((8, 32), "int32"),
                       "weights": ((8, 32), "float32"), "mlm_positions": ((8, 5), "int32"),
                       "mlm_labels": ((8, 5), "int32"), "mlm_weights": ((8, 5), "float32")}
-    assert (b["inputs"][:, 0] == tok.cls_id).all() and (b["targets"][:, 0] == tok.cls_id).all()
-    assert (b["weights"][:, 0] == 0).all()
-    assert (b["targets"][b["input_mask"] == 0] == tok.pad_id).all()
-    assert (b["targets"][:, 1:] != tok.cls_id).all()
+    assert (b.inputs[:, 0] == tok.cls_id).all() and (b.targets[:, 0] == tok.cls_id).all()
+    assert (b.weights[:, 0] == 0).all()
+    assert (b.targets[b.input_mask == 0] == tok.pad_id).all()
+    assert (b.targets[:, 1:] != tok.cls_id).all()
 
 
 def test_resume_gives_identical_batches(setup):
@@ -69,7 +70,7 @@ def test_processes_are_disjoint_and_union_is_global_batch(setup):
     n = whole.num_examples
     steps = n // 8 + 2  # cross an epoch boundary
     for _ in range(steps):
-        g, h0, h1 = next(whole), next(hosts[0]), next(hosts[1])
+        g, h0, h1 = (x.present() for x in (next(whole), next(hosts[0]), next(hosts[1])))
         for k in g:  # global row i is host i % 2, row i // 2
             np.testing.assert_array_equal(np.stack([h0[k], h1[k]], 1).reshape(g[k].shape), g[k], err_msg=k)
     # example identities: disjoint, union = the global batch, each example once per epoch
@@ -85,11 +86,11 @@ def test_one_pass_evaluation_sees_every_example_once(setup):
     ev = it(c, tok, shuffle=False, repeat=False, global_batch_size=6)
     batches = list(ev)
     assert len(batches) == ev.num_steps == -(-ev.num_examples // 6)
-    real = sum(int((x["input_mask"].sum(1) > 0).sum()) for x in batches)
+    real = sum(int((x.input_mask.sum(1) > 0).sum()) for x in batches)
     assert real == ev.num_examples
     last = batches[-1]
-    pad_rows = last["input_mask"].sum(1) == 0
-    assert (last["weights"][pad_rows] == 0).all() and (last["mlm_weights"][pad_rows] == 0).all()
+    pad_rows = last.input_mask.sum(1) == 0
+    assert (last.weights[pad_rows] == 0).all() and (last.mlm_weights[pad_rows] == 0).all()
 
 
 def test_clm_stream(setup):
@@ -98,12 +99,12 @@ def test_clm_stream(setup):
     c.model.objective = "clm"
     batches = list(it(c, tok, shuffle=False, repeat=False, global_batch_size=4))
     b = batches[0]
-    assert set(b) == {"inputs", "targets", "weights"} and b["inputs"].shape == (4, 32)
-    np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
-    np.testing.assert_array_equal(b["targets"][0, -1], b["inputs"][1, 0])  # windows overlap by one token
-    assert (b["inputs"] != tok.cls_id).all() and (b["inputs"] == tok.sep_id).any()
+    assert set(b.present()) == {"inputs", "targets", "weights"} and b.inputs.shape == (4, 32)
+    np.testing.assert_array_equal(b.inputs[:, 1:], b.targets[:, :-1])
+    np.testing.assert_array_equal(b.targets[0, -1], b.inputs[1, 0])  # windows overlap by one token
+    assert (b.inputs != tok.cls_id).all() and (b.inputs == tok.sep_id).any()
     # every token after the first is a weighted target exactly once
-    targets = np.concatenate([x["targets"][x["weights"] > 0] for x in batches])
+    targets = np.concatenate([x.targets[x.weights > 0] for x in batches])
     docs = D.load_documents(c, "validation")
     stream = []
     for d in docs:
@@ -113,13 +114,60 @@ def test_clm_stream(setup):
     np.testing.assert_array_equal(targets, stream[1:])
 
 
+def _mlm_blocks(c, tok):
+    """The real tokens (after [CLS]) of every MLM block of the validation split, in stream order."""
+    out = []
+    for x in it(c, tok, shuffle=False, repeat=False):
+        for row, m in zip(x.targets, x.input_mask):
+            if m.sum():
+                assert row[0] == tok.cls_id
+                out.append(row[1:][m[1:] > 0])
+    return out
+
+
+def _line_violations(blocks, units, cap):
+    """Units of <= cap tokens that a block boundary cuts, plus boundaries inside a longer unit at an offset
+    that is not a multiple of cap (the only allowed split). Also checks nothing is lost or reordered."""
+    np.testing.assert_array_equal(np.concatenate(blocks), np.concatenate(units))
+    unit_start = np.cumsum([0] + [len(u) for u in units])  # unit i spans [unit_start[i], unit_start[i+1])
+    cuts = np.cumsum([0] + [len(b) for b in blocks])[1:-1]  # block boundaries, as stream offsets
+    bad = []
+    for cut in cuts:
+        i = int(np.searchsorted(unit_start, cut, side="right")) - 1  # the unit the boundary falls in
+        off = cut - unit_start[i]
+        if off and (len(units[i]) <= cap or off % cap):
+            bad.append((int(cut), i, len(units[i])))
+    return bad
+
+
 def test_full_sentences_packing_keeps_lines_whole(setup):
     c, tok = setup
-    b = next(it(c, tok, shuffle=False))
-    docs = D.load_documents(c, "validation")
-    first_doc = tok.encode(docs[0].split("\n")[0])
-    if len(first_doc) <= 31:  # the first block starts with the first sentence, whole
-        np.testing.assert_array_equal(b["targets"][0, 1:1 + len(first_doc)], first_doc)
+    cap = c.model.max_len - 1  # [CLS] takes one position
+    # the packing units, built independently: every non-empty line of a document, [SEP] after its last line
+    units = []
+    for d in D.load_documents(c, "validation"):
+        lines = [ln for ln in d.split("\n") if ln.strip()]
+        units += [tok.encode(ln) + ([tok.sep_id] if j == len(lines) - 1 else []) for j, ln in enumerate(lines)]
+    lens = np.array([len(u) for u in units])
+    # the fixture exercises every case: short lines (packed, several per block) and lines longer than a block
+    assert (lens <= cap).sum() >= 20 and (lens > cap).sum() >= 20
+    blocks = _mlm_blocks(c, tok)
+    assert all(len(b) <= cap for b in blocks)
+    assert _line_violations(blocks, units, cap) == []
+    # blocks that start at a line boundary are greedy: the line after a block would not have fitted in it
+    unit_start = np.cumsum([0] + list(lens))
+    pos, packed = 0, 0
+    for b, nxt in zip(blocks, blocks[1:]):
+        pos += len(b)
+        i = int(np.searchsorted(unit_start, pos))
+        if i < len(units) and unit_start[i] == pos and lens[i] <= cap:
+            assert len(b) + lens[i] > cap, (pos, len(b), lens[i])
+        packed += int(((unit_start > pos - len(b)) & (unit_start < pos)).sum() > 0)  # a line starts inside b
+    assert packed >= 10  # many blocks hold more than one line
+    # negative control: the checker does catch split lines (contiguous packing cuts lines anywhere)
+    cc = ml_collections.ConfigDict(c.to_dict())
+    cc.data.packing = "contiguous"
+    assert len(_line_violations(_mlm_blocks(cc, tok), units, cap)) > 5
 
 
 def test_bad_batch_size(setup):

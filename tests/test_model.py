@@ -223,11 +223,17 @@ def test_tupe_parameter_overhead_for_base():
                                                                 jnp.zeros((1, 8), jnp.int32)))
         return count_params(shapes["params"])
 
-    bert_a, tupe_a, tupe_r = n_params("bert_a"), n_params("tupe_a"), n_params("tupe_r")
+    counts = {pe: n_params(pe) for pe in ("bert_a", "bert_r", "tupe_a", "tupe_r", "bert_ad", "nopos")}
+    # the six numbers quoted in README.md ("Parameter counts for size=base"), exactly
+    assert counts == {"bert_a": 109_512_762, "bert_r": 109_513_146, "tupe_a": 110_696_250, "tupe_r": 110_696_646,
+                      "bert_ad": 110_695_482, "nopos": 109_119_546}
+    bert_a, tupe_a, tupe_r = counts["bert_a"], counts["tupe_a"], counts["tupe_r"]
     # U^Q, U^K with biases (2·(768²+768)) + position LayerNorm (2·768) + the extra [CLS] row (768)
     assert tupe_a - bert_a == 2 * (768 * 768 + 768) + 2 * 768 + 768 == 1_183_488
-    assert tupe_r - tupe_a == 33 * 12
-    assert 109e6 < bert_a < 111e6
+    assert tupe_r - tupe_a == 33 * 12                      # 32 relative buckets + the [CLS] column's, per head
+    assert counts["bert_r"] - bert_a == 32 * 12            # relative buckets only
+    assert counts["bert_ad"] - bert_a == tupe_a - bert_a - 768  # the same projections, no untied [CLS] row
+    assert bert_a - counts["nopos"] == 512 * 768           # the absolute position table
 
 
 # ------------------------------------------------------------------------------------------ bert_ad

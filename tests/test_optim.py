@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import pytest
 
 from tupe_jax import optim
@@ -81,13 +80,47 @@ def test_accumulation_matches_full_batch():
     assert abs(naive - float(full[0])) > 1e-3
 
 
-def test_optimizer_chain_runs_with_clip():
-    tx, _ = optim.make_optimizer(_train())
-    params = {"w": jnp.ones((3,))}
-    state = tx.init(params)
-    updates, _ = tx.update({"w": jnp.full((3,), 100.0)}, state, params)
-    assert np.all(np.isfinite(np.asarray(updates["w"])))
-    assert isinstance(tx, optax.GradientTransformation)
+def test_optimizer_chain_first_update_with_clip():
+    """The first update of clip-by-global-norm + AdamW against NumPy. warmup_steps=0, so the schedule gives the
+    peak lr at step 0. Bias-corrected Adam at step 1: m̂ = g, v̂ = g², so the step is g / (|g| + eps) elementwise;
+    AdamW adds wd·p where `decay_mask` applies (kernels, embeddings; not biases / LayerNorm); the update is
+    -lr · (that). adam_eps = 0.1 is large on purpose: with eps ≈ 0 the step is ≈ sign(g) and would hide the clip."""
+    lr, wd, clip, eps = 0.05, 0.1, 1.0, 0.1
+    tx, schedule = optim.make_optimizer(_train(learning_rate=lr, warmup_steps=0, weight_decay=wd, clip_norm=clip,
+                                               adam_eps=eps))
+    assert float(schedule(0)) == pytest.approx(lr, rel=1e-7)
+    rng = np.random.default_rng(0)
+    params = {"dense": {"kernel": rng.normal(size=(3, 2)), "bias": rng.normal(size=(2,))},
+              "LayerNorm_0": {"scale": rng.normal(size=(2,))}, "token_embed": rng.normal(size=(4, 2))}
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)
+    decayed = {"dense": {"kernel": True, "bias": False}, "LayerNorm_0": {"scale": False}, "token_embed": True}
+    p_np = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
+
+    def expected(g):
+        norm = np.sqrt(sum(float((x ** 2).sum()) for x in jax.tree_util.tree_leaves(g)))
+        gc = jax.tree_util.tree_map(lambda x: x * min(1.0, clip / norm), g)
+        return jax.tree_util.tree_map(lambda x, p, d: -lr * (x / (np.abs(x) + eps) + (wd * p if d else 0.0)),
+                                      gc, p_np, decayed), norm
+
+    for scale in (30.0, 0.05):  # global norm far above the clip, then below it (no clipping)
+        g = jax.tree_util.tree_map(lambda x: rng.normal(size=x.shape) * scale, p_np)
+        updates, _ = tx.update(jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), g), tx.init(params),
+                               params)
+        want, norm = expected(g)
+        assert (norm > 5 * clip) if scale > 1 else (norm < clip)
+        for u, w in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(np.asarray(u), w, rtol=2e-5, atol=1e-8)
+        # invert the update to the gradient Adam saw: its global norm is min(norm, clip)
+        seen = jax.tree_util.tree_map(lambda u, p, d: -np.asarray(u, np.float64) / lr - (wd * p if d else 0.0),
+                                      updates, p_np, decayed)
+        gc = jax.tree_util.tree_map(lambda a, x: np.sign(x) * eps * np.abs(a) / (1 - np.abs(a)), seen, g)
+        gc_norm = np.sqrt(sum(float((x ** 2).sum()) for x in jax.tree_util.tree_leaves(gc)))
+        assert gc_norm == pytest.approx(min(norm, clip), rel=1e-4)
+        if scale > 1:  # the clip changes the update measurably (the unclipped step would be larger)
+            unclipped = jax.tree_util.tree_map(lambda x: x / (np.abs(x) + eps), g)
+            assert max(float(np.abs(-u / lr - d * wd * p - w).max()) for u, p, d, w in zip(
+                map(np.asarray, jax.tree_util.tree_leaves(updates)), jax.tree_util.tree_leaves(p_np),
+                jax.tree_util.tree_leaves(decayed), jax.tree_util.tree_leaves(unclipped))) > 0.1
 
 
 @pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])

@@ -5,6 +5,8 @@
    an independent NumPy "standard attention over concatenated heads" reference at scale 1/√(2·d_h).
 2. The MLM head on the masked positions only (the gather form used by `train.batch_loss`) gives the same loss
    and gradients as the dense head over every position with dense label/weight grids.
+3. The fused attention backend (`model.attention_backend='xla'`) gives the einsum path's loss and gradients,
+   for TUPE's bias and concat forms and for bert_a.
 """
 import dataclasses
 import functools
@@ -16,7 +18,8 @@ import optax
 import pytest
 
 from tupe_jax.model import ModelConfig, TransformerLM, init_params
-from tupe_jax.train import batch_loss
+from tupe_jax.data.batch import LMBatch
+from tupe_jax.pretrain.steps import batch_loss
 
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, mlp_dim=64, max_len=16,
             dropout_rate=0.0, attention_dropout_rate=0.0)
@@ -92,6 +95,43 @@ def test_concat_form_has_the_same_gradients(pe):
     assert np.all(table[0] == 0.0)  # θ1 drops out: exactly zero gradient in the concat form as well
 
 
+@pytest.mark.parametrize("pe,objective", [("tupe_a", "mlm"), ("tupe_r", "mlm"), ("tupe_r", "clm"), ("bert_a", "mlm")])
+def test_xla_backend_equals_einsum_backend(pe, objective, monkeypatch):
+    """`attention_backend='xla'` (jax.nn.dot_product_attention) vs the einsum path, float32 on CPU, for TUPE's
+    BIAS form (the (1, H, L, L) position term goes in as the kernel's `bias`, so its gradient flows through the
+    fused op) and for bert_a (no bias at all), with a padded row and, for clm, the causal mask. Same params; loss
+    and every gradient leaf agree. Tolerance: both paths do the same float32 maths in a different op order
+    (the kernel's grouped-head reshapes and softmax vs explicit logits), i.e. float32 rounding only: rtol 1e-6 on
+    the loss, rtol 1e-5 / atol 1e-7 on gradients (measured on CPU: loss equal, gradients within 1.5e-8)."""
+    einsum_cfg = config(pe, objective, num_layers=2, tupe_form="bias", attention_backend="einsum")
+    xla_cfg = dataclasses.replace(einsum_cfg, attention_backend="xla")
+    params = init_params(einsum_cfg, jax.random.key(8))
+    toks, mask = inputs(seed=9)
+
+    def loss_fn(cfg):
+        def loss(p):
+            logits = TransformerLM(cfg).apply({"params": p}, toks, input_mask=mask)["logits"]
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), toks[..., None], -1)[..., 0]
+            return jnp.sum(nll * mask) / jnp.sum(mask)
+        return loss
+
+    calls = []  # the xla config really takes the fused path, once per layer (and the einsum one never does)
+    fused = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, **kw: calls.append(kw.get("implementation")) or fused(*a, **kw))
+    la, ga = jax.jit(jax.value_and_grad(loss_fn(einsum_cfg)))(params)
+    assert calls == []
+    lb, gb = jax.jit(jax.value_and_grad(loss_fn(xla_cfg)))(params)
+    assert calls == ["xla"] * einsum_cfg.num_layers
+    assert np.isfinite(float(la)) and float(la) > 1.0
+    np.testing.assert_allclose(float(lb), float(la), rtol=1e-6)
+    leaves = jax.tree_util.tree_leaves_with_path(ga)
+    assert sum(float(jnp.abs(x).max()) > 0 for _, x in leaves) >= len(leaves) - 1  # real gradients, not zeros
+    for (path, x), y in zip(leaves, jax.tree_util.tree_leaves(gb)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-7, rtol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("untie_cls", [True, False])
 def test_tupe_a_is_standard_attention_over_concatenated_heads(untie_cls):
     """Independent NumPy reference: q' = [xW^Q ; pU^Q (; 1)], k' = [xW^K ; pU^K (; θ2·√(2d_h))] for i, j ≥ 1,
@@ -139,19 +179,19 @@ def mlm_batch(length=12, predictions=4, seed=0):
         positions[b, : len(picked)] = picked
         weights[b, : len(picked)] = 1.0
     labels = rng.integers(5, TINY["vocab_size"], (2, predictions)).astype(np.int32) * (weights > 0)
-    return {"inputs": toks, "input_mask": mask, "mlm_positions": positions, "mlm_labels": labels,
-            "mlm_weights": weights}
+    return LMBatch(inputs=toks, targets=None, weights=None, input_mask=mask, mlm_positions=positions,
+                   mlm_labels=labels, mlm_weights=weights)
 
 
 def dense_reference_loss(model, params, batch, rng, deterministic):
     """Σ weighted NLL with the head on EVERY position and (B, L) label / weight grids."""
-    logits = model.apply({"params": params}, batch["inputs"], input_mask=batch["input_mask"],
+    logits = model.apply({"params": params}, batch.inputs, input_mask=batch.input_mask,
                          deterministic=deterministic, rngs={"dropout": rng})["logits"]       # (B, L, V)
-    rows = np.arange(batch["inputs"].shape[0])[:, None]
-    labels = jnp.zeros(batch["inputs"].shape, jnp.int32).at[rows, batch["mlm_positions"]].add(
-        batch["mlm_labels"] * (batch["mlm_weights"] > 0))
-    weights = jnp.zeros(batch["inputs"].shape, jnp.float32).at[rows, batch["mlm_positions"]].add(
-        batch["mlm_weights"])
+    rows = np.arange(batch.inputs.shape[0])[:, None]
+    labels = jnp.zeros(batch.inputs.shape, jnp.int32).at[rows, batch.mlm_positions].add(
+        batch.mlm_labels * (batch.mlm_weights > 0))
+    weights = jnp.zeros(batch.inputs.shape, jnp.float32).at[rows, batch.mlm_positions].add(
+        batch.mlm_weights)
     return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels) * weights)
 
 
@@ -160,7 +200,7 @@ def test_gather_head_matches_dense_head_loss_and_gradients(pe, deterministic):
     cfg = config(pe, dropout_rate=0.1, attention_dropout_rate=0.1)
     model = TransformerLM(cfg)
     params = init_params(cfg, jax.random.key(6))
-    batch = {k: jnp.asarray(v) for k, v in mlm_batch().items()}
+    batch = jax.tree_util.tree_map(jnp.asarray, mlm_batch())
     rng = jax.random.key(7)
     gather_fn = jax.jit(jax.value_and_grad(lambda p: batch_loss(model, p, batch, rng, deterministic)[0]))
     dense_fn = jax.jit(jax.value_and_grad(lambda p: dense_reference_loss(model, p, batch, rng, deterministic)))
@@ -198,13 +238,13 @@ def test_shared_bias_add_has_the_plain_broadcast_gradients():
 def test_train_step_with_rbg_dropout_is_reproducible_and_keeps_the_state_format():
     """`train.dropout_rng='rbg'` changes only the dropout masks: same state + batch -> identical step, a loss
     different from threefry's, and the same raw-key state layout (checkpoints do not depend on the choice)."""
-    from tupe_jax.train import make_train_step  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain.steps import make_train_step  # pylint: disable=import-outside-toplevel
     cfg = config("tupe_r", dropout_rate=0.1, attention_dropout_rate=0.1)
     model = TransformerLM(cfg)
     params = init_params(cfg, jax.random.key(0))
     tx = optax.adamw(1e-3)
     state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params), "rng": jax.random.PRNGKey(1)}
-    batch = {k: jnp.asarray(v) for k, v in mlm_batch().items()}
+    batch = jax.tree_util.tree_map(jnp.asarray, mlm_batch())
     schedule = optax.constant_schedule(1e-3)
     rbg = jax.jit(make_train_step(model, tx, schedule, 1, "rbg"))
     threefry = jax.jit(make_train_step(model, tx, schedule, 1))

@@ -25,7 +25,10 @@ import pytest
 from configs import pretrain as pretrain_config
 from tupe_jax import checkpoint as ckpt
 from tupe_jax import config as config_lib
-from tupe_jax import train
+from tupe_jax import trainer as trainer_lib
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.model import ModelConfig, TransformerLM
+from tupe_jax.pretrain import loop as pretrain_loop
 from tupe_jax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +42,8 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 CHILD = r'''
 import json, os, signal, sys, time
 import tupe_jax.sharding as sh
-from tupe_jax import checkpoint as ckpt, config as c, train
+from tupe_jax import checkpoint as ckpt, workdir
+from tupe_jax.pretrain import loop
 wd, kill = sys.argv[1], json.loads(os.environ.get("KILL", "null"))
 def hit(sig):
     with open(os.path.join(wd, "interrupted_at"), "w") as f:
@@ -69,7 +73,7 @@ if kill and kill["phase"] == "commit":
             hit(signal.SIGKILL)
         return await original_finalize(self, *a, **k)
     atomicity.AtomicRenameTemporaryPath.finalize = finalize
-train.pretrain(c.load_workdir_config(wd), wd)
+loop.pretrain(workdir.read_config(wd), wd)
 '''
 
 
@@ -113,7 +117,7 @@ def leftovers(workdir):
 
 
 def params_of(workdir):
-    return jax.tree_util.tree_map(np.asarray, train.load_run(str(workdir)).params)
+    return jax.tree_util.tree_map(np.asarray, workdir_lib.load_run(str(workdir)).params)
 
 
 def assert_params_equal(a, b):
@@ -130,7 +134,7 @@ def test_kill9_at_random_steps_and_sigterm_resume_bitwise(cache_dir, tmp_path):
     config = tiny_config(cache_dir, steps)
     ref, run = tmp_path / "uninterrupted", tmp_path / "interrupted"
     for wd in (ref, run):
-        config_lib.write_workdir_config(str(wd), config)
+        workdir_lib.write_config(str(wd), config)
     result = run_child(ref)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -199,7 +203,7 @@ def two_step_run(cache_dir, tmp_path_factory):
     """A workdir trained 10 steps with checkpoints at 5 and 10 (one device, synchronous saves)."""
     wd = tmp_path_factory.mktemp("two_steps") / "run"
     config = tiny_config(cache_dir, 10, **{"checkpoint.async_save": "false"})
-    train.pretrain(config, str(wd), devices=jax.devices()[:1])
+    pretrain_loop.pretrain(config, str(wd), devices=jax.devices()[:1])
     assert committed(wd) == [5, 10]
     return wd, config
 
@@ -222,10 +226,10 @@ def test_corrupt_latest_checkpoint_falls_back_and_deletes_nothing(kind, two_step
 
 def _abstract(config):
     from tupe_jax import sharding as sh  # pylint: disable=import-outside-toplevel
-    _, model = train.build_model(config)
+    model = TransformerLM(ModelConfig.from_config(config.model))
     from tupe_jax.optim import make_optimizer  # pylint: disable=import-outside-toplevel
     tx, _ = make_optimizer(config.train)
-    init_fn = train.init_state_fn(model, tx, config)
+    init_fn = trainer_lib.init_state_fn(model, tx, config.model.max_len)
     abstract = jax.eval_shape(init_fn, jax.random.PRNGKey(0))
     mesh = sh.make_mesh(config, jax.devices()[:1])
     return sh.abstract_with_shardings(abstract, sh.logical_to_shardings(abstract, mesh))
@@ -251,13 +255,13 @@ def test_training_continues_past_a_corrupt_step(two_step_run, tmp_path, caplog):
     damaged = _truncate_largest(str(wd / "checkpoints" / "10"))
     config = tiny_config(config.data.cache_dir, 15, **{"checkpoint.async_save": "false"})
     with caplog.at_level(logging.WARNING):
-        train.pretrain(config, str(wd), devices=jax.devices()[:1])
+        pretrain_loop.pretrain(config, str(wd), devices=jax.devices()[:1])
     assert "checkpoint step 10" in caplog.text
     assert committed(wd) == [5, 10, 15]
     aside = glob.glob(str(wd / "checkpoints" / "10.bad-*"))
     assert len(aside) == 1
     assert os.path.isfile(damaged.replace(str(wd / "checkpoints" / "10"), aside[0]))
-    assert train.load_run(str(wd)).step == 15
+    assert workdir_lib.load_run(str(wd)).step == 15
 
 
 def test_uncommitted_checkpoint_is_never_picked(two_step_run, tmp_path):
@@ -269,7 +273,7 @@ def test_uncommitted_checkpoint_is_never_picked(two_step_run, tmp_path):
     shutil.copytree(wd / "checkpoints" / "10", wd / "checkpoints" / f"20{TMP_SUFFIX}")
     (wd / "checkpoints" / f"20{TMP_SUFFIX}" / "commit_success.txt").unlink()
     assert int(_latest_restore(wd, config)["step"]) == 10
-    assert train.load_run(str(wd)).step == 10
+    assert workdir_lib.load_run(str(wd)).step == 10
 
 
 # ================================================================================================ divergence
@@ -279,7 +283,7 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(cache_dir, t
     config = tiny_config(cache_dir, 30, **{"train.learning_rate": "1e3", "train.warmup_steps": "4",
                                            "checkpoint.every": "2"})
     with pytest.raises(UserError) as info:
-        train.pretrain(config, str(wd), devices=jax.devices()[:1])
+        pretrain_loop.pretrain(config, str(wd), devices=jax.devices()[:1])
     message = str(info.value)
     step = int(re.search(r"training diverged at step (\d+)", message).group(1))
     assert "\n" not in message and "learning_rate" in message
@@ -312,7 +316,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_earlier_checkpoints(cache
     ckpt.Checkpointer.save = save
     try:
         with pytest.raises(UserError) as info:
-            train.pretrain(config, str(wd), devices=jax.devices()[:1])
+            pretrain_loop.pretrain(config, str(wd), devices=jax.devices()[:1])
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         ckpt.Checkpointer.save = original_save
@@ -320,7 +324,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_earlier_checkpoints(cache
     message = str(info.value)
     assert message.startswith("error: disk full") and "\n" not in message and "step 10" in message, message
     assert committed(wd) == [5] and not leftovers(wd)
-    assert train.load_run(str(wd)).step == 5
+    assert workdir_lib.load_run(str(wd)).step == 5
 
 
 def test_disk_full_enospc_from_a_python_write(tmp_path, standin_model):
@@ -377,12 +381,12 @@ def test_restore_and_data_never_unpickle(two_step_run, tmp_path, monkeypatch):
     for name in ("load", "loads", "Unpickler"):
         monkeypatch.setattr(pickle, name, refuse)
     src, config = two_step_run
-    run = train.load_run(str(src))
+    run = workdir_lib.load_run(str(src))
     assert run.step == 10
     assert int(_latest_restore(src, config)["step"]) == 10
     from tupe_jax import data as data_lib  # pylint: disable=import-outside-toplevel
     it = data_lib.pretrain_iterator(config, run.tokenizer, split="train", global_batch_size=16, seed=0)
-    assert next(it)["inputs"].shape[0] == 16
+    assert next(it).inputs.shape[0] == 16
 
 
 def test_config_files_run_only_from_the_path_given(tmp_path, monkeypatch):
@@ -399,7 +403,7 @@ def test_config_files_run_only_from_the_path_given(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UserError, match="does not exist"):
         config_lib.load_config("configs/pretrain.py:pe=rope")           # relative to the cwd, no search path
-    assert config_lib.load_workdir_config(str(wd)).to_dict() == {"model": {}}
+    assert workdir_lib.read_config(str(wd)).to_dict() == {"model": {}}
     assert not marker.exists()
     good = tmp_path / "mine.py"
     good.write_text("import ml_collections\ndef get_config(arg):\n    return ml_collections.ConfigDict({'a': 1})\n")

@@ -12,7 +12,10 @@ import pytest
 
 from configs import pretrain as pretrain_config
 from tupe_jax import config as config_lib
-from tupe_jax import train
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.errors import UserError
+from tupe_jax.pretrain import evaluate as evaluate_lib
+from tupe_jax.pretrain import loop as pretrain_loop
 from tupe_jax.metrics import read_metrics
 from tupe_jax.positional import SCHEMES
 
@@ -53,7 +56,7 @@ def losses(workdir):
 @pytest.mark.parametrize("pe", SCHEMES)
 def test_loss_falls_for_every_scheme(pe, objective, cache_dir, tmp_path):
     config = tiny_config(f"pe={pe},objective={objective}", cache_dir, steps=50)
-    train.pretrain(config, str(tmp_path), devices=jax.devices()[:1])   # speed: sharding is tested below
+    pretrain_loop.pretrain(config, str(tmp_path), devices=jax.devices()[:1])   # speed: sharding is tested below
     curve = losses(tmp_path)
     assert len(curve) == 50
     assert np.mean(curve[-5:]) < np.mean(curve[:5]) - 0.3, curve
@@ -64,14 +67,14 @@ def test_losses_equal_across_meshes(cache_dir, tmp_path):
     for name, mesh in {"data8": (8, 1, 1), "d2f2t2": (2, 2, 2), "fsdp8": (1, 8, 1)}.items():
         config = tiny_config("pe=tupe_r", cache_dir, steps=5, **{"mesh.data": mesh[0], "mesh.fsdp": mesh[1],
                                                                   "mesh.tensor": mesh[2]})
-        train.pretrain(config, str(tmp_path / name))
+        pretrain_loop.pretrain(config, str(tmp_path / name))
         curves[name] = losses(tmp_path / name)
     # one device, in a fresh process (the device count is fixed when JAX starts)
     config = tiny_config("pe=tupe_r", cache_dir, steps=5)
-    config_lib.write_workdir_config(str(tmp_path / "one"), config)
+    workdir_lib.write_config(str(tmp_path / "one"), config)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    code = ("from tupe_jax import train, config as c; import sys; "
-            "train.pretrain(c.load_workdir_config(sys.argv[1]), sys.argv[1])")
+    code = ("from tupe_jax.pretrain import loop; from tupe_jax import workdir; import sys; "
+            "loop.pretrain(workdir.read_config(sys.argv[1]), sys.argv[1])")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "one")], check=True, cwd=ROOT, env=env,
                    capture_output=True)
     curves["one"] = losses(tmp_path / "one")
@@ -81,19 +84,19 @@ def test_losses_equal_across_meshes(cache_dir, tmp_path):
 
 
 def params_of(workdir):
-    return jax.tree_util.tree_map(np.asarray, train.load_run(str(workdir)).params)
+    return jax.tree_util.tree_map(np.asarray, workdir_lib.load_run(str(workdir)).params)
 
 
 def test_stop_and_resume_is_bitwise_exact(cache_dir, tmp_path):
     config = tiny_config("pe=tupe_r", cache_dir, steps=12)
-    train.pretrain(config, str(tmp_path / "straight"))
-    train.pretrain(config, str(tmp_path / "resumed"), stop_after=5)
-    assert train.load_run(str(tmp_path / "resumed")).step == 5
-    train.pretrain(config, str(tmp_path / "resumed"), stop_after=4)
+    pretrain_loop.pretrain(config, str(tmp_path / "straight"))
+    pretrain_loop.pretrain(config, str(tmp_path / "resumed"), stop_after=5)
+    assert workdir_lib.load_run(str(tmp_path / "resumed")).step == 5
+    pretrain_loop.pretrain(config, str(tmp_path / "resumed"), stop_after=4)
     # as if a process killed with -9 had logged steps 10 and 11 after its last checkpoint (step 9)
     with open(tmp_path / "resumed" / "metrics.jsonl", "a", encoding="utf-8") as f:
         f.write('{"step": 10, "loss": 99.0}\n{"step": 11, "loss": 99.0}\n')
-    train.pretrain(config, str(tmp_path / "resumed"))
+    pretrain_loop.pretrain(config, str(tmp_path / "resumed"))
     a, b = params_of(tmp_path / "straight"), params_of(tmp_path / "resumed")
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_array_equal(x, y)
@@ -104,7 +107,7 @@ def test_stop_and_resume_is_bitwise_exact(cache_dir, tmp_path):
 
 def test_resume_onto_another_mesh_shape(cache_dir, tmp_path):
     config = tiny_config("pe=rope,objective=clm", cache_dir, steps=10, **{"mesh.data": 1, "mesh.fsdp": 8})
-    train.pretrain(config, str(tmp_path), stop_after=5)
+    pretrain_loop.pretrain(config, str(tmp_path), stop_after=5)
     saved = params_of(tmp_path)
     config = tiny_config("pe=rope,objective=clm", cache_dir, steps=10, **{"mesh.data": 2, "mesh.fsdp": 2,
                                                                           "mesh.tensor": 2})
@@ -112,16 +115,36 @@ def test_resume_onto_another_mesh_shape(cache_dir, tmp_path):
     from tupe_jax import sharding
     mesh = sharding.make_mesh(config)
     assert mesh.shape == {"data": 2, "fsdp": 2, "tensor": 2}
-    out = train.pretrain(config, str(tmp_path))
+    out = pretrain_loop.pretrain(config, str(tmp_path))
     assert out["step"] == 10 and len(losses(tmp_path)) == 10
-    assert jax.tree_util.tree_structure(abstract) == jax.tree_util.tree_structure(params_of(tmp_path))
+    resumed = params_of(tmp_path)
+    assert jax.tree_util.tree_structure(abstract) == jax.tree_util.tree_structure(resumed)
+    # the same 10 steps uninterrupted on the first mesh: same data order, seed and schedule, so the resumed run
+    # must follow it step by step. Not bitwise: another mesh shape changes the order of the sharded reductions
+    # (gradient all-reduce, tensor-parallel matmul partial sums), i.e. float32 rounding only, grown over 5 steps
+    # (measured on CPU: losses within 8e-8 relative, params within 1.2e-8 absolute). rtol 1e-5 on the losses; on
+    # the final params rtol 1e-5 / atol 1e-7 (Adam's g/sqrt(v) can amplify the rounding of near-zero gradients,
+    # but lr 3e-3 bounds each step's change).
+    straight = tiny_config("pe=rope,objective=clm", cache_dir, steps=10, **{"mesh.data": 1, "mesh.fsdp": 8})
+    pretrain_loop.pretrain(straight, str(tmp_path / "straight"))
+    want, got = losses(tmp_path / "straight"), losses(tmp_path)
+    assert [m["step"] for m in read_metrics(str(tmp_path)) if "loss" in m] == list(range(1, 11))
+    assert got[:5] == want[:5]   # steps 1-5 ran on the same mesh in both runs: bitwise equal
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+    assert abs(want[-1] - want[0]) > 100 * 1e-5 * want[0]   # the losses move far more than the tolerance
+    ref = params_of(tmp_path / "straight")
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(ref), jax.tree_util.tree_leaves(resumed)):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    moved = [float(np.abs(x - y).max()) for x, y in zip(jax.tree_util.tree_leaves(saved),
+                                                         jax.tree_util.tree_leaves(resumed))]
+    assert max(moved) > 1e-3   # steps 6-10 changed the params by far more than the tolerance
 
 
 def test_evaluate_reports_validation_metrics(cache_dir, tmp_path, monkeypatch):
     config = tiny_config("pe=alibi,objective=clm", cache_dir, steps=3)
-    train.pretrain(config, str(tmp_path))
+    pretrain_loop.pretrain(config, str(tmp_path))
     monkeypatch.chdir(tmp_path.parent)   # a relative --workdir, as users type it (Orbax wants absolute paths)
-    values = train.evaluate(tmp_path.name)
+    values = evaluate_lib.evaluate(tmp_path.name)
     assert values["eval_perplexity"] == pytest.approx(np.exp(values["eval_loss"]), rel=1e-6)
     last = read_metrics(str(tmp_path))[-1]
     assert last["split"] == "validation" and last["step"] == 3
@@ -147,13 +170,13 @@ def test_sigterm_checkpoints_current_step_and_exits_zero(cache_dir, tmp_path):
 
 def test_swapped_tokenizer_is_refused(cache_dir, tmp_path):
     config = tiny_config("pe=nopos,objective=clm", cache_dir, steps=2)
-    train.pretrain(config, str(tmp_path), devices=jax.devices()[:1])
+    pretrain_loop.pretrain(config, str(tmp_path), devices=jax.devices()[:1])
     vocab = tmp_path / "tokenizer" / "vocab.txt"
     lines = vocab.read_text(encoding="utf-8").splitlines()
     lines[10], lines[11] = lines[11], lines[10]          # same size, other ids
     vocab.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with pytest.raises(train.UserError, match=r"tokenizer at .*vocab\.txt.*not the one the checkpoint"):
-        train.load_run(str(tmp_path))
+    with pytest.raises(UserError, match=r"tokenizer at .*vocab\.txt.*not the one the checkpoint"):
+        workdir_lib.load_run(str(tmp_path))
     config = tiny_config("pe=nopos,objective=clm", cache_dir, steps=4)
-    with pytest.raises(train.UserError, match="not the one the checkpoint"):
-        train.pretrain(config, str(tmp_path), devices=jax.devices()[:1])
+    with pytest.raises(UserError, match="not the one the checkpoint"):
+        pretrain_loop.pretrain(config, str(tmp_path), devices=jax.devices()[:1])

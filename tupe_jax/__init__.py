@@ -1,5 +1,14 @@
 """tupe-jax: TUPE and the positional-encoding comparison in JAX/Flax.
 
-The library is importable and testable on its own; `launch/` is the thin CLI on top.
+The library is importable and testable on its own; `launch/` is the thin CLI on top. Layers, lowest first (a
+module imports only from its own layer or below; tests/test_architecture.py checks it):
+
+    errors, files                       one-line user errors; atomic whole-file writes
+    config, positional/, attention, sharding, optim, metrics, plots, checkpoint, data/
+                                        each owns its names and checks its own config section
+    model                               the Transformer LMs and classifier; the dtype table
+    workdir, trainer                    a run's folder (config.json, meta, loading); the one training loop
+    pretrain/, finetune/                the two loops over the trainer, each with its validator
+    analysis/                           tools on trained runs; the comparison suites
 """
 __version__ = "0.1.0"

@@ -72,6 +72,11 @@ def attention_logits(q: jax.Array, k: jax.Array, terms: PositionalTerms, mask: O
     return logits
 
 
+# `model.attention_backend`: the einsum path (any scheme, dropout, probabilities) or jax.nn.dot_product_attention's
+# fused implementations, used when no probabilities are asked for and attention dropout is off for the pass.
+ATTENTION_BACKENDS = ("einsum", "xla", "cudnn")
+
+
 class SelfAttention(nn.Module):
     num_heads: int
     head_dim: int

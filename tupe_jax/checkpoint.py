@@ -4,8 +4,9 @@ Each step holds three items:
 - `state`: the train-state pytree (params, opt_state, step, rng), `StandardSave`/`StandardRestore`. Restores go
   against an abstract tree carrying target shardings, so a checkpoint loads onto a different mesh shape.
 - `data`: the data-iterator state (a JSON-able dict, e.g. grain's `get_state()`), `JsonSave`.
-- `meta`: JSON with the config hash, scheme, objective and param shapes (see `make_meta` / `check_compatible`), so a
-  fine-tune refuses a checkpoint of another scheme or shape.
+- `meta`: JSON with the config hash, scheme, objective, param shapes and tokenizer fingerprint, written and
+  checked by `workdir.py` (`make_meta`, `check_compatible`, `check_tokenizer`), so a fine-tune or a resume refuses a
+  checkpoint of another scheme, shape or vocabulary. This module only stores it.
 
 Orbax writes each step into a temporary directory and renames it when complete, so unfinished saves are never
 listed. If the newest step fails to restore (corrupt files), `restore` warns naming it and falls back to the
@@ -59,38 +60,6 @@ def param_shapes(params: Any) -> dict[str, list[int]]:
     """{"['a']['b']": shape} for every leaf of `params` (boxed or not)."""
     leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(params))
     return {jax.tree_util.keystr(p): [int(d) for d in np.shape(x)] for p, x in leaves}
-
-
-def make_meta(config: Any, params: Any, tokenizer_fingerprint: str = "") -> dict[str, Any]:
-    """The `meta` item: what a later fine-tune or evaluation needs to refuse an incompatible checkpoint."""
-    from tupe_jax.config import config_hash  # pylint: disable=import-outside-toplevel
-    return {"config_hash": config_hash(config), "pe": str(config.model.pe),
-            "objective": str(config.model.objective), "param_shapes": param_shapes(params),
-            "tokenizer": tokenizer_fingerprint}
-
-
-def check_tokenizer(meta: Mapping[str, Any], fingerprint: str, vocab_path: str) -> None:
-    """Raise UserError if the checkpoint was trained with another vocabulary than the one at `vocab_path`."""
-    saved = meta.get("tokenizer") or ""
-    if saved and fingerprint and saved != fingerprint:
-        raise UserError(f"the tokenizer at {vocab_path} (fingerprint {fingerprint}) is not the one the checkpoint "
-                        f"was trained with (fingerprint {saved})", vocab_path,
-                        "restore the run's original vocab.txt or start a fresh workdir")
-
-
-def check_compatible(meta: Mapping[str, Any], pe: str, shapes: Mapping[str, list[int]] | None = None,
-                     where: str = "--config.init_from") -> None:
-    """Raise UserError if checkpoint `meta` has another positional scheme or other param shapes."""
-    if meta.get("pe") != pe:
-        raise UserError(f"the checkpoint was trained with pe={meta.get('pe')!r}, not pe={pe!r}", where,
-                        f"fine-tune with pe={meta.get('pe')} or pick a checkpoint of {pe}")
-    if shapes is None:
-        return
-    saved = meta.get("param_shapes", {})
-    for key, shape in shapes.items():
-        if key in saved and list(saved[key]) != list(shape):
-            raise UserError(f"param {key} has shape {saved[key]} in the checkpoint but {list(shape)} here", where,
-                            "use the same model size (model.* keys) as the pretraining run")
 
 
 # Write failures that mean "the disk (or quota, or file-size limit) is full". Tensorstore reports them as

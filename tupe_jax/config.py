@@ -1,9 +1,12 @@
-"""Config loading, command-line overrides, validation and the workdir's `config.json`.
+"""Generic config machinery: loading `configs/<name>.py:arg`, command-line overrides against types, locking, and
+the small checks every validator uses. Nothing here knows a section or a name list: each module owns its names
+and checks its own section (`model.validate_config`, `sharding.resolve_mesh_shape`, `optim.validate_config`,
+`data.validate_config`), and each command owns its validator (`pretrain.validate`, `finetune.validate`,
+`analysis.suite.validate`), named by the launcher's command table.
 
 A config is a locked `ml_collections.ConfigDict` built by `configs/<name>.py:get_config(arg)`. Overrides
 (`--config.a.b=c`) are parsed against the type of the existing value: unknown keys and values of the wrong type
-raise `UserError` naming the key. `validate(config, num_devices)` checks everything that can be checked before
-any compute (mesh shape, batch divisibility, model shape, known names) and raises `UserError` naming the key.
+raise `UserError` naming the key.
 """
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ import ast
 import hashlib
 import importlib.util
 import json
-import math
 import os
 from typing import Any, Mapping
 
@@ -19,18 +21,6 @@ import ml_collections
 
 from tupe_jax.errors import UserError, require
 
-PE_SCHEMES = ("bert_a", "sinusoidal", "rope", "alibi", "t5", "bert_r", "nopos", "tupe_a", "tupe_r", "bert_ad")
-PE_ALIASES = {"learned": "bert_a"}
-OBJECTIVES = ("mlm", "clm")
-# PRNG implementations for dropout masks (`train.dropout_rng`, see optim.dropout_key)
-DROPOUT_RNGS = ("threefry2x32", "rbg", "unsafe_rbg")
-DTYPES = ("float32", "bfloat16", "float16")
-ROPE_STYLES = ("half", "interleaved")
-TUPE_FORMS = ("bias", "concat")
-ATTENTION_BACKENDS = ("einsum", "xla", "cudnn")
-MESH_AXES = ("data", "fsdp", "tensor")
-# Sections that define "the same run": a workdir refuses a config that differs in these.
-RUN_IDENTITY_SECTIONS = ("model", "data")
 
 
 def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -155,110 +145,20 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
     return config
 
 
-def resolve_mesh_shape(mesh: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
-    """Return (data, fsdp, tensor) with at most one -1 filled so the product equals `num_devices`."""
-    sizes = [int(mesh[a]) for a in MESH_AXES]
-    fill = [a for a, s in zip(MESH_AXES, sizes) if s == -1]
-    for axis, size in zip(MESH_AXES, sizes):
-        require(size == -1 or size >= 1, f"mesh.{axis} = {size} is not positive", f"--config.mesh.{axis}",
-                "use a positive size or -1 to fill")
-    require(len(fill) <= 1, f"more than one mesh axis is -1 ({', '.join(fill)})", f"--config.mesh.{fill[-1]}" if fill else "",
-            "give at most one axis -1")
-    known = math.prod(s for s in sizes if s != -1)
-    if fill:
-        require(num_devices % known == 0,
-                f"mesh axes other than {fill[0]} multiply to {known}, which does not divide the {num_devices} devices",
-                f"--config.mesh.{fill[0]}", "make the fixed axes divide the device count")
-        sizes = [num_devices // known if s == -1 else s for s in sizes]
-    product = math.prod(sizes)
-    require(product == num_devices, f"mesh data*fsdp*tensor = {product} does not equal the {num_devices} devices",
-            "--config.mesh.data", "set it to -1 to fill")
-    return tuple(sizes)  # type: ignore[return-value]
-
-
-def _positive(config: ml_collections.ConfigDict, keys: tuple[str, ...], allow_zero: bool = False) -> None:
+def require_positive(config: ml_collections.ConfigDict, keys: tuple[str, ...], allow_zero: bool = False) -> None:
+    """Each dotted key of `config` (e.g. "train.steps") must be > 0 (>= 0 with `allow_zero`)."""
     for dotted in keys:
-        section, name = dotted.split(".")
-        value = config[section][name]
+        value = config
+        for name in dotted.split("."):
+            value = value[name]
         ok = value >= 0 if allow_zero else value > 0
         require(ok, f"{dotted} = {value} must be {'>= 0' if allow_zero else 'positive'}", f"--config.{dotted}",
                 "give a " + ("non-negative" if allow_zero else "positive") + " value")
 
 
 def require_one_of(value: Any, known: tuple[str, ...], key: str) -> None:
+    """`value` (of config key `key`) must be one of `known`."""
     require(value in known, f"unknown {key} {value!r}", f"--config.{key}", "use one of " + "|".join(known))
-
-
-def validate_model(model: ml_collections.ConfigDict) -> None:
-    """Check the model section (shape, names, positional-scheme settings)."""
-    cfg = ml_collections.ConfigDict({"model": model.to_dict()})
-    _positive(cfg, ("model.num_layers", "model.hidden_size", "model.num_heads", "model.mlp_dim",
-                    "model.vocab_size", "model.max_len", "model.rope_base", "model.layer_norm_eps"))
-    require_one_of(PE_ALIASES.get(model.pe, model.pe), PE_SCHEMES, "model.pe")
-    require_one_of(model.objective, OBJECTIVES, "model.objective")
-    require_one_of(model.dtype, DTYPES, "model.dtype")
-    require_one_of(model.rope_style, ROPE_STYLES, "model.rope_style")
-    require_one_of(model.tupe_form, TUPE_FORMS, "model.tupe_form")
-    require_one_of(model.attention_backend, ATTENTION_BACKENDS, "model.attention_backend")
-    require(model.hidden_size % model.num_heads == 0,
-            f"model.hidden_size = {model.hidden_size} is not divisible by model.num_heads = {model.num_heads}",
-            "--config.model.num_heads", "pick a head count that divides hidden_size")
-    for key in ("dropout_rate", "attention_dropout_rate"):
-        require(0.0 <= model[key] < 1.0, f"model.{key} = {model[key]} is outside [0, 1)", f"--config.model.{key}",
-                "give a rate in [0, 1)")
-    require(0.0 < model.rope_fraction <= 1.0, f"model.rope_fraction = {model.rope_fraction} is outside (0, 1]",
-            "--config.model.rope_fraction", "give a fraction in (0, 1]")
-    head_dim = model.hidden_size // model.num_heads
-    rotary = int(head_dim * model.rope_fraction)
-    require(model.pe != "rope" or (rotary >= 2 and rotary % 2 == 0),
-            f"rope rotates {rotary} of {head_dim} head dims, which must be even and >= 2",
-            "--config.model.rope_fraction", "pick a fraction giving an even number of dims")
-    require(model.rel_num_buckets >= 4 and model.rel_num_buckets % 2 == 0,
-            f"model.rel_num_buckets = {model.rel_num_buckets} must be even and >= 4", "--config.model.rel_num_buckets",
-            "use e.g. 32")
-    require(model.rel_max_distance > model.rel_num_buckets // 2,
-            f"model.rel_max_distance = {model.rel_max_distance} must exceed rel_num_buckets/2 = "
-            f"{model.rel_num_buckets // 2} (the exact-distance buckets)", "--config.model.rel_max_distance",
-            "use e.g. 128 with 32 buckets")
-    require(not (model.objective == "clm" and model.untie_cls),
-            "model.untie_cls must be False for objective=clm (no [CLS] to untie)", "--config.model.untie_cls",
-            "set it to false")
-
-
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
-    """Check `config` against `num_devices` before any compute; return the resolved mesh (data, fsdp, tensor)."""
-    if "task" in config and "sweep" in config:   # a fine-tuning config (configs/glue.py)
-        from tupe_jax.finetune_lib import validate_glue  # pylint: disable=import-outside-toplevel
-        return validate_glue(config, num_devices)
-    validate_model(config.model)
-    data, fsdp, tensor = resolve_mesh_shape(config.mesh, num_devices)
-    if "train" not in config:
-        return data, fsdp, tensor
-    train = config.train
-    _positive(config, ("train.steps", "train.batch_size", "train.learning_rate", "train.grad_accum_steps",
-                       "train.log_every", "train.adam_eps"))
-    _positive(config, ("train.warmup_steps", "train.decay_steps", "train.eval_every", "train.eval_steps",
-                       "train.weight_decay", "train.clip_norm"), allow_zero=True)
-    for key in ("adam_b1", "adam_b2"):
-        require(0.0 <= train[key] < 1.0, f"train.{key} = {train[key]} is outside [0, 1)", f"--config.train.{key}",
-                "use e.g. 0.9 / 0.999")
-    batch, accum, shards = train.batch_size, train.grad_accum_steps, data * fsdp
-    require(batch % accum == 0, f"train.grad_accum_steps = {accum} does not divide train.batch_size = {batch}",
-            "--config.train.grad_accum_steps", "pick a divisor of the batch size")
-    require((batch // accum) % shards == 0,
-            f"train.batch_size = {batch} (microbatch {batch // accum}) is not divisible by the data-parallel size "
-            f"mesh.data*mesh.fsdp = {shards}", "--config.train.batch_size", f"use a multiple of {shards * accum}")
-    if "dropout_rng" in train:
-        require_one_of(train.dropout_rng, DROPOUT_RNGS, "train.dropout_rng")
-    if "checkpoint" in config:
-        _positive(config, ("checkpoint.every", "checkpoint.keep"))
-    if "data" in config and config.model.objective == "mlm" and "mask_prob" in config.data:
-        require(0.0 < config.data.mask_prob < 1.0, f"data.mask_prob = {config.data.mask_prob} is outside (0, 1)",
-                "--config.data.mask_prob", "use e.g. 0.15")
-        require(0 <= config.data.max_predictions <= config.model.max_len,
-                f"data.max_predictions = {config.data.max_predictions} is outside [0, model.max_len]",
-                "--config.data.max_predictions", "use 0 (= ceil(mask_prob * max_len)) or e.g. 20 for max_len 128")
-    return data, fsdp, tensor
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:
@@ -266,9 +166,8 @@ def to_json(config: ml_collections.ConfigDict) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str)
 
 
-def config_hash(config: ml_collections.ConfigDict | Mapping[str, Any],
-                sections: tuple[str, ...] = RUN_IDENTITY_SECTIONS) -> str:
-    """A short stable hash of the run-identity sections (model and data)."""
+def config_hash(config: ml_collections.ConfigDict | Mapping[str, Any], sections: tuple[str, ...]) -> str:
+    """A short stable hash of `sections` of `config`."""
     as_dict = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
     picked = {s: as_dict.get(s) for s in sections}
     return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -284,51 +183,10 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_differences(old: Mapping[str, Any], new: Mapping[str, Any],
-                       sections: tuple[str, ...] = RUN_IDENTITY_SECTIONS) -> list[str]:
+def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], sections: tuple[str, ...]) -> list[str]:
     """Keys under `sections` whose values differ, as "key: old -> new" strings."""
     def normal(tree: Mapping[str, Any]) -> dict[str, Any]:  # JSON round trip: tuples → lists, as on disk
         return _flatten(json.loads(json.dumps({s: tree.get(s, {}) for s in sections}, default=str)))
     flat_old, flat_new = normal(old), normal(new)
     keys = sorted(set(flat_old) | set(flat_new))
     return [f"{k}: {flat_old.get(k)!r} -> {flat_new.get(k)!r}" for k in keys if flat_old.get(k) != flat_new.get(k)]
-
-
-def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
-    """Read `workdir/config.json` back into a locked ConfigDict."""
-    path = os.path.join(workdir, "config.json")
-    require(os.path.isfile(path), f"{path} does not exist", "--workdir", "point it at a run made by `launch pretrain`")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path} is not valid JSON ({err.msg}, line {err.lineno})", "--workdir",
-                            "restore it or start a fresh workdir") from None
-    return lock(ml_collections.ConfigDict(data))
-
-
-def write_workdir_config(workdir: str, config: ml_collections.ConfigDict, overwrite: bool = False,
-                         write: bool = True) -> None:
-    """Write `workdir/config.json`, refusing one that holds another run's model/data config unless `overwrite`.
-
-    With `write=False` (processes other than 0) only the check runs.
-    """
-    path = os.path.join(workdir, "config.json")
-    if os.path.isfile(path) and not overwrite:
-        with open(path, encoding="utf-8") as f:
-            try:
-                old = json.load(f)
-            except json.JSONDecodeError:
-                old = {}
-        diffs = config_differences(old, config.to_dict())
-        if diffs:
-            shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
-            raise UserError(f"{path} holds another run's config ({shown})", "--workdir",
-                            "use a fresh workdir, or pass --overwrite_config to replace it")
-    if not write:
-        return
-    os.makedirs(workdir, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(to_json(config) + "\n")
-    os.replace(tmp, path)

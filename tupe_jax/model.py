@@ -18,10 +18,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tupe_jax.attention import SelfAttention, attention_mask
+from tupe_jax import positional
+from tupe_jax.attention import ATTENTION_BACKENDS, SelfAttention, attention_mask
+from tupe_jax.errors import require
 from tupe_jax.positional import PositionalSettings, canonical_name, make_positional
 
+# The one dtype table: validation and compute both read it. float16 is absent on purpose: training in it needs
+# loss scaling, which this project does not implement; bfloat16 has float32's range and needs none.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+OBJECTIVES = ("mlm", "clm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,29 @@ class ModelConfig:
             rope_fraction=self.rope_fraction, rel_num_buckets=self.rel_num_buckets,
             rel_max_distance=self.rel_max_distance, layer_norm_eps=self.layer_norm_eps, tupe_form=self.tupe_form,
             dtype=self.compute_dtype)
+
+
+def validate_config(model: Any) -> None:
+    """Check a `config.model` section (shape, dtype, objective, backend, positional keys) before any compute."""
+    for key in ("num_layers", "hidden_size", "num_heads", "mlp_dim", "vocab_size", "max_len", "rope_base",
+                "layer_norm_eps"):
+        require(model[key] > 0, f"model.{key} = {model[key]} must be positive", f"--config.model.{key}",
+                "give a positive value")
+    require(model.dtype != "float16", "model.dtype float16 is not supported (it needs loss scaling, which is not "
+            "implemented)", "--config.model.dtype", "use bfloat16 (same speed, float32's range) or float32")
+    for key, known in (("dtype", tuple(DTYPES)), ("objective", OBJECTIVES), ("attention_backend", ATTENTION_BACKENDS)):
+        require(model[key] in known, f"unknown model.{key} {model[key]!r}", f"--config.model.{key}",
+                "use one of " + "|".join(known))
+    require(model.hidden_size % model.num_heads == 0,
+            f"model.hidden_size = {model.hidden_size} is not divisible by model.num_heads = {model.num_heads}",
+            "--config.model.num_heads", "pick a head count that divides hidden_size")
+    for key in ("dropout_rate", "attention_dropout_rate"):
+        require(0.0 <= model[key] < 1.0, f"model.{key} = {model[key]} is outside [0, 1)", f"--config.model.{key}",
+                "give a rate in [0, 1)")
+    positional.validate_config(model)
+    require(not (model.objective == "clm" and model.untie_cls),
+            "model.untie_cls must be False for objective=clm (no [CLS] to untie)", "--config.model.untie_cls",
+            "set it to false")
 
 
 def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:

@@ -15,8 +15,25 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tupe_jax.config import DROPOUT_RNGS
-from tupe_jax.errors import UserError
+from tupe_jax.errors import UserError, require
+
+# PRNG implementations for dropout masks (`train.dropout_rng`, see `dropout_key`).
+DROPOUT_RNGS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def validate_config(train: Any) -> None:
+    """Check the optimizer keys of a `config.train` section (both loops' layout) before any compute."""
+    for key in ("learning_rate", "adam_eps"):
+        require(train[key] > 0, f"train.{key} = {train[key]} must be positive", f"--config.train.{key}",
+                "give a positive value")
+    for key in ("weight_decay", "clip_norm"):
+        require(train[key] >= 0, f"train.{key} = {train[key]} must be >= 0", f"--config.train.{key}", "give 0 or more")
+    for key in ("adam_b1", "adam_b2"):
+        require(0.0 <= train[key] < 1.0, f"train.{key} = {train[key]} is outside [0, 1)", f"--config.train.{key}",
+                "use e.g. 0.9 / 0.999")
+    if "dropout_rng" in train:
+        require(train.dropout_rng in DROPOUT_RNGS, f"unknown train.dropout_rng {train.dropout_rng!r}",
+                "--config.train.dropout_rng", "use one of " + "|".join(DROPOUT_RNGS))
 
 
 def learning_rate_fn(train: Any) -> optax.Schedule:

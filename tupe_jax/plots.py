@@ -10,11 +10,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def save_figure(fig: Any, path: str) -> str:
+def save_figure(fig: Any, path: str, dpi: int = 110) -> str:
     """Write `fig` to `path` via a temporary file and rename, then close it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
     os.replace(tmp, path)
     return path

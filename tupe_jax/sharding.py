@@ -16,9 +16,10 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from tupe_jax.config import MESH_AXES, resolve_mesh_shape
+from tupe_jax.errors import require
 
 log = logging.getLogger(__name__)
+MESH_AXES = ("data", "fsdp", "tensor")
 
 # The ONE logical→mesh table. Params: embed→fsdp (ZeRO-3 style), mlp/heads/vocab→tensor (Megatron style).
 # Activations: batch over every data-parallel axis; sequence length and per-head dims stay whole.
@@ -43,6 +44,42 @@ def _log_once(message: str) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
         log.warning(message)
+
+
+def resolve_mesh_shape(mesh: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
+    """Return (data, fsdp, tensor) with at most one -1 filled so the product equals `num_devices`."""
+    sizes = [int(mesh[a]) for a in MESH_AXES]
+    fill = [a for a, s in zip(MESH_AXES, sizes) if s == -1]
+    for axis, size in zip(MESH_AXES, sizes):
+        require(size == -1 or size >= 1, f"mesh.{axis} = {size} is not positive", f"--config.mesh.{axis}",
+                "use a positive size or -1 to fill")
+    require(len(fill) <= 1, f"more than one mesh axis is -1 ({', '.join(fill)})",
+            f"--config.mesh.{fill[-1]}" if fill else "", "give at most one axis -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if fill:
+        require(num_devices % known == 0,
+                f"mesh axes other than {fill[0]} multiply to {known}, which does not divide the {num_devices} devices",
+                f"--config.mesh.{fill[0]}", "make the fixed axes divide the device count")
+        sizes = [num_devices // known if s == -1 else s for s in sizes]
+    product = math.prod(sizes)
+    require(product == num_devices, f"mesh data*fsdp*tensor = {product} does not equal the {num_devices} devices",
+            "--config.mesh.data", "set it to -1 to fill")
+    return tuple(sizes)  # type: ignore[return-value]
+
+
+def check_batch(train: Any, mesh_shape: tuple[int, int, int]) -> None:
+    """`train.batch_size` must split into `train.grad_accum_steps` microbatches that divide over data*fsdp (and
+    `train.eval_batch_size`, where the section has one, over data*fsdp)."""
+    batch, accum, shards = int(train.batch_size), int(train.grad_accum_steps), mesh_shape[0] * mesh_shape[1]
+    require(batch % accum == 0, f"train.grad_accum_steps = {accum} does not divide train.batch_size = {batch}",
+            "--config.train.grad_accum_steps", "pick a divisor of the batch size")
+    require((batch // accum) % shards == 0,
+            f"train.batch_size = {batch} (microbatch {batch // accum}) is not divisible by the data-parallel size "
+            f"mesh.data*mesh.fsdp = {shards}", "--config.train.batch_size", f"use a multiple of {shards * accum}")
+    if "eval_batch_size" in train:
+        require(int(train.eval_batch_size) % shards == 0,
+                f"train.eval_batch_size = {train.eval_batch_size} is not divisible by mesh.data*mesh.fsdp = {shards}",
+                "--config.train.eval_batch_size", f"use a multiple of {shards}")
 
 
 def make_mesh(config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -144,10 +181,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def global_batch(local_batch: Mapping[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
-    """Assemble global arrays from this process's rows (global batch = process_count × local rows)."""
+def global_batch(local_batch: Any, mesh: Mesh) -> Any:
+    """Assemble global arrays from this process's rows (global batch = process_count × local rows); any pytree of
+    arrays (a typed batch from `data.batch`, or a dict)."""
     sharding = batch_sharding(mesh)
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
+    return jax.tree_util.tree_map(lambda v: jax.make_array_from_process_local_data(sharding, np.asarray(v)),
+                                  local_batch)
 
 
 def local_batch_size(global_batch_size: int) -> int:

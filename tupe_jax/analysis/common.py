@@ -1,15 +1,11 @@
 """Shared pieces of the analysis tools: loaded runs, jitted forwards, token windows, atomic JSON/PNG output.
 
-A `Run` is everything a tool needs about one trained model: the run's config (ml_collections, for `config.data`),
-its `ModelConfig`, unboxed params, tokenizer, step and workdir. Tools take `Run`s so tests can build them in
-memory; `load_runs(workdirs)` builds them from disk through `tupe_jax.train.load_run`.
+A `Run` (= `workdir.LoadedRun`) is everything a tool needs about one trained model: the run's config
+(ml_collections, for `config.data`), its `ModelConfig`, unboxed params, tokenizer, step and workdir.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
-import math
 import os
 import sys
 import time
@@ -20,10 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tupe_jax import files, plots
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.data import pipeline
 from tupe_jax.data.tokenizer import CLS_ID
 from tupe_jax.errors import UserError
 from tupe_jax.model import ModelConfig, TransformerLM
-from tupe_jax.positional import TABLE_SCHEMES, canonical_name
+from tupe_jax.workdir import LoadedRun
 
 # Forward-pass memory bounds: tokens per forward (bounds activations and the (tokens, vocab) logits) and attention
 # matrix elements per layer (B·H·L·L). A length whose single row exceeds them still runs with batch 1.
@@ -31,55 +30,10 @@ DEFAULT_TOKEN_BUDGET = 8192
 ATTENTION_BUDGET = 1 << 27
 
 
-@dataclasses.dataclass
-class Run:
-    """One trained (or freshly initialised) model and what it was trained with."""
-
-    config: Any
-    model_cfg: ModelConfig
-    params: Any
-    tokenizer: Any
-    step: Optional[int] = None
-    workdir: str = ""
-
-    @property
-    def name(self) -> str:
-        base = os.path.basename(os.path.normpath(self.workdir)) if self.workdir else ""
-        return base or f"{self.model_cfg.pe}-{self.model_cfg.objective}"
-
-    @property
-    def pe(self) -> str:
-        return canonical_name(self.model_cfg.pe)
-
-    @property
-    def has_table(self) -> bool:
-        """Whether a learned position table bounds the input length (max_len)."""
-        return self.pe in TABLE_SCHEMES
-
-    def describe(self) -> dict:
-        c = self.model_cfg
-        return {"name": self.name, "workdir": self.workdir, "step": self.step, "pe": self.pe,
-                "objective": c.objective, "max_len": c.max_len, "num_layers": c.num_layers,
-                "hidden_size": c.hidden_size, "num_heads": c.num_heads}
-
-
-def load_runs(workdirs: str | Sequence[str], step: Optional[int] = None) -> list[Run]:
-    """Load each workdir's checkpoint (latest, or `step`) as a `Run`."""
-    if isinstance(workdirs, (str, os.PathLike)):
-        workdirs = [workdirs]
-    try:
-        from tupe_jax.train import load_run  # pylint: disable=import-outside-toplevel
-    except ModuleNotFoundError as err:
-        if err.name not in ("tupe_jax.train",):
-            raise
-        raise UserError("loading a trained run needs tupe_jax.train.load_run, which is not built yet",
-                        "tupe_jax/train.py", "build issue #4 first") from err
-    runs = []
-    for workdir in workdirs:
-        loaded = load_run(str(workdir), step=step)
-        runs.append(Run(config=loaded.config, model_cfg=loaded.model_cfg, params=loaded.params,
-                        tokenizer=loaded.tokenizer, step=getattr(loaded, "step", step), workdir=str(workdir)))
-    return runs
+# One loaded-run type for every tool (evaluate, fine-tuning, analysis): tools take `Run`s, so tests build them in
+# memory; `load_runs(workdirs)` reads them from disk.
+Run = LoadedRun
+load_runs = workdir_lib.load_runs
 
 
 def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> Path:
@@ -92,57 +46,19 @@ def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> Path
     return path
 
 
-def _json_default(value):
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serialisable: {type(value)}")
-
-
-def _clean(value):
-    """NaN/inf → None so the JSON is standard."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
-
-
 def write_json(path: str | Path, obj: Any) -> Path:
-    """Write `obj` as indented JSON atomically (tmp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    text = json.dumps(_clean(json.loads(json.dumps(obj, default=_json_default))), indent=2)
-    tmp.write_text(text + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    """Write `obj` as indented JSON atomically (NaN/inf as null)."""
+    return Path(files.write_json(path, obj, sort_keys=False))
 
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib  # pylint: disable=import-outside-toplevel
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-    return plt
+    return plots.plt
 
 
 def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     """Save a matplotlib figure atomically and close it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
-    pyplot().close(fig)
-    os.replace(tmp, path)
-    return path
+    return Path(plots.save_figure(fig, str(path), dpi=dpi))
 
 
 class Progress:
@@ -182,8 +98,7 @@ def forward_fn(model_cfg: ModelConfig, return_hidden: bool = False, return_atten
 
 def token_stream(run: Run, split: str) -> np.ndarray:
     """The flat token stream of a split of the run's corpus ([SEP] after every document)."""
-    from tupe_jax.data.pipeline import token_stream as _stream  # pylint: disable=import-outside-toplevel
-    tokens, _ = _stream(run.config, run.tokenizer, split)
+    tokens, _ = pipeline.token_stream(run.config, run.tokenizer, split)
     return tokens
 
 

@@ -1,4 +1,4 @@
-"""Perplexity (causal LM) or MLM loss vs evaluation length, on the validation split (issue #6, part 1).
+"""Perplexity (causal LM) or MLM loss vs evaluation length, on the validation split.
 
 Protocol (Press et al. 2022, App. B; see research/positional.md §2.4), on the split's flat token stream ([SEP]
 after every document, as the pretraining pipeline builds it):
@@ -29,6 +29,7 @@ import numpy as np
 
 from tupe_jax.analysis import common
 from tupe_jax.data import masking
+from tupe_jax.data.batch import LMBatch
 from tupe_jax.data.tokenizer import PAD_ID
 from tupe_jax.errors import UserError
 from tupe_jax.model import TransformerLM
@@ -60,7 +61,7 @@ def clm_windows(num_tokens: int, length: int, mode: str = "nonoverlapping", stri
     return np.asarray(begins, np.int64), np.asarray(los, np.int64), np.asarray(his, np.int64)
 
 
-def clm_batch(stream: np.ndarray, begin: np.ndarray, lo: np.ndarray, hi: np.ndarray, length: int) -> dict:
+def clm_batch(stream: np.ndarray, begin: np.ndarray, lo: np.ndarray, hi: np.ndarray, length: int) -> LMBatch:
     """Model inputs, targets and 0/1 weights (B, length) for a set of windows."""
     n = len(stream)
     idx = begin[:, None] + np.arange(length, dtype=np.int64)[None, :]
@@ -68,11 +69,11 @@ def clm_batch(stream: np.ndarray, begin: np.ndarray, lo: np.ndarray, hi: np.ndar
     inputs = np.where(idx < n, np.asarray(stream[np.minimum(idx, n - 1)]), PAD_ID).astype(np.int32)
     targets = np.where(tgt < n, np.asarray(stream[np.minimum(tgt, n - 1)]), PAD_ID).astype(np.int32)
     weights = ((tgt >= lo[:, None]) & (tgt < hi[:, None])).astype(np.float32)
-    return {"inputs": inputs, "targets": targets, "weights": weights}
+    return LMBatch(inputs=inputs, targets=targets, weights=weights)
 
 
 def mlm_batch(stream: np.ndarray, windows: np.ndarray, length: int, *, seed: int, vocab_size: int,
-              mask_prob: float) -> dict:
+              mask_prob: float) -> LMBatch:
     """Masked [CLS] + (length−1)-token windows (indices `windows`) in the data layer's MLM format."""
     text = length - 1
     starts = windows.astype(np.int64) * text
@@ -106,12 +107,12 @@ def _nll_fn(model_cfg):
     return clm if model_cfg.causal else mlm
 
 
-def _pad_rows(batch: dict, rows: int) -> dict:
+def _pad_rows(batch: LMBatch, rows: int) -> LMBatch:
     """Pad every array to `rows` rows with zeros (weight 0), so one compiled shape serves every batch."""
-    n = next(iter(batch.values())).shape[0]
+    n = batch.inputs.shape[0]
     if n == rows:
         return batch
-    return {k: np.concatenate([v, np.zeros((rows - n,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+    return jax.tree_util.tree_map(lambda v: np.concatenate([v, np.zeros((rows - n,) + v.shape[1:], v.dtype)]), batch)
 
 
 def undefined(run: common.Run, length: int) -> Optional[str]:
@@ -153,12 +154,11 @@ def evaluate_length(run: common.Run, length: int, *, mode: str = "nonoverlapping
         sl = slice(i, min(i + rows, n_windows))
         if cfg.causal:
             b = _pad_rows(clm_batch(stream, begin[sl], lo[sl], hi[sl], length), rows)
-            s, c = fn(run.params, b["inputs"], b["targets"], b["weights"])
+            s, c = fn(run.params, b.inputs, b.targets, b.weights)
         else:
             b = _pad_rows(mlm_batch(stream, np.arange(sl.start, sl.stop), length, seed=seed,
                                     vocab_size=run.tokenizer.vocab_size, mask_prob=mask_prob), rows)
-            s, c = fn(run.params, b["inputs"], b["input_mask"], b["mlm_positions"], b["mlm_labels"],
-                      b["mlm_weights"])
+            s, c = fn(run.params, b.inputs, b.input_mask, b.mlm_positions, b.mlm_labels, b.mlm_weights)
         total += float(s)
         count += float(c)
         progress.update(sl.stop)

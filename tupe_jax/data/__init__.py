@@ -1,5 +1,9 @@
 """Data layer: TFDS builders (array_record, no TensorFlow), WordPiece tokenizer, MLM/CLM/GLUE batches, grain.
 
+Modules: `batch` (the typed batches), `tokenizer`, `sources` (text files, WikiText, the embedded corpus),
+`builders` (TFDS builders and caches), `pipeline` (pretraining batches, resumable), `masking`, `classification`
+(GLUE/word-order batches), `glue_tsv` (the GLUE TSV layouts).
+
 Public API:
   default_data_config()                                   -> ml_collections.ConfigDict (the `config.data` keys)
   get_tokenizer(config, workdir)                          -> Tokenizer
@@ -10,6 +14,7 @@ Public API:
   glue_batches(config, tokenizer, task, split, *, batch_size, ...) -> GlueBatches (iterable, len())
   num_labels(task)                                        -> int
   GLUE_TASKS                                              -> the task names (nine GLUE + 'wordorder')
+  validate_config(config)                                 -> checks the pretraining data keys (UserError)
 
 The pipelines read `config.data` (below) and `config.model.{vocab_size, max_len, objective}`.
 """
@@ -17,13 +22,28 @@ from __future__ import annotations
 
 import ml_collections
 
+from tupe_jax.errors import require
+
 from tupe_jax.data.builders import glue_examples, load_documents
-from tupe_jax.data.glue import glue_batches
+from tupe_jax.data.batch import ClassificationBatch, LMBatch
+from tupe_jax.data.classification import glue_batches
 from tupe_jax.data.glue_tsv import num_labels
 from tupe_jax.data.pipeline import PretrainIterator, pretrain_iterator
 from tupe_jax.data.tokenizer import Tokenizer, get_tokenizer
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli", "wordorder")
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Check the pretraining data keys against the model (`config.data`, `config.model`) before any compute."""
+    if config.model.objective != "mlm":
+        return
+    data = config.data
+    require(0.0 < data.mask_prob < 1.0, f"data.mask_prob = {data.mask_prob} is outside (0, 1)", "--config.data.mask_prob",
+            "use e.g. 0.15")
+    require(0 <= data.max_predictions <= config.model.max_len,
+            f"data.max_predictions = {data.max_predictions} is outside [0, model.max_len]",
+            "--config.data.max_predictions", "use 0 (= ceil(mask_prob * max_len)) or e.g. 20 for max_len 128")
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -74,5 +94,5 @@ def default_data_config() -> ml_collections.ConfigDict:
     return c
 
 
-__all__ = ["default_data_config", "get_tokenizer", "Tokenizer", "pretrain_iterator", "PretrainIterator",
+__all__ = ["default_data_config", "validate_config", "LMBatch", "ClassificationBatch", "get_tokenizer", "Tokenizer", "pretrain_iterator", "PretrainIterator",
            "load_documents", "glue_examples", "glue_batches", "num_labels", "GLUE_TASKS"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tupe_jax.data.batch import LMBatch
 from tupe_jax.data.tokenizer import CLS_ID, MASK_ID, NUM_SPECIALS, PAD_ID
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -79,15 +80,10 @@ def mask_tokens(tokens: np.ndarray, input_mask: np.ndarray, keys: np.ndarray, *,
         np.int64)
     masked = np.where(r < 0.8, MASK_ID, np.where(r < 0.9, random_tok, tokens))
     inputs = np.where(chosen, masked, tokens).astype(np.int32)
-    return {
-        "inputs": inputs,
-        "input_mask": input_mask.astype(np.int32),
-        "targets": tokens.astype(np.int32),
-        "weights": weights,
-        "mlm_positions": positions.astype(np.int32),
-        "mlm_labels": np.where(valid, tokens[rows, positions], 0).astype(np.int32),
-        "mlm_weights": valid.astype(np.float32),
-    }
+    return LMBatch(inputs=inputs, input_mask=input_mask.astype(np.int32), targets=tokens.astype(np.int32),
+                   weights=weights, mlm_positions=positions.astype(np.int32),
+                   mlm_labels=np.where(valid, tokens[rows, positions], 0).astype(np.int32),
+                   mlm_weights=valid.astype(np.float32))
 
 
 # ------------------------------------------------------------------------------------------------ packing

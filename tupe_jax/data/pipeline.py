@@ -29,6 +29,7 @@ import grain
 import numpy as np
 
 from tupe_jax.data import builders, masking
+from tupe_jax.data.batch import LMBatch
 from tupe_jax.data.tokenizer import PAD_ID, SEP_ID, Tokenizer
 from tupe_jax.errors import UserError
 
@@ -146,7 +147,7 @@ class _Batcher:
             index = np.where(ordinals < self.n, index, -1)
         return index, epochs
 
-    def __call__(self, step: int) -> dict[str, np.ndarray]:
+    def __call__(self, step: int) -> LMBatch:
         index, epochs = self.examples(int(step))
         real = index >= 0
         safe = np.where(real, index, 0)
@@ -154,8 +155,7 @@ class _Batcher:
         ends = np.where(real, self.ends[safe], starts)  # padding rows: empty window
         if self.objective == "clm":
             win, valid = masking.gather_windows(self.stream, starts, ends, self.max_len + 1)
-            return {"inputs": win[:, :-1], "targets": win[:, 1:],
-                    "weights": valid[:, 1:].astype(np.float32)}
+            return LMBatch(inputs=win[:, :-1], targets=win[:, 1:], weights=valid[:, 1:].astype(np.float32))
         toks, valid = masking.gather_windows(self.stream, starts, ends, self.max_len - 1)
         toks, valid = masking.add_cls(toks, valid)
         valid &= real[:, None]
@@ -175,7 +175,7 @@ class PretrainIterator(grain.DatasetIterator):
         self.num_examples = batcher.n
         self.num_steps = batcher.num_steps  # None when repeating forever
 
-    def __next__(self) -> dict[str, np.ndarray]:
+    def __next__(self) -> LMBatch:
         return next(self._parent)
 
     def get_state(self) -> dict:

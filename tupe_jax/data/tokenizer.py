@@ -18,6 +18,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from tupe_jax import files
 from tupe_jax.errors import UserError
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -76,13 +77,7 @@ class Tokenizer:
 
     def save(self, directory: str | Path) -> Path:
         """Write `directory/vocab.txt` atomically; returns its path."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / "vocab.txt"
-        tmp = directory / f".vocab.txt.{os.getpid()}.tmp"
-        tmp.write_text("".join(t + "\n" for t in self.vocab), encoding="utf-8")
-        os.replace(tmp, path)
-        return path
+        return Path(files.write_text(Path(directory) / "vocab.txt", "".join(t + "\n" for t in self.vocab)))
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":

@@ -1,6 +1,6 @@
 """The positional-scheme protocol shared by every scheme.
 
-A scheme acts on the Transformer at four points and only these (DESIGN.md):
+A scheme acts on the Transformer at four points and only these:
 
 1. **input**       a vector p_t added to the token embedding x_t            -> `input_vector` (L, d)
 2. **q/k transform** a function applied to queries and keys in every layer  -> `qk_transform(q, k)`

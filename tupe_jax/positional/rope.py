@@ -42,6 +42,9 @@ def rope_angles(positions: jax.Array, rot_dim: int, base: float) -> tuple[jax.Ar
     return jnp.cos(angles), jnp.sin(angles)
 
 
+ROPE_STYLES = ("half", "interleaved")
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, style: str) -> jax.Array:
     """Rotate x of shape (B, L, H, d_h) with per-position cos/sin of shape (L, r/2)."""
     rot = 2 * cos.shape[-1]

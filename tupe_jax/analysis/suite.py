@@ -1,5 +1,6 @@
 """Comparison suites (`python -m launch compare --config=configs/compare.py:suite=...`): several positional schemes
-trained with identical data, seed and compute, then the suite's analyses, then `REPORT.md` + PNGs + `report.json`.
+trained with identical data, seed and compute, then the suite's analyses, then `REPORT.md` + PNGs + `report.json`
+(written by `analysis.report`).
 
     run(config, workdir) -> dict          the whole suite (resumable: finished pretraining / fine-tuning runs are
                                           reused, so rerunning the command only does what is missing)
@@ -21,15 +22,27 @@ import os
 import shlex
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
+import jax
 import ml_collections
 
 from tupe_jax import config as config_lib
+from tupe_jax import data as data_lib
+from tupe_jax import files
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.analysis import extrapolate, probe, report
+from tupe_jax.data.glue_tsv import available_splits
 from tupe_jax.errors import UserError, require
+from tupe_jax.finetune.loop import finetune
+from tupe_jax.metrics import read_metrics
+from tupe_jax.model import OBJECTIVES
+from tupe_jax.positional import ALIASES, SCHEMES
+from tupe_jax.pretrain.loop import pretrain
+from tupe_jax.pretrain.validate import validate as validate_pretrain
 
-GLUE_CANDIDATES = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte")   # 'auto' (WNLI excluded)
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 'auto' fine-tunes on every GLUE task with data, bar WNLI (as the TUPE paper) and the built-in word order.
+GLUE_CANDIDATES = tuple(t for t in data_lib.GLUE_TASKS if t not in ("wnli", "wordorder"))
 SUITES = ("extrapolation", "tupe", "probe")
 _SECTIONS = ("model", "data", "train", "mesh", "checkpoint", "metrics")
 
@@ -56,15 +69,15 @@ def parse_schemes(config: ml_collections.ConfigDict) -> list[Scheme]:
     """`config.schemes` → Schemes; raises UserError naming a bad entry."""
     where = "--config.schemes"
     default = str(config.objective)
-    config_lib.require_one_of(default, config_lib.OBJECTIVES, "objective")
+    config_lib.require_one_of(default, OBJECTIVES, "objective")
     schemes: list[Scheme] = []
     for item in (s.strip() for s in str(config.schemes).split(",")):
         if not item:
             continue
         pe, *suffixes = item.split("-")
-        pe = config_lib.PE_ALIASES.get(pe, pe)
-        require(pe in config_lib.PE_SCHEMES, f"unknown positional scheme {pe!r} in schemes", where,
-                "use <pe>[-mlm|-clm][-tiedcls] with pe one of " + "|".join(config_lib.PE_SCHEMES))
+        pe = ALIASES.get(pe, pe)
+        require(pe in SCHEMES, f"unknown positional scheme {pe!r} in schemes", where,
+                "use <pe>[-mlm|-clm][-tiedcls] with pe one of " + "|".join(SCHEMES))
         objective, tied = default, False
         for suffix in suffixes:
             require(suffix in ("mlm", "clm", "tiedcls"), f"unknown scheme suffix -{suffix} in {item!r}", where,
@@ -94,11 +107,11 @@ def runs_root(config: ml_collections.ConfigDict, workdir: str) -> str:
     return str(config.runs_dir) or workdir
 
 
-def validate_compare(config: ml_collections.ConfigDict, num_devices: int) -> None:
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Everything checkable before compute: the shared sections, each scheme's config, the suite's keys."""
     require(config.suite in SUITES, f"unknown suite {config.suite!r}", "--config.suite", "use one of " + "|".join(SUITES))
     for scheme in parse_schemes(config):
-        config_lib.validate(scheme_config(config, scheme), num_devices)
+        validate_pretrain(scheme_config(config, scheme), num_devices)
     require(len(config.eval.lengths) > 0 and min(config.eval.lengths) >= 2, f"eval.lengths = {config.eval.lengths} "
             "needs lengths of at least 2", "--config.eval.lengths", "write e.g. '(128,256,512,1024)'")
     for key in ("steps", "train_tokens", "eval_tokens"):
@@ -111,27 +124,10 @@ def validate_compare(config: ml_collections.ConfigDict, num_devices: int) -> Non
 
 
 # ================================================================================================ pretraining
-def _finished_step(path: str) -> Optional[int]:
-    from tupe_jax import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
-    if not os.path.isdir(os.path.join(path, "checkpoints")):
-        return None
-    checkpointer = ckpt_lib.Checkpointer(path, read_only=True, async_=False)
-    try:
-        steps = checkpointer.all_steps()
-    finally:
-        checkpointer.close()
-    return steps[-1] if steps else None
-
-
 def _refuse_other_config(path: str, new: ml_collections.ConfigDict, sections: tuple[str, ...],
                          ignore: tuple[str, ...], what: str, where: str, fix: str) -> None:
     """Refuse to reuse the run at `path` if its config.json differs from `new` in `sections` (bar `ignore`)."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        return
-    with open(file, encoding="utf-8") as f:
-        old = json.load(f)
-    diffs = [d for d in config_lib.config_differences(old, new.to_dict(), sections) if not d.startswith(ignore)]
+    diffs = workdir_lib.differing_keys(path, new, sections, ignore)
     require(not diffs, f"{path} was {what} with other keys ({'; '.join(diffs[:3])})", where, fix)
 
 
@@ -144,13 +140,12 @@ def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
 
 def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme]) -> list[dict]:
     """Train every scheme (skipping finished runs); [{'scheme', 'path', 'seconds', 'reused'}]."""
-    from tupe_jax import train  # pylint: disable=import-outside-toplevel
     root, total, out = runs_root(config, workdir), int(config.train.steps), []
     for i, scheme in enumerate(schemes, 1):
         path = os.path.abspath(os.path.join(root, scheme.name))   # Orbax wants absolute paths
         sub = scheme_config(config, scheme)
         _check_same_run(path, sub)
-        done = _finished_step(path)
+        done = (workdir_lib.checkpoint_steps(path) or [None])[-1]
         head = f"[compare {config.suite}] [{i}/{len(schemes)}] {scheme.name}"
         if done is not None and done >= total:
             print(f"{head}: finished run at step {done} in {path}, reusing it", flush=True)
@@ -158,7 +153,7 @@ def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
             continue
         print(f"{head}: pretraining {total} steps -> {path}", flush=True)
         start = time.time()
-        final = train.pretrain(sub, path)
+        final = pretrain(sub, path)
         seconds = time.time() - start
         if int(final.get("step", total)) < total:     # preempted (SIGTERM): stop here, the run resumes next time
             raise UserError(f"pretraining {scheme.name} stopped at step {final.get('step')} of {total} (preempted)",
@@ -170,7 +165,6 @@ def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
 
 def pretrain_summary(path: str) -> dict:
     """From metrics.jsonl: train loss history, eval history, final values."""
-    from tupe_jax.metrics import read_metrics  # pylint: disable=import-outside-toplevel
     rows = read_metrics(path)
     train_rows = [r for r in rows if "loss" in r and "split" not in r]
     evals = [r for r in rows if "eval_loss" in r and "split" not in r]
@@ -194,20 +188,18 @@ def pretrain_summary(path: str) -> dict:
 # ================================================================================================ GLUE
 def glue_tasks(config: ml_collections.ConfigDict) -> list[str]:
     """`glue.tasks` as a list; 'auto' = wordorder + each GLUE task with train and dev TSVs in data.glue_dir."""
-    from tupe_jax.data import GLUE_TASKS  # pylint: disable=import-outside-toplevel
     raw = str(config.glue.tasks).strip()
     if raw == "auto":
         tasks = ["wordorder"]
         if config.data.glue_dir:
-            from tupe_jax.data.glue_tsv import available_splits  # pylint: disable=import-outside-toplevel
             tasks += [t for t in GLUE_CANDIDATES
                       if {"train", "validation"} <= set(available_splits(config.data.glue_dir, t))
                       or {"train", "validation_matched"} <= set(available_splits(config.data.glue_dir, t))]
         return tasks
     tasks = [t.strip() for t in raw.split(",") if t.strip()]
     for task in tasks:
-        require(task in GLUE_TASKS, f"unknown GLUE task {task!r} in glue.tasks", "--config.glue.tasks",
-                "use 'auto' or a comma-separated list of " + "|".join(GLUE_TASKS))
+        require(task in data_lib.GLUE_TASKS, f"unknown GLUE task {task!r} in glue.tasks", "--config.glue.tasks",
+                "use 'auto' or a comma-separated list of " + "|".join(data_lib.GLUE_TASKS))
         require(task == "wordorder" or bool(config.data.glue_dir), f"glue task {task!r} needs data.glue_dir",
                 "--config.data.glue_dir", "point it at the GLUE TSVs, or use --config.glue.tasks=wordorder")
     return tasks
@@ -215,17 +207,12 @@ def glue_tasks(config: ml_collections.ConfigDict) -> list[str]:
 
 def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, pretrain_path: str, task: str
                 ) -> ml_collections.ConfigDict:
-    """configs/glue.py's config for (scheme, task): the scheme's model/data, the suite's glue.* settings."""
-    from tupe_jax import data as data_lib  # pylint: disable=import-outside-toplevel
-    path = os.path.join(_REPO, "configs", "glue.py")
-    require(os.path.isfile(path), f"{path} is missing", "configs/", "run from a checkout of tupe-jax")
-    g = config_lib.load_config(f"{path}:task={task},pe={scheme.pe},objective={scheme.objective}")
+    """The fine-tuning config of (scheme, task): `config.finetune` (configs/glue.py's sections) with the scheme's
+    model/data/mesh and the suite's glue.* settings."""
     sub = scheme_config(config, scheme)
-    with g.unlocked():
-        g.model = ml_collections.ConfigDict(sub.model.to_dict())
-        g.data = ml_collections.ConfigDict(sub.data.to_dict())
-        g.mesh = ml_collections.ConfigDict(sub.mesh.to_dict())
-    g.init_from = pretrain_path
+    g = ml_collections.ConfigDict({**config.finetune.to_dict(), "model": sub.model.to_dict(),
+                                   "data": sub.data.to_dict(), "mesh": sub.mesh.to_dict()})
+    g.task, g.init_from = task, pretrain_path
     gl = config.glue
     g.train.batch_size, g.train.learning_rate, g.train.seed = int(gl.batch_size), float(gl.learning_rate), int(gl.seed)
     g.train.epochs, g.train.predict_test, g.train.log_every = int(gl.epochs), False, 50
@@ -245,7 +232,6 @@ def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:
 def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
                  runs: list[dict]) -> dict:
     """Fine-tune every (scheme, task) not done yet; {scheme: {task: results.json dict}}."""
-    from tupe_jax import glue  # pylint: disable=import-outside-toplevel
     tasks = glue_tasks(config)
     results: dict[str, dict] = {}
     for scheme, info in zip(schemes, runs):
@@ -261,15 +247,13 @@ def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
                 print(f"[compare {config.suite}] fine-tuning {scheme.name} on {task}: {int(g.train.steps)} steps "
                       f"-> {path}", flush=True)
                 start = time.time()
-                config_lib.write_workdir_config(path, g)
-                out = glue.finetune(g, path)
+                workdir_lib.write_config(path, g)
+                out = finetune(g, path)
                 if out.get("preempted"):
                     raise UserError("fine-tuning was preempted", path, "rerun the same command to continue")
                 out["seconds"] = time.time() - start
-                with open(done, "w", encoding="utf-8") as f:   # record the time too
-                    json.dump(out, f, indent=2, sort_keys=True, default=float)
-            with open(done, encoding="utf-8") as f:
-                results[scheme.name][task] = json.load(f)
+                files.write_json(done, out)   # record the time too
+            results[scheme.name][task] = files.read_json(done)
     return results
 
 
@@ -284,11 +268,7 @@ def _command() -> str:
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Train the suite's schemes, run its analyses, write REPORT.md, report.json and PNGs into `workdir`."""
-    import jax  # pylint: disable=import-outside-toplevel
-    from tupe_jax import compare_report  # pylint: disable=import-outside-toplevel
-    from tupe_jax.analysis import extrapolate, probe  # pylint: disable=import-outside-toplevel
-
-    validate_compare(config, jax.device_count())
+    validate(config, jax.device_count())
     schemes = parse_schemes(config)
     suite = str(config.suite)
     os.makedirs(workdir, exist_ok=True)
@@ -300,11 +280,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     start = time.time()
     runs = pretrain_all(config, workdir, schemes)
     timings["pretrain_s"] = time.time() - start
-    report: dict[str, Any] = {
+    result: dict[str, Any] = {
         "suite": suite, "command": _command(), "config": json.loads(config_lib.to_json(config)), "schemes": [],
         "timings": timings}
     for scheme, info in zip(schemes, runs):
-        report["schemes"].append({**dataclasses.asdict(scheme), "name": scheme.name, "label": scheme.label,
+        result["schemes"].append({**dataclasses.asdict(scheme), "name": scheme.name, "label": scheme.label,
                                   **info, **pretrain_summary(info["path"])})
 
     paths = [r["path"] for r in runs]
@@ -313,7 +293,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         causal = [p for s, p in zip(schemes, paths) if s.objective == "clm"]
         print(f"[compare {suite}] extrapolation: {len(causal)} runs at lengths {tuple(config.eval.lengths)}",
               flush=True)
-        report["extrapolation"] = extrapolate.run(causal, [int(x) for x in config.eval.lengths],
+        result["extrapolation"] = extrapolate.run(causal, [int(x) for x in config.eval.lengths],
                                                   mode=str(config.eval.mode), out=workdir,
                                                   max_tokens=int(config.eval.max_tokens) or None)
         timings["extrapolation_s"] = time.time() - start
@@ -323,18 +303,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                        eval_tokens=int(config.probe.eval_tokens),
                                        learning_rate=float(config.probe.learning_rate), seed=int(config.train.seed))
         print(f"[compare {suite}] probes: {len(paths)} runs, {settings.steps} steps per probe", flush=True)
-        report["probe"] = probe.run(paths, out=workdir, settings=settings)
+        result["probe"] = probe.run(paths, out=workdir, settings=settings)
         timings["probe_s"] = time.time() - start
     if suite == "tupe" and glue_tasks(config):
         start = time.time()
-        report["glue"] = finetune_all(config, workdir, schemes, runs)
-        report["glue_tasks"] = glue_tasks(config)
+        result["glue"] = finetune_all(config, workdir, schemes, runs)
+        result["glue_tasks"] = glue_tasks(config)
         timings["glue_s"] = time.time() - start
 
-    path = os.path.join(workdir, "report.json")   # first, so a report can be re-rendered from it (render())
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1, sort_keys=True, default=str)
-    os.replace(path + ".tmp", path)
-    files = compare_report.write(report, workdir)
-    print(f"[compare {suite}] wrote {', '.join(files)} in {workdir}", flush=True)
-    return report
+    # report.json first, so a report can be re-rendered from it (report.render())
+    files.write_json(os.path.join(workdir, "report.json"), result, indent=1)
+    written = report.write(result, workdir)
+    print(f"[compare {suite}] wrote {', '.join(written)} in {workdir}", flush=True)
+    return result

@@ -1,5 +1,5 @@
-"""Fine-tuning helpers: config validation, `init_from` resolution, the pretraining run's tokenizer, the
-compatibility checks (scheme, model keys, encoder shapes), and the params-only encoder restore.
+"""`init_from`: resolve the pretraining run, adopt its tokenizer, refuse an incompatible one (scheme, model keys,
+encoder shapes), and restore only its encoder.
 
 A pretraining checkpoint's state item is `{'step', 'params', 'opt_state', 'rng'}` with params of a `TransformerLM`
 (`{'encoder', 'head_dense', 'head_ln', 'head_bias'}`). A `SequenceClassifier` has the same `encoder` subtree, so
@@ -9,8 +9,6 @@ only `params['encoder']` is read (an Orbax partial restore straight onto the fin
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import shutil
 from typing import Any
@@ -19,79 +17,17 @@ import jax
 import ml_collections
 
 from tupe_jax import checkpoint as ckpt_lib
-from tupe_jax import config as config_lib
+from tupe_jax import files
+from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError, require
+from tupe_jax.positional import canonical_name
 
-PAPER_EPOCHS = {"mnli": 5, "qnli": 5, "qqp": 5}  # everything else: 10 (TUPE App. B)
 # Model keys that must equal the pretraining run's (they change parameter shapes or what the parameters mean).
 # dtype, dropout rates and the attention backend may differ.
 MUST_MATCH = ("pe", "objective", "num_layers", "hidden_size", "num_heads", "mlp_dim", "vocab_size", "max_len",
               "untie_cls", "rel_num_buckets", "rel_max_distance", "rope_base", "rope_style", "rope_fraction",
               "layer_norm_eps", "tupe_form")
 WHERE = "--config.init_from"
-
-
-def paper_epochs(task: str) -> int:
-    """Epochs of the TUPE protocol: 5 for MNLI, QNLI, QQP; 10 otherwise."""
-    return PAPER_EPOCHS.get(task, 10)
-
-
-def validate_glue(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
-    """The fine-tuning counterpart of `config.validate`: model, mesh, task, train and sweep keys."""
-    from tupe_jax.data import GLUE_TASKS  # pylint: disable=import-outside-toplevel
-    config_lib.validate_model(config.model)
-    data, fsdp, _ = shape = config_lib.resolve_mesh_shape(config.mesh, num_devices)
-    require(config.task in GLUE_TASKS, f"unknown GLUE task {config.task!r}", "--config.task",
-            "use one of " + "|".join(GLUE_TASKS))
-    t = config.train
-    for key in ("batch_size", "eval_batch_size", "learning_rate", "grad_accum_steps", "log_every", "adam_eps"):
-        require(t[key] > 0, f"train.{key} = {t[key]} must be positive", f"--config.train.{key}", "give a positive value")
-    for key in ("epochs", "steps", "eval_every", "weight_decay", "clip_norm"):
-        require(t[key] >= 0, f"train.{key} = {t[key]} must be >= 0", f"--config.train.{key}", "give 0 or more")
-    require(0.0 <= t.warmup_ratio < 1.0, f"train.warmup_ratio = {t.warmup_ratio} is outside [0, 1)",
-            "--config.train.warmup_ratio", "use e.g. 0.06")
-    for key in ("adam_b1", "adam_b2"):
-        require(0.0 <= t[key] < 1.0, f"train.{key} = {t[key]} is outside [0, 1)", f"--config.train.{key}",
-                "use e.g. 0.9 / 0.999")
-    if "dropout_rng" in t:
-        config_lib.require_one_of(t.dropout_rng, config_lib.DROPOUT_RNGS, "train.dropout_rng")
-    shards = data * fsdp
-    require(t.batch_size % t.grad_accum_steps == 0,
-            f"train.grad_accum_steps = {t.grad_accum_steps} does not divide train.batch_size = {t.batch_size}",
-            "--config.train.grad_accum_steps", "pick a divisor of the batch size")
-    require((t.batch_size // t.grad_accum_steps) % shards == 0,
-            f"train.batch_size = {t.batch_size} (microbatch {t.batch_size // t.grad_accum_steps}) is not divisible "
-            f"by the data-parallel size mesh.data*mesh.fsdp = {shards}", "--config.train.batch_size",
-            f"use a multiple of {shards * t.grad_accum_steps}")
-    require(t.eval_batch_size % shards == 0,
-            f"train.eval_batch_size = {t.eval_batch_size} is not divisible by mesh.data*mesh.fsdp = {shards}",
-            "--config.train.eval_batch_size", f"use a multiple of {shards}")
-    require(config.checkpoint.every > 0 and config.checkpoint.keep > 0, "checkpoint.every and checkpoint.keep must "
-            "be positive", "--config.checkpoint.every", "give positive values")
-    require(len(config.sweep.learning_rates) > 0 and all(float(x) > 0 for x in config.sweep.learning_rates),
-            f"sweep.learning_rates = {config.sweep.learning_rates} needs positive values",
-            "--config.sweep.learning_rates", "write e.g. '(2e-5,3e-5)'")
-    require(len(config.sweep.seeds) > 0, "sweep.seeds is empty", "--config.sweep.seeds", "write e.g. '(0,1,2)'")
-    for task in sweep_tasks(config):
-        require(task in GLUE_TASKS, f"unknown GLUE task {task!r} in sweep.tasks", "--config.sweep.tasks",
-                "use a comma-separated list of " + "|".join(GLUE_TASKS))
-    return shape
-
-
-def sweep_tasks(config: ml_collections.ConfigDict) -> list[str]:
-    """`sweep.tasks` as a list ('' = [config.task])."""
-    raw = str(config.sweep.tasks or "").strip()
-    return [t.strip() for t in raw.split(",") if t.strip()] if raw else [str(config.task)]
-
-
-def schedule_section(config: ml_collections.ConfigDict, total_steps: int) -> ml_collections.ConfigDict:
-    """The `train`-like section `optim.make_optimizer` reads: warmup = ceil(ratio x steps), linear decay to 0."""
-    t = config.train
-    return ml_collections.ConfigDict(dict(
-        learning_rate=float(t.learning_rate), steps=int(total_steps), decay_steps=0,
-        warmup_steps=int(math.ceil(float(t.warmup_ratio) * total_steps)), weight_decay=float(t.weight_decay),
-        clip_norm=float(t.clip_norm), adam_b1=float(t.adam_b1), adam_b2=float(t.adam_b2),
-        adam_eps=float(t.adam_eps)))
 
 
 # ------------------------------------------------------------------------------------------------ init_from
@@ -134,21 +70,20 @@ def open_init_source(config: ml_collections.ConfigDict) -> InitSource:
         meta = checkpointer.restore_meta(step)
     finally:
         checkpointer.close()
-    ckpt_lib.check_compatible(meta, str(config_lib.PE_ALIASES.get(config.model.pe, config.model.pe)), where=WHERE)
+    workdir_lib.check_compatible(meta, canonical_name(str(config.model.pe)), where=WHERE)
     check_model_keys(workdir, config)
     return InitSource(workdir, int(step), meta)
 
 
 def check_model_keys(pretrain_workdir: str, config: ml_collections.ConfigDict) -> None:
     """Refuse a pretraining run whose config.json has other shape-defining model keys, naming both values."""
-    path = os.path.join(pretrain_workdir, "config.json")
+    path = workdir_lib.config_path(pretrain_workdir)
     if not os.path.isfile(path):
         return  # the param-shape check in `check_encoder_shapes` still runs
-    with open(path, encoding="utf-8") as f:
-        try:
-            old = json.load(f).get("model", {})
-        except json.JSONDecodeError:
-            return
+    try:
+        old = files.read_json(path).get("model", {})
+    except ValueError:
+        return
     diffs = [(k, old[k], config.model[k]) for k in MUST_MATCH if k in old and k in config.model
              and old[k] != config.model[k]]
     if diffs:

@@ -1,4 +1,4 @@
-"""REPORT.md and PNGs of a comparison suite, from the dict `tupe_jax.compare.run` builds (also in report.json).
+"""REPORT.md and PNGs of a comparison suite, from the dict `analysis.suite.run` builds (also in report.json).
 
     write(report, workdir) -> [file names]   REPORT.md + loss_curves.png (+ glue.png); the analyses wrote their own
                                              extrapolation.png / probe.png into the same folder
@@ -9,12 +9,11 @@ mechanical (fixed thresholds, written next to each check); judge it with the run
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Optional
 
-from tupe_jax import plots
+from tupe_jax import files, plots
 
 GLUE_NAMES = {"cola": "CoLA (MCC)", "sst2": "SST-2 (acc)", "mrpc": "MRPC (acc)", "stsb": "STS-B (Pearson)",
               "qqp": "QQP (acc)", "mnli": "MNLI-m (acc)", "qnli": "QNLI (acc)", "rte": "RTE (acc)",
@@ -253,26 +252,22 @@ def _checks(report: dict) -> list[str]:
 
 def write(report: dict, workdir: str) -> list[str]:
     """Write REPORT.md (+ loss_curves.png, glue.png) into `workdir`; return the names written."""
-    files = ["report.json", os.path.basename(loss_curves(report, os.path.join(workdir, "loss_curves.png")))]
+    names = ["report.json", os.path.basename(loss_curves(report, os.path.join(workdir, "loss_curves.png")))]
     lines = _setup(report) + _pretraining(report)
     if "extrapolation" in report:
         lines += _extrapolation(report)
-        files.append("extrapolation.png")
+        names.append("extrapolation.png")
     if "probe" in report:
         lines += _probe(report)
-        files.append("probe.png")
+        names.append("probe.png")
     if report.get("glue"):
         lines += _glue(report)
-        files.append(os.path.basename(glue_plot(report, os.path.join(workdir, "glue.png"))))
+        names.append(os.path.basename(glue_plot(report, os.path.join(workdir, "glue.png"))))
     lines += _checks(report)
-    path = os.path.join(workdir, "REPORT.md")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
-    os.replace(path + ".tmp", path)
-    return ["REPORT.md"] + files
+    files.write_text(os.path.join(workdir, "REPORT.md"), "\n".join(lines))
+    return ["REPORT.md"] + names
 
 
 def render(workdir: str) -> list[str]:
     """Re-render REPORT.md and the PNGs from workdir/report.json."""
-    with open(os.path.join(workdir, "report.json"), encoding="utf-8") as f:
-        return write(json.load(f), workdir)
+    return write(files.read_json(os.path.join(workdir, "report.json")), workdir)

@@ -12,6 +12,7 @@ its GLUE average is the mean of 9 numbers: MNLI-m, MNLI-mm, QNLI, QQP, SST-2, Co
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from typing import Mapping, Sequence
@@ -19,6 +20,8 @@ from typing import Mapping, Sequence
 import numpy as np
 from scipy import stats
 from sklearn import metrics as skm
+
+from tupe_jax import files
 
 # The paper's average: (report column, task, metric key).
 PAPER_COLUMNS = (("MNLI-m", "mnli", "accuracy"), ("MNLI-mm", "mnli", "accuracy_mm"), ("QNLI", "qnli", "accuracy"),
@@ -115,17 +118,13 @@ def write_submission(directory: str, task: str, indices: Sequence[int], outputs:
 
     `task` may be a GLUE task, `mnli_mm` (MNLI-mm.tsv) or `ax` (AX.tsv, MNLI labels).
     """
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, SUBMISSION_FILES[task] + ".tsv")
     label_task = "mnli" if task == "mnli_mm" else task
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        writer = csv.writer(f, delimiter="\t", lineterminator="\n")
-        writer.writerow(["index", "prediction"])
-        for idx, out in zip(indices, outputs):
-            writer.writerow([int(idx), format_prediction(label_task, out)])
-    os.replace(tmp, path)
-    return path
+    text = io.StringIO()
+    writer = csv.writer(text, delimiter="\t", lineterminator="\n")
+    writer.writerow(["index", "prediction"])
+    for idx, out in zip(indices, outputs):
+        writer.writerow([int(idx), format_prediction(label_task, out)])
+    return files.write_text(os.path.join(directory, SUBMISSION_FILES[task] + ".tsv"), text.getvalue())
 
 
 # ------------------------------------------------------------------------------------------------ sweep tables

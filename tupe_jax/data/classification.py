@@ -1,8 +1,8 @@
-"""GLUE fine-tuning batches: `[CLS] a [SEP] b [SEP]`, longest-first truncation, bucketed padding.
+"""Sentence(-pair) classification batches (GLUE, word order): `[CLS] a [SEP] b [SEP]`, longest-first truncation,
+bucketed padding.
 
-Batch keys (host-local, NumPy): inputs int32 (B, Lb), input_mask int32 (B, Lb), label int32 (B,) (float32 for
-STS-B; -1 on test splits), example_index int32 (B,) (position in `glue_examples(...)`; -1 on padding rows),
-example_weight float32 (B,) (0.0 on padding rows). Lb is the smallest bucket (`data.glue_buckets`, capped by
+Batches are `batch.ClassificationBatch` (host-local NumPy; labels -1 on test splits, example_index = position in
+`glue_examples(...)`, -1 and weight 0 on padding rows) of width Lb, the smallest bucket (`data.glue_buckets`, capped by
 max_len) that holds the longest sequence of the *global* batch, so all processes agree on the shape.
 
 Ordering: shuffle=True uses a permutation seeded by (seed, epoch); global batch k is rows [k·G, (k+1)·G) of
@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from tupe_jax.data import builders
+from tupe_jax.data.batch import ClassificationBatch
 from tupe_jax.data.tokenizer import CLS_ID, PAD_ID, SEP_ID, Tokenizer
 from tupe_jax.errors import UserError
 
@@ -130,14 +131,11 @@ class GlueBatches:
             offs = np.arange(width)[None, :]
             mask = offs < ln[:, None]
             toks = self.enc.tokens[np.minimum(starts[:, None] + offs, len(self.enc.tokens) - 1)]
-            yield {
-                "inputs": np.where(mask, toks, PAD_ID).astype(np.int32),
-                "input_mask": mask.astype(np.int32),
-                "label": np.where(real, self.enc.labels[safe], self.enc.labels.dtype.type(0)).astype(
+            yield ClassificationBatch(
+                inputs=np.where(mask, toks, PAD_ID).astype(np.int32), input_mask=mask.astype(np.int32),
+                label=np.where(real, self.enc.labels[safe], self.enc.labels.dtype.type(0)).astype(
                     self.enc.labels.dtype),
-                "example_index": np.where(real, idx, -1).astype(np.int32),
-                "example_weight": real.astype(np.float32),
-            }
+                example_index=np.where(real, idx, -1).astype(np.int32), example_weight=real.astype(np.float32))
 
 
 def glue_batches(config, tokenizer: Tokenizer, task: str, split: str, *, batch_size: int, seed: int = 0,

@@ -1,0 +1,37 @@
+"""`python -m launch demo` (the README's first command): pretrain a tiny TUPE-R MLM on the embedded corpus (the
+documentation text CPython ships), checkpoint, evaluate the last checkpoint, plot the loss curve."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from configs import pretrain as pretrain_config
+from tupe_jax import metrics as metrics_lib
+from tupe_jax import plots
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.config import apply_overrides
+from tupe_jax.pretrain.evaluate import evaluate
+from tupe_jax.pretrain.loop import pretrain
+
+
+def demo(workdir: str) -> dict[str, Any]:
+    """Pretrain, evaluate and plot; returns the evaluation metrics."""
+    config = pretrain_config.get_config("pe=tupe_r,size=tiny,objective=mlm")
+    apply_overrides(config, {"train.steps": "500", "train.batch_size": "32", "train.warmup_steps": "50",
+                             "train.log_every": "25", "train.eval_every": "100", "checkpoint.every": "100"})
+    workdir_lib.write_config(workdir, config)
+    print(f"demo: tiny TUPE-R MLM ({config.model.num_layers} layers, d={config.model.hidden_size}) on the embedded "
+          f"corpus (CPython's documentation text), {config.train.steps} steps, workdir {workdir}", flush=True)
+    pretrain(config, workdir)
+    values = evaluate(workdir)
+    rows = metrics_lib.read_metrics(workdir)
+    history = [m for m in rows if "loss" in m and "split" not in m]
+    evals = [m for m in rows if "eval_loss" in m and "split" not in m]
+    png = plots.loss_curve(history, os.path.join(workdir, "loss.png"), title="demo: TUPE-R MLM, embedded corpus",
+                           eval_history=evals)
+    first, last = history[0], history[-1]
+    print(f"\nloss: step {first['step']} {first['loss']:.3f} -> step {last['step']} {last['loss']:.3f}; "
+          f"validation loss {values['eval_loss']:.3f}, MLM accuracy {values['eval_mlm_accuracy']:.3f}")
+    print(f"results: {workdir}/metrics.jsonl, {png}, checkpoints in {workdir}/checkpoints, "
+          f"TensorBoard in {workdir}/tensorboard")
+    return values

@@ -1,0 +1,127 @@
+"""The behaviour fingerprint: 20-step float32 losses and final parameter checksums of every scheme in both
+families (MLM encoder, causal decoder) and of one GLUE fine-tune, through the real loops.
+
+`tests/data/behaviour.json` was recorded BEFORE the redesign of the trainer/run-folder layers (`python
+tests/behaviour.py --write`); `tests/test_behaviour.py` re-runs the same loops and requires bitwise-equal losses
+and parameters when the JAX/XLA stack is the one the file was recorded with (a different stack may legitimately
+change float rounding: then the test compares to 1e-5 relative and says so).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+GOLDEN = os.path.join(ROOT, "tests", "data", "behaviour.json")
+SCHEMES = ("bert_a", "sinusoidal", "rope", "alibi", "t5", "bert_r", "nopos", "tupe_a", "tupe_r", "bert_ad")
+OBJECTIVES = ("mlm", "clm")
+STEPS = 20
+MODEL = {"model.hidden_size": "32", "model.num_layers": "2", "model.num_heads": "2", "model.mlp_dim": "64",
+         "model.vocab_size": "512", "model.max_len": "32", "model.dtype": "float32"}
+PRETRAIN = {**MODEL, "train.steps": str(STEPS), "train.batch_size": "8", "train.learning_rate": "3e-3",
+            "train.warmup_steps": "5", "train.log_every": "1", "train.eval_every": "0", "train.eval_steps": "1",
+            "checkpoint.every": "1000", "checkpoint.async_save": "false"}
+FINETUNE = {**MODEL, "train.steps": str(STEPS), "train.batch_size": "8", "train.eval_batch_size": "16",
+            "train.learning_rate": "1e-3", "train.log_every": "1", "train.predict_test": "false",
+            "checkpoint.every": "1000", "checkpoint.async_save": "false", "data.glue_buckets": "(32,)"}
+
+
+def stack() -> dict[str, str]:
+    """The versions that decide float rounding."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jaxlib  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__,
+            "device": jax.devices()[0].device_kind}
+
+
+def checksum(params) -> dict[str, object]:
+    """sha256 over every leaf's raw bytes (in path order) and the float64 sum of |leaf|."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    digest, total = hashlib.sha256(), 0.0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        array = np.asarray(jax.device_get(leaf))
+        digest.update(jax.tree_util.keystr(path).encode())
+        digest.update(array.tobytes())
+        total += float(np.abs(array.astype(np.float64)).sum())
+    return {"sha256": digest.hexdigest(), "abs_sum": total}
+
+
+def _losses(workdir: str) -> list[float]:
+    from tupe_jax.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+    return [float(m["loss"]) for m in read_metrics(workdir) if "loss" in m and "split" not in m]
+
+
+# The loops under test. After the redesign these are the only lines that name the loops' modules.
+def pretrain_config(pe: str, objective: str, cache_dir: str):
+    from tupe_jax.config import apply_overrides  # pylint: disable=import-outside-toplevel
+    from configs import pretrain as cfg  # pylint: disable=import-outside-toplevel
+    config = cfg.get_config(f"pe={pe},size=tiny,objective={objective}")
+    apply_overrides(config, PRETRAIN)
+    with config.unlocked():
+        config.data.cache_dir = cache_dir
+    return config
+
+
+def run_pretrain(config, workdir: str) -> dict:
+    import jax  # pylint: disable=import-outside-toplevel
+    from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain import loop  # pylint: disable=import-outside-toplevel
+    loop.pretrain(config, workdir, devices=jax.devices()[:1])
+    return {"losses": _losses(workdir), "params": checksum(workdir_lib.load_run(workdir).params)}
+
+
+def run_finetune(pretrain_workdir: str, workdir: str, cache_dir: str) -> dict:
+    import jax  # pylint: disable=import-outside-toplevel
+    from tupe_jax import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax.config import apply_overrides, load_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax.finetune import loop  # pylint: disable=import-outside-toplevel
+    config = load_config(os.path.join(ROOT, "configs", "glue.py") + ":task=wordorder,pe=tupe_r,size=tiny")
+    apply_overrides(config, FINETUNE)
+    with config.unlocked():
+        config.data.cache_dir = cache_dir
+        config.init_from = pretrain_workdir
+    loop.finetune(config, workdir, devices=jax.devices()[:1])
+    with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
+        step = checkpointer.latest_step()
+    params = ckpt_lib.restore_params(workdir, step)
+    return {"losses": _losses(workdir), "params": checksum(params)}
+
+
+def record(root: str, schemes=SCHEMES, objectives=OBJECTIVES, finetune: bool = True) -> dict:
+    """Run the loops under `root` and return the fingerprint."""
+    cache = os.path.join(root, "cache")
+    os.environ["TUPE_JAX_CACHE"] = cache
+    out: dict = {"stack": stack(), "pretrain": {}, "finetune": {}}
+    for objective in objectives:
+        for pe in schemes:
+            name = f"{pe}-{objective}"
+            print(f"behaviour: {name}", flush=True)
+            out["pretrain"][name] = run_pretrain(pretrain_config(pe, objective, cache), os.path.join(root, name))
+    if finetune:
+        pre = os.path.join(root, "tupe_r-mlm")
+        if not os.path.isdir(pre):
+            run_pretrain(pretrain_config("tupe_r", "mlm", cache), pre)
+        print("behaviour: finetune wordorder from tupe_r-mlm", flush=True)
+        out["finetune"]["wordorder-tupe_r"] = run_finetune(pre, os.path.join(root, "ft"), cache)
+    return out
+
+
+if __name__ == "__main__":
+    if "--write" not in sys.argv:
+        sys.exit("usage: python tests/behaviour.py --write   (re-records tests/data/behaviour.json)")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = record(tmp)
+    os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
+    with open(GOLDEN, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"wrote {GOLDEN}")

@@ -1,0 +1,115 @@
+"""The house rules, checked on the source: layered imports without loops, files under 350 lines, one trainer."""
+import ast
+import os
+from collections import defaultdict
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("tupe_jax", "launch", "configs")
+
+# Lower layers never import higher ones. Within a layer imports are allowed but may not form a loop.
+LAYERS = (
+    ("tupe_jax.errors", "tupe_jax.files"),
+    ("tupe_jax.config", "tupe_jax.positional", "tupe_jax.attention", "tupe_jax.sharding", "tupe_jax.optim",
+     "tupe_jax.metrics", "tupe_jax.plots", "tupe_jax.checkpoint", "tupe_jax.data"),
+    ("tupe_jax.model",),
+    ("tupe_jax.workdir", "tupe_jax.trainer"),
+    ("tupe_jax.pretrain", "tupe_jax.finetune"),
+    ("tupe_jax.analysis",),
+    ("launch", "configs"),
+)
+
+
+def layer_of(module: str) -> int:
+    if module == "tupe_jax":
+        return 0
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_architecture.py: add it to LAYERS")
+
+
+def modules() -> dict[str, str]:
+    """{dotted module name: path} for every .py file of the packages."""
+    out = {}
+    for package in PACKAGES:
+        for folder, _, names in os.walk(os.path.join(ROOT, package)):
+            for name in names:
+                if name.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, ".")
+                    out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(folder, name)
+    return out
+
+
+def imports(path: str, known: set[str]) -> set[str]:
+    """Project modules imported anywhere in the file (module level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.split(".")[0] in PACKAGES}
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    known = modules()
+    return {m: imports(p, set(known)) - {m} for m, p in known.items()}
+
+
+def test_no_module_imports_a_higher_layer(graph):
+    upward = [f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a)]
+    assert not upward, upward
+
+
+def test_no_import_loops(graph):
+    state: dict[str, int] = defaultdict(int)   # 0 new, 1 on the stack, 2 done
+    loops = []
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state[nxt] == 1:
+                loops.append(stack[stack.index(nxt):] + [nxt])
+            elif state[nxt] == 0:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if state[module] == 0:
+            visit(module, [module])
+    assert not loops, [" -> ".join(loop) for loop in loops]
+
+
+def test_files_stay_under_350_lines():
+    long = {m: n for m, p in modules().items() if not m.startswith("configs")
+            for n in [sum(1 for _ in open(p, encoding="utf-8"))] if n > 350}
+    assert not long, long
+
+
+def test_the_library_never_imports_the_launcher_or_configs(graph):
+    assert not [f"{a} -> {b}" for a, t in graph.items() if a.startswith("tupe_jax") for b in t
+                if b.split(".")[0] in ("launch", "configs")]
+
+
+def test_one_trainer_serves_both_loops(graph):
+    """Both loops train through `trainer.Trainer`; neither builds its own jitted step or checkpoint loop."""
+    for loop in ("tupe_jax.pretrain.loop", "tupe_jax.finetune.loop"):
+        assert "tupe_jax.trainer" in graph[loop], loop
+        source = open(modules()[loop], encoding="utf-8").read()
+        assert "trainer.fit(" in source and "donate_argnums" not in source and ".save(" not in source, loop
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The layer rule is live: a low module importing the launcher would be reported."""
+    fake = tmp_path / "m.py"
+    fake.write_text("def f():\n    from launch import COMMANDS\n")
+    found = imports(str(fake), set(modules()))
+    assert found == {"launch.COMMANDS"} or found == {"launch"}
+    assert layer_of("launch") > layer_of("tupe_jax.optim")

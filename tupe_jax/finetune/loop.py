@@ -1,0 +1,122 @@
+"""The fine-tuning loop: `finetune(config, workdir)` — one task, one learning rate, one seed — over
+`trainer.Trainer`.
+
+Protocol (TUPE App. B): batch 32, lr in {2,3,4,5}e-5, 10 epochs (5 for MNLI/QNLI/QQP), 6 % warmup then linear
+decay, AdamW (b=(0.9, 0.999), eps 1e-6, wd 0.01, clip 1.0), dropout 0.1. The dev set is evaluated at the end of
+every epoch (and every `train.eval_every` steps); the run's number is its best dev evaluation (fairseq's
+checkpoint_best, as the paper's code selects), and its test predictions come from that same evaluation.
+
+Workdir: config.json, metrics.jsonl (train rows: step, epoch, loss, learning_rate, grad_norm; eval rows:
+eval_<metric>), checkpoints/ (state + {'best', 'last_eval', 'predictions'} as the data item; restarting
+resumes), results.json, predictions/<Task>.tsv.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Iterator
+
+import jax
+import ml_collections
+
+from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax import files
+from tupe_jax import metrics as metrics_lib
+from tupe_jax import trainer as trainer_lib
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.finetune import scores
+from tupe_jax.finetune.runner import Runner
+from tupe_jax.finetune.validate import validate
+
+
+def _epochs_from(runner: Runner, step: int) -> Iterator[Any]:
+    """Training batches from global step `step` on, epoch after epoch (each epoch its own shuffle)."""
+    spe = runner.steps_per_epoch
+    for epoch in itertools.count(step // spe):
+        skip = step - epoch * spe if epoch == step // spe else 0
+        yield from itertools.islice(iter(runner.train_batches(epoch)), skip, None)
+
+
+def finetune(config: ml_collections.ConfigDict, workdir: str, devices: list | None = None) -> dict[str, Any]:
+    """Fine-tune `config.task` in `workdir` (resuming from its latest checkpoint); returns results.json's dict.
+
+    `devices`: the devices of the mesh (default: all; the launcher always uses all).
+    """
+    # --------------------------------------------------------------------------------------- setup
+    devices = list(devices) if devices is not None else jax.devices()
+    validate(config, len(devices))
+    os.makedirs(workdir, exist_ok=True)
+    runner = Runner(config, workdir, devices)
+    task, total, spe = runner.task, runner.total_steps, runner.steps_per_epoch
+    key = scores.headline_key(task)
+    t = config.train
+
+    # --------------------------------------------------------------------------------------- state
+    checkpointer = ckpt_lib.Checkpointer(workdir, every=int(config.checkpoint.every), keep=int(config.checkpoint.keep),
+                                         async_=bool(config.checkpoint.async_save))
+    trainer = trainer_lib.Trainer(runner.init_fn, runner.seed, runner.mesh, runner.step_fn, checkpointer,
+                                  meta=lambda s: workdir_lib.make_meta(config, s["params"]),
+                                  log_every=int(t.log_every))
+    runner.bind(trainer.shardings["params"])
+    state, progress = trainer.restore_or_init(fresh=lambda s: runner.load_encoder(s, trainer.abstract_params))
+    if progress is None:
+        progress = {"best": None, "last_eval": None, "predictions": []}
+    else:
+        progress.setdefault("best", None)
+        progress.setdefault("predictions", [])
+        print(f"resumed {task} from step {int(state['step'])} of {workdir}", flush=True)
+    step = int(state["step"])
+    origin = (f"{runner.source.workdir} step {runner.source.step}" if runner.source else "scratch (no init_from)")
+    if step == 0:
+        print(f"fine-tuning {task} from {origin}: {total} steps = {runner.epochs} epochs x {spe} steps, "
+              f"batch {runner.batch_size}, lr {float(t.learning_rate):g}, seed {runner.seed}", flush=True)
+
+    # --------------------------------------------------------------------------------------- hooks
+    writer = metrics_lib.MetricsWriter(workdir)
+    bar = metrics_lib.Progress(total, step)
+    eval_every = int(t.eval_every)
+
+    def log(at: int, values: dict) -> None:
+        row = {"epoch": at / spe, **{k: v for k, v in values.items() if k != "step_time_s"}}
+        writer.write(at, row)
+        bar.line(at, row)
+
+    def evaluate_due(at: int) -> bool:
+        return at % spe == 0 or at == total or (eval_every > 0 and at % eval_every == 0)
+
+    def after_step(at: int, state: dict) -> None:
+        if not evaluate_due(at):
+            return
+        metrics = runner.evaluate(state["params"])
+        epoch = at / spe
+        writer.write(at, {"epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()}})
+        print(f"eval {task} step {at} epoch {epoch:.2f} | "
+              + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        progress["last_eval"] = {"step": at, "epoch": epoch, "metrics": metrics}
+        best = progress["best"]
+        if best is None or metrics[key] > best["metrics"][key]:
+            progress["best"] = {"step": at, "epoch": epoch, "metrics": metrics}
+            if bool(t.predict_test):
+                progress["predictions"] = runner.write_test_predictions(state["params"])
+
+    # --------------------------------------------------------------------------------------- loop
+    hooks = trainer_lib.Hooks(log=log, after_step=after_step, payload=lambda: progress,
+                              checkpoint_due=lambda at: at % spe == 0, sync_due=evaluate_due)
+    outcome = trainer.fit(state, _epochs_from(runner, step), total, hooks)
+    checkpointer.close()
+    writer.close()
+    if outcome.preempted:
+        return {"preempted": True, "step": outcome.step}
+
+    # --------------------------------------------------------------------------------------- results
+    best, last = progress["best"], progress["last_eval"]
+    results = {
+        "task": task, "headline_key": key, "score": best["metrics"][key] if best else None,
+        "best": best, "final": last, "steps": total, "epochs": runner.epochs, "steps_per_epoch": spe,
+        "batch_size": runner.batch_size, "learning_rate": float(t.learning_rate), "seed": runner.seed,
+        "init_from": runner.source.workdir if runner.source else "", "init_step": runner.source.step if runner.source
+        else None, "majority_baseline": runner.majority_baseline(), "predictions": progress.get("predictions", []),
+    }
+    if jax.process_index() == 0:
+        files.write_json(os.path.join(workdir, "results.json"), results)
+    return results

@@ -1,0 +1,194 @@
+"""One fine-tuning run's machinery: tokenizer, mesh, classifier, loss, batches, and dev/test evaluation.
+
+`Runner(config, workdir)` resolves `init_from` (adopting the pretraining run's tokenizer), builds the
+`SequenceClassifier`, counts steps (epochs x steps per epoch unless `train.steps`), and makes the train step for
+`trainer.Trainer`. A run's number is its best dev evaluation over epochs; its test predictions (GLUE submission
+format) come from that same evaluation.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from tupe_jax import data as data_lib
+from tupe_jax import sharding as sh
+from tupe_jax import trainer as trainer_lib
+from tupe_jax.data import classification
+from tupe_jax.data.batch import ClassificationBatch
+from tupe_jax.data.tokenizer import Tokenizer
+from tupe_jax.errors import UserError, require
+from tupe_jax.finetune import scores
+from tupe_jax.finetune.init_from import adopt_tokenizer, open_init_source, restore_encoder
+from tupe_jax.finetune.validate import paper_epochs, schedule_section
+from tupe_jax.model import ModelConfig, SequenceClassifier
+from tupe_jax.optim import make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+def make_loss_fn(model: SequenceClassifier) -> Callable:
+    """(params, batch, rng) -> (Σ weighted loss, {'weight': Σ weight}): cross-entropy, or squared error for
+    regression (`num_labels == 1`)."""
+    def loss_fn(params: Any, batch: ClassificationBatch, rng: jax.Array):
+        logits = model.apply({"params": params}, batch.inputs, batch.input_mask, deterministic=False,
+                             rngs={"dropout": rng})
+        w = batch.example_weight
+        if model.num_labels == 1:
+            per = jnp.square(logits[:, 0] - batch.label.astype(jnp.float32))
+        else:
+            per = optax.softmax_cross_entropy_with_integer_labels(logits, batch.label)
+        return jnp.sum(per * w), {"weight": jnp.sum(w)}
+    return loss_fn
+
+
+def make_eval_step(model: SequenceClassifier) -> Callable:
+    def eval_step(params: Any, batch: ClassificationBatch) -> dict:
+        logits = model.apply({"params": params}, batch.inputs, batch.input_mask, deterministic=True)
+        return {"logits": logits, "label": batch.label, "index": batch.example_index}
+    return eval_step
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated global array as NumPy (works when it spans several processes)."""
+    return np.asarray(x.addressable_data(0))
+
+
+class Runner:
+    """Everything one fine-tuning run needs: tokenizer, mesh, model, jitted steps, and split evaluation."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices: list | None = None):
+        self.config, self.workdir, self.task = config, workdir, str(config.task)
+        self.source = open_init_source(config) if config.init_from else None
+        if self.source is not None:
+            self.tokenizer = Tokenizer.from_file(adopt_tokenizer(self.source.workdir, workdir))
+        else:
+            self.tokenizer = data_lib.get_tokenizer(config, workdir)
+        require(self.tokenizer.vocab_size <= int(config.model.vocab_size),
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
+                f"{config.model.vocab_size}", "--config.model.vocab_size", "use the pretraining run's vocab_size")
+        self.mesh = sh.make_mesh(config, devices)
+        self.model = SequenceClassifier(ModelConfig.from_config(config.model), data_lib.num_labels(self.task))
+        t = config.train
+        self.batch_size, self.seed = int(t.batch_size), int(t.seed)
+        self.steps_per_epoch = len(self.train_batches(0))
+        require(self.steps_per_epoch > 0, f"{self.task} train has fewer examples than one batch of {self.batch_size}",
+                "--config.train.batch_size", "use a smaller batch")
+        self.total_steps = int(t.steps) or (int(t.epochs) or paper_epochs(self.task)) * self.steps_per_epoch
+        self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        self.tx, self.schedule = make_optimizer(schedule_section(config, self.total_steps))
+        self.init_fn = trainer_lib.init_state_fn(self.model, self.tx, int(config.model.max_len))
+        self.step_fn = trainer_lib.make_train_step(make_loss_fn(self.model), self.tx, self.schedule,
+                                                   int(t.grad_accum_steps), str(t.get("dropout_rng", "threefry2x32")))
+        self.eval_step = make_eval_step(self.model)   # jitted by `bind` once the trainer's shardings exist
+
+    def bind(self, params_sharding: Any) -> None:
+        """Jit the eval step for params laid out as `params_sharding` (the trainer's)."""
+        self.eval_step = jax.jit(make_eval_step(self.model),
+                                 in_shardings=(params_sharding, sh.batch_sharding(self.mesh)),
+                                 out_shardings=sh.replicated(self.mesh))
+
+    def train_batches(self, epoch: int):
+        return data_lib.glue_batches(self.config, self.tokenizer, self.task, "train", batch_size=self.batch_size,
+                                     seed=self.seed, epoch=epoch)
+
+    def load_encoder(self, state: dict, abstract_params: Any) -> dict:
+        """A fresh state with the encoder params replaced by the pretraining checkpoint's (if init_from is set)."""
+        if self.source is not None:
+            state["params"]["encoder"] = restore_encoder(self.source, abstract_params["encoder"])
+        return state
+
+    def init_state(self) -> dict:
+        """A fresh sharded state with `init_from`'s encoder, outside a checkpointed loop (tools and tests)."""
+        trainer = trainer_lib.Trainer(self.init_fn, self.seed, self.mesh, self.step_fn)
+        self.bind(trainer.shardings["params"])
+        return trainer.restore_or_init(fresh=lambda s: self.load_encoder(s, trainer.abstract_params))[0]
+
+    def predict(self, params: Any, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(example positions, labels, outputs) of every example of `split`, each exactly once, in order."""
+        batches = data_lib.glue_batches(self.config, self.tokenizer, self.task, split,
+                                        batch_size=int(self.config.train.eval_batch_size), shuffle=False)
+        return self.predict_batches(params, batches)
+
+    def predict_batches(self, params: Any, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        idx, labels, outs = [], [], []
+        for batch in batches:
+            out = self.eval_step(params, sh.global_batch(batch, self.mesh))
+            keep = _host(out["index"]) >= 0
+            idx.append(_host(out["index"])[keep])
+            labels.append(_host(out["label"])[keep])
+            outs.append(_host(out["logits"])[keep])
+        order = np.argsort(np.concatenate(idx), kind="stable")
+        return np.concatenate(idx)[order], np.concatenate(labels)[order], np.concatenate(outs)[order]
+
+    def dev_splits(self) -> list[tuple[str, str]]:
+        """[(split, metric-key suffix)]: MNLI has matched and mismatched dev sets."""
+        if self.task == "mnli":
+            return [("validation_matched", ""), ("validation_mismatched", "_mm")]
+        return [("validation", "")]
+
+    def evaluate(self, params: Any) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for split, suffix in self.dev_splits():
+            _, labels, outputs = self.predict(params, split)
+            values = scores.task_metrics(self.task, labels, outputs)
+            metrics.update({k + suffix: v for k, v in values.items()})
+        return metrics
+
+    def write_test_predictions(self, params: Any) -> list[str]:
+        """predictions/<Task>.tsv for each available test split (+ AX.tsv for MNLI when diagnostic/ exists)."""
+        out_dir, written = os.path.join(self.workdir, "predictions"), []
+        splits = [("test_matched", "mnli"), ("test_mismatched", "mnli_mm")] if self.task == "mnli" \
+            else [("test", self.task)]
+        for split, name in splits:
+            try:
+                examples = data_lib.glue_examples(self.config, self.task, split)
+                positions, _, outputs = self.predict(params, split)
+            except UserError as err:
+                log.warning("no test predictions for %s %s: %s", self.task, split, err)
+                continue
+            if jax.process_index() == 0:
+                written.append(scores.write_submission(out_dir, name, [examples[i]["idx"] for i in positions], outputs))
+        if self.task == "mnli":
+            written += self._write_ax(params, out_dir)
+        return written
+
+    def _write_ax(self, params: Any, out_dir: str) -> list[str]:
+        path = os.path.join(os.path.expanduser(str(self.config.data.glue_dir or "")), "diagnostic", "diagnostic.tsv")
+        if not self.config.data.glue_dir or not os.path.isfile(path):
+            return []
+        with open(path, encoding="utf-8") as f:
+            header, *rows = [line.rstrip("\r\n").split("\t") for line in f if line.strip()]
+        col = {name: i for i, name in enumerate(header)}
+        require(all(k in col for k in ("index", "sentence1", "sentence2")), f"{path} lacks index/sentence1/sentence2",
+                str(path), "use the GLUE diagnostic.tsv")
+        examples = [{"sentence1": r[col["sentence1"]], "sentence2": r[col["sentence2"]], "label": 0} for r in rows]
+        enc = classification.encode_glue(self.tokenizer, examples, int(self.config.model.max_len), False)
+        batches = classification.GlueBatches(enc, batch_size=int(self.config.train.eval_batch_size),
+                                        max_len=int(self.config.model.max_len),
+                                        buckets=tuple(self.config.data.glue_buckets), shuffle=False, seed=0, epoch=0,
+                                        drop_remainder=False, process_index=jax.process_index(),
+                                        process_count=jax.process_count())
+        positions, _, outputs = self.predict_batches(params, batches)
+        if jax.process_index() != 0:
+            return []
+        return [scores.write_submission(out_dir, "ax", [int(rows[i][col["index"]]) for i in positions], outputs)]
+
+    def majority_baseline(self) -> dict[str, float]:
+        """Accuracy of the train set's majority class on each dev split (not for STS-B)."""
+        if self.task == "stsb":
+            return {}
+        train = [e["label"] for e in data_lib.glue_examples(self.config, self.task, "train")]
+        top = int(np.bincount(np.asarray(train)).argmax())
+        out = {}
+        for split, suffix in self.dev_splits():
+            dev = np.asarray([e["label"] for e in data_lib.glue_examples(self.config, self.task, split)])
+            out["accuracy" + suffix] = float(np.mean(dev == top))
+        return out

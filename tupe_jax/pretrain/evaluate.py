@@ -1,0 +1,36 @@
+"""`python -m launch evaluate`: restore a pretraining checkpoint and score the whole validation split."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+from tupe_jax import metrics as metrics_lib
+from tupe_jax import sharding as sharding_lib
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.errors import UserError
+from tupe_jax.model import TransformerLM
+from tupe_jax.pretrain import steps
+from tupe_jax.pretrain.loop import validation_batches
+
+
+def evaluate(workdir: str, step: Optional[int] = None) -> dict[str, float]:
+    """Restore `workdir` at `step` (default latest), evaluate on the whole validation split, log to metrics."""
+    run = workdir_lib.load_run(workdir, step)
+    config = run.config
+    with config.unlocked():
+        config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1   # any device count can evaluate
+    mesh = sharding_lib.make_mesh(config)
+    batch_size = int(config.train.batch_size)
+    batch_size -= batch_size % jax.device_count() or 0
+    batches = validation_batches(config, run.tokenizer, max(batch_size, jax.device_count()))
+    if batches is None:
+        raise UserError(f"the corpus of {workdir} has no validation split", "data.holdout",
+                        "set --config.data.holdout>0 when pretraining")
+    params = jax.device_put(run.params, sharding_lib.replicated(mesh))
+    sums = steps.run_eval(jax.jit(steps.make_eval_step(TransformerLM(run.model_cfg))), params, batches, mesh, 0)
+    values = steps.summarize(sums, run.model_cfg.causal, prefix="eval_")
+    with metrics_lib.MetricsWriter(workdir) as writer:
+        writer.write(run.step, {**values, "split": "validation", "evaluated_tokens": float(sums["weight"])})
+    print(f"{workdir} step {run.step}: " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()), flush=True)
+    return values

@@ -1,0 +1,134 @@
+"""The pretraining loop: `pretrain(config, workdir)`, top to bottom, over `trainer.Trainer`.
+
+The train step is `jax.jit` with explicit in/out shardings on a ('data', 'fsdp', 'tensor') mesh and a donated
+state; metrics come back one step late, so the host never waits on the step it just dispatched. Restarting on
+the same workdir resumes from the newest good checkpoint (params, optimizer, step, RNG, data-iterator position).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterator, Optional
+
+import jax
+import ml_collections
+
+from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax import data as data_lib
+from tupe_jax import metrics as metrics_lib
+from tupe_jax import sharding as sharding_lib
+from tupe_jax import trainer as trainer_lib
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.errors import UserError
+from tupe_jax.model import ModelConfig, TransformerLM
+from tupe_jax.optim import make_optimizer
+from tupe_jax.pretrain import steps
+from tupe_jax.pretrain.validate import validate
+
+log = logging.getLogger(__name__)
+
+
+def validation_batches(config: ml_collections.ConfigDict, tokenizer, batch_size: int) -> Optional[Iterator]:
+    """One pass over the validation split, or None when the corpus has none."""
+    try:
+        return data_lib.pretrain_iterator(config, tokenizer, split="validation", global_batch_size=batch_size,
+                                          seed=0, shuffle=False, repeat=False)
+    except UserError as err:
+        if "validation" in str(err):
+            log.warning("no validation split: %s", err)
+            return None
+        raise
+
+
+def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Optional[int] = None,
+             devices: Optional[list] = None) -> dict[str, Any]:
+    """Train `config` in `workdir`, resuming from its latest good checkpoint. Returns the final metrics.
+
+    `stop_after`: behave as if preempted after that many steps of this invocation (checkpoint, return).
+    `devices`: the devices of the mesh (default: all; the launcher always uses all).
+    """
+    # --------------------------------------------------------------------------------------- setup
+    devices = list(devices) if devices is not None else jax.devices()
+    validate(config, len(devices))
+    workdir_lib.write_config(workdir, config, write=jax.process_index() == 0)   # refuses another run's
+    mesh = sharding_lib.make_mesh(config, devices)
+    tokenizer = data_lib.get_tokenizer(config, workdir)
+    model = TransformerLM(ModelConfig.from_config(config.model))
+    causal = model.cfg.causal
+    tx, schedule = make_optimizer(config.train)
+    total_steps, batch_size = int(config.train.steps), int(config.train.batch_size)
+
+    # --------------------------------------------------------------------------------------- state
+    step_fn = steps.make_train_step(model, tx, schedule, int(config.train.grad_accum_steps),
+                                    str(config.train.get("dropout_rng", "threefry2x32")))
+    checkpointer = ckpt_lib.Checkpointer(workdir, every=int(config.checkpoint.every), keep=int(config.checkpoint.keep),
+                                         async_=bool(config.checkpoint.async_save))
+    trainer = trainer_lib.Trainer(
+        trainer_lib.init_state_fn(model, tx, int(config.model.max_len)), int(config.train.seed), mesh, step_fn,
+        checkpointer, meta=lambda s: workdir_lib.make_meta(config, s["params"], tokenizer.fingerprint),
+        log_every=int(config.train.log_every))
+    train_iter = data_lib.pretrain_iterator(config, tokenizer, split="train", global_batch_size=batch_size,
+                                            seed=int(config.train.seed))
+    state, data_state = trainer.restore_or_init()
+    start_step = int(state["step"])
+    writer = metrics_lib.MetricsWriter(workdir)
+    if data_state is not None:
+        workdir_lib.check_tokenizer(checkpointer.restore_meta(start_step), tokenizer.fingerprint,
+                                    workdir_lib.tokenizer_path(workdir))
+        train_iter.set_state(data_state)
+        print(f"resumed from step {start_step} of {workdir}", flush=True)
+        writer.write(start_step, {"event": metrics_lib.RESUMED})   # later rows of the old process were redone
+
+    # --------------------------------------------------------------------------------------- hooks
+    eval_step = jax.jit(steps.make_eval_step(model), in_shardings=(trainer.shardings["params"],
+                                                                   sharding_lib.batch_sharding(mesh)))
+    flops = steps.step_flops(config)
+    peak = metrics_lib.peak_tflops(float(config.metrics.peak_tflops))
+    tokens_per_step = batch_size * int(config.model.max_len)
+    progress = metrics_lib.Progress(total_steps, start_step)
+    eval_every = int(config.train.eval_every)
+    last_logged: dict[str, Any] = {}
+
+    def log_step(step: int, values: dict) -> None:
+        values = dict(values)
+        if causal:
+            values["perplexity"] = math.exp(min(values["loss"], 80.0))
+        else:
+            values["mlm_accuracy"] = values.pop("accuracy")
+        step_time = values.pop("step_time_s")
+        values.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,
+                      model_tflops=flops / step_time / 1e12)
+        if peak > 0:
+            values["mfu"] = metrics_lib.mfu(flops, step_time, len(devices), peak)
+        writer.write(step, values)
+        progress.line(step, {k: values[k] for k in ("loss", "learning_rate") if k in values})
+        last_logged.clear()
+        last_logged.update(values)
+
+    def write_eval(step: int, params: Any) -> dict[str, float]:
+        batches = validation_batches(config, tokenizer, batch_size)
+        if batches is None:
+            return {}
+        values = steps.summarize(steps.run_eval(eval_step, params, batches, mesh, int(config.train.eval_steps)),
+                                 causal, prefix="eval_")
+        writer.write(step, values)
+        print(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()), flush=True)
+        return values
+
+    def after_step(step: int, state: dict) -> None:
+        if eval_every > 0 and step % eval_every == 0 and step < total_steps:
+            write_eval(step, state["params"])
+
+    # --------------------------------------------------------------------------------------- loop
+    hooks = trainer_lib.Hooks(log=log_step, after_step=after_step, payload=train_iter.get_state,
+                              sync_due=lambda s: eval_every > 0 and s % eval_every == 0)
+    outcome = trainer.fit(state, train_iter, total_steps, hooks, stop_after=stop_after)
+
+    # --------------------------------------------------------------------------------------- finish
+    final: dict[str, Any] = {"step": outcome.step, **last_logged}
+    if not outcome.preempted and start_step < total_steps:
+        final.update(write_eval(outcome.step, outcome.state["params"]))
+    checkpointer.close()
+    writer.close()
+    return final
+

@@ -1,0 +1,21 @@
+"""The pretraining command's validator: each section is checked by the module that owns it."""
+from __future__ import annotations
+
+import ml_collections
+
+from tupe_jax import data, model, optim, sharding
+from tupe_jax.config import require_positive
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
+    """Check a pretraining config against `num_devices` before any compute; return the mesh (data, fsdp, tensor)."""
+    model.validate_config(config.model)
+    mesh = sharding.resolve_mesh_shape(config.mesh, num_devices)
+    require_positive(config, ("train.steps", "train.batch_size", "train.grad_accum_steps", "train.log_every"))
+    require_positive(config, ("train.warmup_steps", "train.decay_steps", "train.eval_every", "train.eval_steps"),
+                     allow_zero=True)
+    optim.validate_config(config.train)
+    sharding.check_batch(config.train, mesh)
+    require_positive(config, ("checkpoint.every", "checkpoint.keep"))
+    data.validate_config(config)
+    return mesh

@@ -1,0 +1,198 @@
+"""One trainer for every loop (pretraining and fine-tuning): the train step over any loss, sharded state init,
+restore-or-init, the finiteness rule, preemption, and metrics fetched one step late.
+
+    step_fn = make_train_step(loss_fn, tx, schedule, grad_accum_steps, dropout_rng, ratios)
+    trainer = Trainer(init_fn, seed, mesh, step_fn, checkpointer)
+    state, payload = trainer.restore_or_init(fresh=...)        # payload: the checkpoint's `data` item, or None
+    outcome = trainer.fit(state, batches, total_steps, hooks)  # Hooks: what each loop adds (logging, eval, ...)
+
+The state is a dict {'step', 'params', 'opt_state', 'rng'} (the checkpoint layout). `rng` is a raw threefry key;
+step s draws dropout from fold_in(rng, s) (microbatch i of it from a further fold_in(·, i)), so a resumed run
+draws exactly the masks of an uninterrupted one.
+
+The finiteness rule (one for every loop): every step's metrics are checked when they are fetched (one step
+late); at each checkpoint the step's own metrics and the parameters are checked before anything is saved, so a
+diverged state is never checkpointed. A failure raises `UserError` naming the step and the last good checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax import sharding as sharding_lib
+from tupe_jax.errors import UserError
+from tupe_jax.optim import accumulate_gradients, dropout_key
+
+# loss_fn(params, batch, dropout_rng) -> (Σ per-example loss, {'weight': Σ weights, other sums...})
+LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, dict]]
+
+
+def init_state_fn(model: nn.Module, tx: optax.GradientTransformation, max_len: int) -> Callable:
+    """rng -> boxed train state {'step', 'params', 'opt_state', 'rng'} (for eval_shape and the sharded init)."""
+    dummy = jnp.zeros((1, min(int(max_len), 8)), jnp.int32)
+
+    def init(rng: jax.Array) -> dict:
+        init_rng, dropout_rng = jax.random.split(rng)
+        params = model.init({"params": init_rng}, dummy)["params"]
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params), "rng": dropout_rng}
+    return init
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    grad_accum_steps: int, dropout_rng: str = "threefry2x32",
+                    ratios: Optional[dict[str, str]] = None) -> Callable:
+    """(state, batch) -> (state, metrics): gradient accumulation over `grad_accum_steps` microbatches, one optimizer
+    update. Metrics: loss (Σ loss / Σ weight), grad_norm, learning_rate, and for each `ratios` entry
+    {name: aux key} the ratio Σ aux[key] / Σ weight (e.g. {'accuracy': 'correct'})."""
+    ratios = dict(ratios or {})
+
+    def train_step(state: dict, batch: Any) -> tuple[dict, dict]:
+        rng = jax.random.fold_in(state["rng"], state["step"])
+        keyed = lambda p, b, r: loss_fn(p, b, dropout_key(r, dropout_rng))  # noqa: E731
+        loss, grads, aux = accumulate_gradients(keyed, state["params"], batch, grad_accum_steps, rng)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+                     "opt_state": opt_state, "rng": state["rng"]}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
+        for name, key in ratios.items():
+            metrics[name] = aux[key] / jnp.maximum(aux["weight"], 1e-9)
+        return new_state, metrics
+    return train_step
+
+
+@dataclasses.dataclass
+class Hooks:
+    """What a loop adds to `Trainer.fit`. Every hook is optional.
+
+    log(step, values)         a fetched step's metrics (+ step_time_s) at a logging step (`log_every`) or a sync point
+    after_step(step, state)   after each step, before its checkpoint (evaluation, best-so-far bookkeeping)
+    payload()                 the checkpoint's `data` item (the data-iterator state, or the loop's progress)
+    checkpoint_due(step)      an extra checkpoint condition (default: every `checkpointer.every` steps)
+    sync_due(step)            also fetch the step's metrics at once at this step (e.g. before an evaluation)
+    """
+    log: Optional[Callable[[int, dict], None]] = None
+    after_step: Optional[Callable[[int, dict], None]] = None
+    payload: Optional[Callable[[], dict]] = None
+    checkpoint_due: Optional[Callable[[int], bool]] = None
+    sync_due: Optional[Callable[[int], bool]] = None
+
+
+@dataclasses.dataclass
+class Outcome:
+    state: dict
+    step: int
+    preempted: bool
+
+
+class Trainer:
+    """A sharded, jitted train step with its state: init or restore, then `fit` over batches."""
+
+    def __init__(self, init_fn: Callable, seed: int, mesh: jax.sharding.Mesh, step_fn: Callable,
+                 checkpointer: Optional[ckpt_lib.Checkpointer] = None, meta: Optional[Callable[[dict], dict]] = None,
+                 log_every: int = 1):
+        self.mesh, self.checkpointer, self.log_every = mesh, checkpointer, max(int(log_every), 1)
+        self.init_fn, self.rng = init_fn, jax.random.PRNGKey(int(seed))
+        self.abstract = jax.eval_shape(init_fn, self.rng)
+        self.shardings = sharding_lib.logical_to_shardings(self.abstract, mesh)
+        self.meta_fn = meta or (lambda state: {})
+        self.step_fn = jax.jit(step_fn, in_shardings=(self.shardings, sharding_lib.batch_sharding(mesh)),
+                               out_shardings=(self.shardings, sharding_lib.replicated(mesh)), donate_argnums=0)
+        self._all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
+                                                                   for x in jax.tree_util.tree_leaves(tree)])))
+
+    @property
+    def abstract_params(self) -> Any:
+        """Unboxed ShapeDtypeStructs of the params, carrying their shardings (targets for partial restores)."""
+        return sharding_lib.abstract_with_shardings(self.abstract, self.shardings)["params"]
+
+    def restore_or_init(self, fresh: Optional[Callable[[dict], dict]] = None) -> tuple[dict, Optional[dict]]:
+        """(state, payload): the newest good checkpoint (payload = its `data` item), or a fresh sharded state
+        (passed through `fresh`, e.g. to load pretrained encoder weights) and None. Without a checkpointer: always
+        fresh."""
+        restored = None if self.checkpointer is None else self.checkpointer.restore(
+            None, sharding_lib.abstract_with_shardings(self.abstract, self.shardings))
+        if restored is not None:
+            return restored
+        state = jax.jit(lambda r: nn.meta.unbox(self.init_fn(r)), out_shardings=self.shardings)(self.rng)
+        return (fresh(state) if fresh is not None else state), None
+
+    def _diverged(self, step: int, what: str) -> None:
+        self.checkpointer.wait()   # let an in-flight save of a good step commit before we stop
+        kept = self.checkpointer.latest_step()
+        raise UserError(f"training diverged at step {step} ({what})", self.checkpointer.directory,
+                        "lower --config.train.learning_rate or raise warmup; "
+                        + (f"the last good checkpoint (step {kept}) is kept" if kept is not None
+                           else "no checkpoint had been written yet"))
+
+    def _fetch(self, step: int, device_metrics: dict) -> dict:
+        values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+        bad = ", ".join(f"{k}={v}" for k, v in values.items() if not math.isfinite(v))
+        if bad:
+            self._diverged(step, bad)
+        return values
+
+    def fit(self, state: dict, batches: Iterable[Any], total_steps: int, hooks: Optional[Hooks] = None,
+            stop_after: Optional[int] = None) -> Outcome:
+        """Train from `state` until `total_steps` (or the batches run out, or preemption); checkpoint at the due
+        steps, at the end and on preemption. `stop_after`: behave as if preempted after that many steps."""
+        hooks = hooks or Hooks()
+        if self.checkpointer is None:
+            raise ValueError("Trainer.fit needs a checkpointer")
+        ckpt_lib.install_sigterm_handler()
+        start = step = int(state["step"])
+        every = self.checkpointer.every
+        meta = self.meta_fn(state)
+        pending: Optional[tuple[int, dict]] = None      # the previous step's device metrics, fetched one late
+        window = {"start": time.perf_counter(), "steps": 0}
+
+        def log(at: int, values: dict) -> None:
+            elapsed = time.perf_counter() - window["start"]
+            values = {**values, "step_time_s": elapsed / max(window["steps"], 1)}
+            window["start"], window["steps"] = time.perf_counter(), 0
+            if hooks.log is not None:
+                hooks.log(at, values)
+
+        preempted = False
+        iterator = iter(batches)
+        while step < total_steps:
+            batch = next(iterator, None)
+            if batch is None:
+                break
+            state, device_metrics = self.step_fn(state, sharding_lib.global_batch(batch, self.mesh))
+            step += 1
+            window["steps"] += 1
+            if pending is not None:                      # the previous step is done by now (or nearly)
+                values = self._fetch(*pending)
+                if pending[0] % self.log_every == 0:
+                    log(pending[0], values)
+            pending = (step, device_metrics)
+            preempted = self.checkpointer.reached_preemption(step) or (stop_after is not None
+                                                                       and step - start >= stop_after)
+            save = (step % every == 0 or step == total_steps or preempted
+                    or (hooks.checkpoint_due is not None and hooks.checkpoint_due(step)))
+            if save or (hooks.sync_due is not None and hooks.sync_due(step)):
+                values = self._fetch(*pending)           # never checkpoint (or evaluate) a diverged state
+                if step % self.log_every == 0 or step == total_steps:
+                    log(step, values)
+                pending = None
+            if hooks.after_step is not None:
+                hooks.after_step(step, state)
+            if save:
+                if not bool(self._all_finite(state["params"])):   # finite loss, but the update overflowed
+                    self._diverged(step, "non-finite parameters after the update")
+                self.checkpointer.save(step, state, hooks.payload() if hooks.payload else {}, meta, force=True)
+            if preempted:
+                print(f"preemption: saved step {step} to {self.checkpointer.directory}; exiting", flush=True)
+                break
+        if pending is not None:
+            log(pending[0], self._fetch(*pending))
+        self.checkpointer.wait()
+        return Outcome(state, step, preempted)
