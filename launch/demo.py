@@ -8,7 +8,6 @@ from typing import Any
 from configs import pretrain as pretrain_config
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import plots
-from tupe_jax import workdir as workdir_lib
 from tupe_jax.config import apply_overrides
 from tupe_jax.pretrain.evaluate import evaluate
 from tupe_jax.pretrain.loop import pretrain
@@ -19,7 +18,6 @@ def demo(workdir: str) -> dict[str, Any]:
     config = pretrain_config.get_config("pe=tupe_r,size=tiny,objective=mlm")
     apply_overrides(config, {"train.steps": "500", "train.batch_size": "32", "train.warmup_steps": "50",
                              "train.log_every": "25", "train.eval_every": "100", "checkpoint.every": "100"})
-    workdir_lib.write_config(workdir, config)
     print(f"demo: tiny TUPE-R MLM ({config.model.num_layers} layers, d={config.model.hidden_size}) on the embedded "
           f"corpus (CPython's documentation text), {config.train.steps} steps, workdir {workdir}", flush=True)
     pretrain(config, workdir)

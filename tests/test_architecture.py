@@ -15,7 +15,7 @@ LAYERS = (
      "tupe_jax.metrics", "tupe_jax.plots", "tupe_jax.checkpoint", "tupe_jax.data"),
     ("tupe_jax.model",),
     ("tupe_jax.workdir", "tupe_jax.trainer"),
-    ("tupe_jax.pretrain", "tupe_jax.finetune"),
+    ("tupe_jax.pretrain", "tupe_jax.finetune", "tupe_jax.interop"),
     ("tupe_jax.analysis",),
     ("launch", "configs"),
 )

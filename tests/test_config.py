@@ -138,8 +138,11 @@ def test_workdir_refuses_another_runs_config(tmp_path):
     workdir_lib.write_config(workdir, _load())
     workdir_lib.write_config(workdir, _load(**{"train.steps": 7}))  # train keys: same run, resumable
     with pytest.raises(UserError) as info:
-        workdir_lib.write_config(workdir, _load("pe=rope"))
-    assert "model.pe: 'tupe_r' -> 'rope'" in str(info.value) and "--overwrite_config" in str(info.value)
+        workdir_lib.write_config(workdir, _load("pe=rope"), overwrite=False)   # as the launcher, which has the flag
+    assert "model.pe='tupe_r' (this command: 'rope')" in str(info.value) and "--overwrite_config" in str(info.value)
+    with pytest.raises(UserError) as info:
+        workdir_lib.write_config(workdir, _load("pe=rope"))                    # a library caller: no such flag
+    assert "--overwrite_config" not in str(info.value)
     assert workdir_lib.read_config(workdir).model.pe == "tupe_r"  # untouched
     workdir_lib.write_config(workdir, _load("pe=rope"), overwrite=True)
     assert workdir_lib.read_config(workdir).model.pe == "rope"

@@ -52,8 +52,10 @@ def test_given_vocab_file(tmp_path):
     tok = D.get_tokenizer(c, None)
     assert tok.encode("The cats sat.") == [5, 6, 7, 8, 9]
     assert tok.encode("dog") == [tok.unk_id]
-    path.write_text("\n".join(["[UNK]", "[PAD]"] + vocab[2:]) + "\n")
-    with pytest.raises(UserError, match="must start with"):
+    path.write_text("\n".join(["[UNK]", "[PAD]"] + vocab[2:]) + "\n")   # special ids come from the vocabulary
+    assert (Tokenizer.from_file(path).unk_id, Tokenizer.from_file(path).pad_id) == (0, 1)
+    path.write_text("\n".join(vocab[1:]) + "\n")
+    with pytest.raises(UserError, match=r"lacks the special token\(s\) \[PAD\]"):
         Tokenizer.from_file(path)
     c.data.vocab_file = str(tmp_path / "missing.txt")
     with pytest.raises(UserError, match="not found"):

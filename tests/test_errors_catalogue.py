@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +36,8 @@ class Env:
     cache: str
     glue: str          # a valid GLUE directory (all nine tasks)
     run: str           # a tiny pretraining run (tupe_r, max_len 64): config.json, tokenizer/, checkpoints/10
+    alibi: str = ""    # the same for alibi (a scheme that evaluates at any length)
+    holders: list = dataclasses.field(default_factory=list)   # processes holding workdir locks (killed at the end)
 
     def wd(self, name: str) -> str:
         return os.path.join(self.tmp, "wd", name)
@@ -75,6 +79,15 @@ def _glue_copy(env: Env, name: str, task: str, split: str, edit: Callable[[list[
     return root
 
 
+def _glue_drop(env: Env, name: str, task: str, split: str) -> str:
+    """A copy of the GLUE dir without <task>/<split>.tsv."""
+    root = env.data(name)
+    if not os.path.isdir(root):
+        shutil.copytree(env.glue, root)
+        os.remove(os.path.join(root, DIRS[task], f"{split}.tsv"))
+    return root
+
+
 def _write(path: str, data: bytes) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
@@ -113,6 +126,63 @@ def _config_only_workdir(env: Env, name: str, text: str | None = None) -> str:
     else:
         _write(os.path.join(wd, "config.json"), text.encode())
     return wd
+
+
+def _base(env: Env) -> str:
+    """A finished 2-step pretraining run made by `pretrain(env, 'base')` (the resume cases change one key)."""
+    wd = env.wd("base")
+    if not os.path.isdir(os.path.join(wd, "checkpoints")):
+        assert launch.main(pretrain(env, "base")) == 0
+    return wd
+
+
+def _copy_run(env: Env, name: str, edit: Callable[[dict], None] | None = None) -> str:
+    """A copy of the pretraining run, with `edit` applied to its config.json."""
+    wd = env.wd(name)
+    if not os.path.isdir(wd):
+        shutil.copytree(env.run, wd)
+        if edit is not None:
+            path = os.path.join(wd, "config.json")
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+            edit(config)
+            _write(path, json.dumps(config, indent=2).encode())
+    return wd
+
+
+def _finetune_run(env: Env) -> str:
+    """A folder holding a fine-tuning config.json (as `launch finetune` writes it)."""
+    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    config = config_lib.load_config(f"{GLUE[len('--config='):]}:task=rte")
+    return _config_only_workdir(env, "finetune_run", config_lib.to_json(config))
+
+
+def _locked(env: Env) -> str:
+    """A workdir whose lock another live process holds."""
+    wd = env.wd("locked")
+    if not env.holders:
+        code = "import sys, time\nfrom tupe_jax.workdir import RunLock\nwith RunLock(sys.argv[1]):\n" \
+               "    print('locked', flush=True)\n    time.sleep(600)\n"
+        holder = subprocess.Popen([sys.executable, "-c", code, wd], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "locked"
+        env.holders.append(holder)
+    return wd
+
+
+def _damaged_cache(env: Env) -> str:
+    """A copy of the data cache whose token stream (.npy) is cut in half."""
+    _base(env)
+    root = env.data("damaged_cache")
+    if not os.path.isdir(root):
+        shutil.copytree(env.cache, root)
+        for folder, _, names in os.walk(os.path.join(root, "streams")):
+            for name in names:
+                if name.endswith(".tokens.npy"):
+                    path = os.path.join(folder, name)
+                    with open(path, "rb") as f:
+                        data = f.read()
+                    _write(path, data[: len(data) // 2])
+    return root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +293,138 @@ CASES = [
          lambda e: ["evaluate", f"--workdir={e.run}", "--config.train.steps=3"], "--config.train.steps"),
     Case("bad_lengths", "extrapolate with malformed --lengths",
          lambda e: ["extrapolate", f"--workdir={e.run}", "--lengths=128,abc"], "--lengths"),
+    # ---------------------------------------------------------------- an existing run is never rewritten
+    Case("resume_other_batch", "resume with another batch size (names the key and both values)",
+         lambda e: [*pretrain(e, "base", train__batch_size=8)[:2], f"--workdir={_base(e)}",
+                    *pretrain(e, "base", train__batch_size=8)[3:]], "train.batch_size=16 (this command: 8)"),
+    Case("resume_other_lr", "resume with another learning rate",
+         lambda e: [*pretrain(e, "base", train__learning_rate=0.5)[:2], f"--workdir={_base(e)}",
+                    *pretrain(e, "base", train__learning_rate=0.5)[3:]], "train.learning_rate"),
+    Case("resume_other_seed", "resume with another seed",
+         lambda e: [*pretrain(e, "base", train__seed=7)[:2], f"--workdir={_base(e)}",
+                    *pretrain(e, "base", train__seed=7)[3:]], "train.seed=0 (this command: 7)"),
+    Case("resume_fewer_steps", "train.steps below the run's checkpoint step",
+         lambda e: [*pretrain(e, "base", train__steps=1)[:2], f"--workdir={_base(e)}",
+                    *pretrain(e, "base", train__steps=1)[3:]], "train.steps=1 would end before it"),
+    Case("overwrite_trained_run", "--overwrite_config on a run with checkpoints",
+         lambda e: [*pretrain(e, "base", "pe=rope")[:2], f"--workdir={_base(e)}", *pretrain(e, "base")[3:],
+                    "--overwrite_config"], "--overwrite_config would misrepresent"),
+    Case("finetune_into_pretraining_run", "fine-tune with --workdir = the pretraining run itself",
+         lambda e: [*finetune(e, "x", "task=wordorder,pe=tupe_r")[:2], f"--workdir={_base(e)}",
+                    *finetune(e, "x", "task=wordorder,pe=tupe_r", init_from=_base(e), model__max_len=32)[3:]],
+         "holds a pretraining run; this command is a fine-tuning run"),
+    Case("workdir_locked", "workdir in use by another live process",
+         lambda e: pretrain(e, "x")[:2] + [f"--workdir={_locked(e)}"] + pretrain(e, "x")[3:], "is in use by process"),
+    Case("workdir_is_file", "workdir that is a file",
+         lambda e: pretrain(e, "x")[:2] + [f"--workdir={_write(e.data('a_file'), b'x')}"] + pretrain(e, "x")[3:],
+         "is a file, not a folder"),
+    Case("workdir_empty", "empty --workdir", lambda e: pretrain(e, "x")[:2] + ["--workdir="] + pretrain(e, "x")[3:],
+         "--workdir is empty"),
+    Case("workdir_not_writable", "workdir where nothing can be written (/proc)",
+         lambda e: pretrain(e, "x")[:2] + ["--workdir=/proc/tupe_jax_run"] + pretrain(e, "x")[3:], "not writable"),
+    Case("evaluate_edited_config", "`evaluate` on a run whose config.json was edited (max_len 64 -> 128)",
+         lambda e: ["evaluate", f"--workdir={_copy_run(e, 'edited', lambda c: c['model'].update(max_len=128))}"],
+         "does not match its checkpoint step 10"),
+    Case("probe_edited_config", "`probe` on a run whose config.json was edited",
+         lambda e: ["probe", f"--workdir={_copy_run(e, 'edited', lambda c: c['model'].update(max_len=128))}"],
+         "does not match its checkpoint step 10"),
+    Case("evaluate_finetune_run", "`evaluate` on a fine-tuning workdir",
+         lambda e: ["evaluate", f"--workdir={_finetune_run(e)}"], "is a fine-tuning run (rte)"),
+    Case("probe_finetune_run", "`probe` on a fine-tuning workdir",
+         lambda e: ["probe", f"--workdir={_finetune_run(e)}"], "is a fine-tuning run (rte)"),
+    Case("demo_on_other_run", "`demo` on a workdir that holds another run",
+         lambda e: ["demo", f"--workdir={_other_run_workdir(e)}"], "resume with the run's settings"),
+    # ---------------------------------------------------------------- inputs that make training meaningless
+    Case("float16", "model.dtype=float16 (needs loss scaling)", lambda e: pretrain(e, "t1", model__dtype="float16"),
+         "--config.model.dtype"),
+    Case("mask_nothing_short", "MLM with max_len 2: no position can be masked",
+         lambda e: pretrain(e, "t2", model__max_len=2), "masks no position"),
+    Case("mask_nothing_rate", "MLM with mask_prob 0.001: no position is masked",
+         lambda e: pretrain(e, "t3", data__mask_prob=0.001), "masks no position"),
+    Case("classifier_on_causal", "GLUE fine-tuning of a causal LM ([CLS] at position 0 sees no text)",
+         lambda e: finetune(e, "t4", "task=rte,pe=tupe_r,objective=clm"), "--config.model.objective"),
+    Case("lr_inf", "learning_rate=inf", lambda e: pretrain(e, "t5", train__learning_rate="inf"),
+         "train.learning_rate = inf is not a finite number"),
+    Case("lr_nan", "learning_rate=nan", lambda e: pretrain(e, "t6", train__learning_rate="nan"),
+         "--config.train.learning_rate"),
+    Case("lr_negative", "negative learning rate", lambda e: pretrain(e, "t7", train__learning_rate=-1e-3),
+         "--config.train.learning_rate"),
+    Case("seed_negative", "negative seed", lambda e: pretrain(e, "t8", train__seed=-1), "--config.train.seed"),
+    Case("seed_too_big", "seed beyond 64 bits", lambda e: pretrain(e, "t9", train__seed=2 ** 64),
+         "--config.train.seed"),
+    Case("adam_b1_one", "adam_b1 = 1", lambda e: pretrain(e, "t10", train__adam_b1=1.0), "--config.train.adam_b1"),
+    Case("accum_not_dividing", "grad_accum_steps not dividing the batch",
+         lambda e: pretrain(e, "t11", train__grad_accum_steps=3), "--config.train.grad_accum_steps"),
+    Case("dropout_one", "dropout rate 1.0", lambda e: pretrain(e, "t12", model__dropout_rate=1.0),
+         "--config.model.dropout_rate"),
+    Case("rope_fraction_zero", "rope_fraction 0", lambda e: pretrain(e, "t13", "pe=rope", model__rope_fraction=0.0),
+         "--config.model.rope_fraction"),
+    Case("odd_buckets", "odd number of relative buckets", lambda e: pretrain(e, "t14", model__rel_num_buckets=7),
+         "--config.model.rel_num_buckets"),
+    Case("untie_cls_causal", "untie_cls in a causal model",
+         lambda e: pretrain(e, "t15", "pe=tupe_r,objective=clm", model__untie_cls="true"), "--config.model.untie_cls"),
+    Case("unknown_backend", "unknown attention backend", lambda e: pretrain(e, "t16", model__attention_backend="flash"),
+         "--config.model.attention_backend"),
+    Case("unknown_rope_style", "unknown rope style", lambda e: pretrain(e, "t17", "pe=rope", model__rope_style="spiral"),
+         "--config.model.rope_style"),
+    Case("unknown_tupe_form", "unknown TUPE form", lambda e: pretrain(e, "t18", model__tupe_form="sum"),
+         "--config.model.tupe_form"),
+    Case("max_predictions_too_big", "max_predictions above max_len",
+         lambda e: pretrain(e, "t19", data__max_predictions=500), "--config.data.max_predictions"),
+    Case("checkpoint_every_zero", "checkpoint.every = 0", lambda e: pretrain(e, "t20", checkpoint__every=0),
+         "--config.checkpoint.every"),
+    # ---------------------------------------------------------------- data, caches, GLUE files
+    Case("cache_dir_is_file", "data.cache_dir that is a file",
+         lambda e: pretrain(e, "c3", data__cache_dir=_write(e.data("cache_file"), b"x")), "is a file, not a folder"),
+    Case("damaged_token_cache", "a truncated .npy in the data cache (names the file)",
+         lambda e: pretrain(e, "c4", data__cache_dir=_damaged_cache(e)), "streams"),
+    Case("glue_dev_header_only", "GLUE dev.tsv with a header and no rows",
+         lambda e: finetune(e, "g7", data__glue_dir=_glue_copy(e, "glue_empty_dev", "rte", "dev", lambda ls: ls[:1])),
+         "has a header and no rows"),
+    Case("glue_no_dev", "GLUE task without dev.tsv (refused before training)",
+         lambda e: finetune(e, "g8", data__glue_dir=_glue_drop(e, "glue_no_dev", "rte", "dev")), "validation"),
+    Case("glue_buckets_strings", "non-numeric data.glue_buckets",
+         lambda e: finetune(e, "g9", data__glue_buckets="('a',)"), "--config.data.glue_buckets"),
+    Case("sweep_lrs_strings", "non-numeric sweep.learning_rates",
+         lambda e: ["glue-sweep", *finetune(e, "g10", sweep__learning_rates="('a',)")[1:]],
+         "--config.sweep.learning_rates"),
+    Case("sweep_no_seeds", "empty sweep.seeds", lambda e: ["glue-sweep", *finetune(e, "g11", sweep__seeds="()")[1:]],
+         "--config.sweep.seeds"),
+    Case("sweep_unknown_task", "unknown task in sweep.tasks",
+         lambda e: ["glue-sweep", *finetune(e, "g12", sweep__tasks="rte,squad")[1:]], "--config.sweep.tasks"),
+    Case("warmup_ratio_one", "fine-tuning warmup_ratio 1.5", lambda e: finetune(e, "g13", train__warmup_ratio=1.5),
+         "--config.train.warmup_ratio"),
+    Case("eval_batch_not_dividing", "fine-tuning eval batch not divisible by the devices",
+         lambda e: finetune(e, "g14", train__eval_batch_size=12), "--config.train.eval_batch_size"),
+    # ---------------------------------------------------------------- analysis and comparison commands
+    Case("extrapolate_beyond_memory", "extrapolate an ALiBi model to 100,000 tokens (memory estimated first)",
+         lambda e: ["extrapolate", f"--workdir={e.alibi}", "--lengths=100000"], "GiB"),
+    Case("extrapolate_zero_length", "extrapolate with a zero length",
+         lambda e: ["extrapolate", f"--workdir={e.run}", "--lengths=0"], "--lengths"),
+    Case("extrapolate_sliding_mlm", "sliding windows on an MLM",
+         lambda e: ["extrapolate", f"--workdir={e.run}", "--lengths=32", "--mode=sliding"], "--mode"),
+    Case("out_is_file", "--out pointing at an existing file",
+         lambda e: ["probe", f"--workdir={e.run}", f"--out={_write(e.data('out_file'), b'x')}"], "--out"),
+    Case("probe_steps_zero", "probe with --probe_steps=0", lambda e: ["probe", f"--workdir={e.run}", "--probe_steps=0"],
+         "--probe_steps"),
+    Case("shuffle_text_short", "shuffle-attention on a one-word text",
+         lambda e: ["shuffle-attention", f"--workdir={e.run}", "--text=."], "--text"),
+    Case("compare_unknown_suite", "unknown comparison suite",
+         lambda e: ["compare", f"--config={os.path.join(ROOT, 'configs', 'compare.py')}:suite=nope",
+                    f"--workdir={e.wd('cmp1')}"], "suite"),
+    Case("compare_unknown_scheme", "unknown scheme in a suite",
+         lambda e: ["compare", f"--config={os.path.join(ROOT, 'configs', 'compare.py')}",
+                    f"--workdir={e.wd('cmp2')}", "--config.schemes=bert_a,fourier"], "--config.schemes"),
+    Case("compare_tiedcls_causal", "tied-[CLS] variant of a causal scheme",
+         lambda e: ["compare", f"--config={os.path.join(ROOT, 'configs', 'compare.py')}",
+                    f"--workdir={e.wd('cmp3')}", "--config.schemes=alibi-clm-tiedcls"], "--config.schemes"),
+    Case("compare_glue_without_dir", "a suite's GLUE task without data.glue_dir",
+         lambda e: ["compare", f"--config={os.path.join(ROOT, 'configs', 'compare.py')}:suite=tupe",
+                    f"--workdir={e.wd('cmp4')}", "--config.glue.tasks=rte"], "--config.data.glue_dir"),
+    Case("override_no_value", "override with no value at the end of the line",
+         lambda e: pretrain(e, "o1") + ["--config.train.steps"], "--config.train.steps"),
+    Case("tuple_override_scalar", "a scalar where a tuple is expected",
+         lambda e: finetune(e, "o2", data__glue_buckets="32"), "--config.data.glue_buckets"),
 ]
 CASE_BY_NAME = {c.name: c for c in CASES}
 RECORDS: dict[str, tuple[str, str, str]] = {}   # name -> (what, command, message), for docs/errors.md
@@ -238,7 +440,13 @@ def env(tmp_path_factory):
     write_glue_dir(glue)
     run = os.path.join(tmp, "data", "run")
     make_pretrained(run, cache, pe="tupe_r")
-    yield Env(tmp, cache, glue, run)
+    alibi = os.path.join(tmp, "data", "alibi")
+    make_pretrained(alibi, cache, pe="alibi")
+    env = Env(tmp, cache, glue, run, alibi)
+    yield env
+    for holder in env.holders:
+        holder.kill()
+        holder.wait()
     if old is None:
         os.environ.pop("TUPE_JAX_CACHE", None)
     else:
@@ -359,7 +567,9 @@ def test_bad_input_end_to_end(name, env):
 def _display(text: str, tmp: str) -> str:
     text = text.replace(os.path.join(tmp, "wd") + os.sep, "runs/").replace(os.path.join(tmp, "data") + os.sep, "data/")
     text = text.replace(tmp + os.sep, "").replace(ROOT + os.sep, "")
-    return text
+    # what changes from run to run (a lock holder's pid, host, start time and command; this machine's memory)
+    text = re.sub(r"process \d+ on \S+ \(started [^)]*\)", "process PID on HOST (started TIME: COMMAND)", text)
+    return re.sub(r"this machine has [\d.]+ GiB available", "this machine has N GiB available", text)
 
 
 def _cell(text: str) -> str:
@@ -387,16 +597,18 @@ def render_errors_doc() -> str:
     """The text of docs/errors.md from RECORDS (every name in DOC_ORDER must have been run)."""
     order = DOC_ORDER
     lines = ["# Errors: the catalogue of bad inputs", "",
-             "Generated by `python tools/gen_errors_doc.py` from `tests/test_errors_catalogue.py` (issue #8); do not",
-             "edit by hand. Every case exits with status 2 and prints exactly one line `error: <what>, <where>, <what to",
-             "do>` on stderr (no traceback) and leaves no partial outputs behind. `runs/` and `data/` stand for the",
+             "Generated by `python tools/gen_errors_doc.py` from `tests/test_errors_catalogue.py`; do not edit by",
+             "hand. Every case exits with status 2 and prints exactly one line `error: <what>, <where>, <what to",
+             "do>` on stderr (no traceback) and leaves no partial outputs behind: the test hashes every file of the",
+             "workdir before and after each case and requires them byte-identical. `runs/` and `data/` stand for the",
              "test's temporary workdirs and inputs; `[tiny]` stands for the tiny-model overrides each test command carries",
              "(`--config.model.hidden_size=32 ...`, see `pretrain()` / `finetune()` in the test).", "",
              "| # | bad input | command | message |", "|---|---|---|---|"]
     for i, name in enumerate(order, 1):
         what, command, message = RECORDS[name]
         lines.append(f"| {i} | {what} | {_cell(command)} | {_cell(message)} |")
-    lines += ["", "Runtime failures with their own tests in `tests/test_reliability.py`:", "",
+    lines += ["", "Runtime failures with their own tests (`tests/test_reliability.py`, `tests/test_workdir.py`, "
+              "`tests/test_launch.py`):", "",
               "| failure | behaviour |", "|---|---|",
               "| NaN/Inf loss, gradients or parameters | `error: training diverged at step N (...)`, exit 2; the last good "
               "checkpoint is kept |",
@@ -406,7 +618,13 @@ def render_errors_doc() -> str:
               "good one, nothing deleted (a later save of that step first moves it to `<step>.bad-<time>`) |",
               "| kill -9 (also during an asynchronous save) | the unfinished `<step>.orbax-checkpoint-tmp` is never "
               "restored; the restart resumes bitwise-exactly from the last committed step |",
-              "| SIGTERM | the current step is checkpointed and committed, exit 0 |", ""]
+              "| SIGTERM | the current step is checkpointed and committed, exit 0 |",
+              "| a second process on a workdir in use | `error: <workdir> is in use by process PID on HOST ...`, exit 2, "
+              "nothing written; the lock of a killed run dies with it and the next command takes it over |",
+              "| resume with an allowed change (steps, intervals, checkpointing, mesh, data loading) | accepted; the "
+              "change is recorded in `config_history.jsonl` and printed |",
+              "| any unexpected exception | `error: unexpected <Type>: <message>, <workdir>/logs/error-*.log, ...`, exit "
+              "1; the log holds the traceback; what the command created is removed unless it holds checkpoints |", ""]
     return "\n".join(lines)
 
 

@@ -84,8 +84,9 @@ def test_every_command_resolves_to_a_function_and_its_validator():
         assert callable(launch.resolve(f"{cmd.module}:{cmd.function}")), name
         if cmd.needs_config:
             assert callable(launch.resolve(cmd.validator)), name
-    assert {n for n, c in launch.COMMANDS.items() if c.needs_config} == {"pretrain", "finetune", "glue-sweep",
+    assert {n for n, c in launch.COMMANDS.items() if c.needs_config} >= {"pretrain", "finetune", "glue-sweep",
                                                                           "compare"}
+    assert not {n for n, c in launch.COMMANDS.items() if c.needs_config} & {"evaluate", "probe", "extrapolate"}
 
 
 def test_override_without_config_is_refused(capsys):
@@ -102,3 +103,29 @@ def test_lengths_parsing():
 def test_workdir_only_commands_take_no_config(capsys):
     assert launch.main(["evaluate", "--workdir=/tmp/x", CONFIG]) == 2
     assert capsys.readouterr().err.startswith("error: unrecognized arguments: --config")
+
+
+def test_an_unexpected_exception_is_one_line_pointing_at_a_log(tmp_path, monkeypatch, capsys):
+    """The launcher's last resort: exit 1, one `error:` line naming the exception and a log file that holds the
+    full traceback; the run's folder keeps exactly what it had (the log aside)."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "notes.txt").write_text("keep")
+
+    def boom(workdir, step):
+        raise RuntimeError("something nobody foresaw\nsecond line")
+
+    module = types.ModuleType("fake_boom_lib")
+    module.evaluate = boom
+    monkeypatch.setitem(sys.modules, "fake_boom_lib", module)
+    monkeypatch.setitem(launch.COMMANDS, "evaluate", dataclasses.replace(launch.COMMANDS["evaluate"],
+                                                                         module="fake_boom_lib"))
+    assert launch.main(["evaluate", f"--workdir={workdir}"]) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: unexpected RuntimeError: something nobody foresaw, ")
+    logs = list((workdir / "logs").iterdir())
+    assert len(logs) == 1 and str(logs[0]) in lines[0]
+    text = logs[0].read_text()
+    assert "Traceback" in text and "second line" in text and "def boom" not in lines[0]
+    assert sorted(p.name for p in workdir.iterdir()) == ["logs", "notes.txt"]
+    assert (workdir / "notes.txt").read_text() == "keep"

@@ -7,6 +7,7 @@ child installs before training (see CHILD): it sends itself SIGKILL (a real kill
 from __future__ import annotations
 
 import glob
+import io
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import tokenize
 
 import jax
 import numpy as np
@@ -357,18 +359,35 @@ def test_disk_full_enospc_from_a_python_write(tmp_path, standin_model):
 
 
 # ================================================================================================ security
+def pickle_uses(source: str) -> list[int]:
+    """Lines of `source` whose CODE (not strings or comments) names an unpickling module or call."""
+    names = {"pickle", "cPickle", "cloudpickle", "dill", "joblib", "marshal", "shelve", "eval"}
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+              if t.type not in (tokenize.STRING, tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE)]
+    hits = set()
+    for i, tok in enumerate(tokens):
+        text = " ".join(t.string for t in tokens[i:i + 4])
+        attribute = i > 0 and tokens[i - 1].string == "."          # config.eval.lengths is not eval()
+        named = tok.string in names and not attribute and (tok.string != "eval" or text.startswith("eval ("))
+        if tok.type == tokenize.NAME and (named or re.match(r"(torch|yaml) \. load\b", text)
+                                          or re.match(r"allow_pickle = True", text)):
+            hits.add(tok.start[0])
+    return sorted(hits)
+
+
 def test_no_pickle_in_the_package():
-    """Checkpoints, data and configs never go through pickle (or anything that unpickles)."""
-    pattern = re.compile(r"\b(pickle|cPickle|cloudpickle|dill|joblib|marshal|shelve)\b|allow_pickle\s*=\s*True"
-                         r"|torch\.load|yaml\.load\(|\beval\(")
+    """Checkpoints, data and configs never go through pickle (or anything that unpickles); words in messages and
+    docstrings (e.g. refusing a pickle by name) are fine."""
     offenders = []
     for folder in ("tupe_jax", "launch", "configs"):
         for path in glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True):
             with open(path, encoding="utf-8") as f:
-                for i, line in enumerate(f, 1):
-                    if pattern.search(line.split("#")[0]):
-                        offenders.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+                offenders += [f"{os.path.relpath(path, ROOT)}:{n}" for n in pickle_uses(f.read())]
     assert not offenders, offenders
+    # the scanner sees code and only code
+    assert pickle_uses("import pickle\nx = torch.load(f)\nnp.load(p, allow_pickle=True)\ny = eval(s)\n") == [1, 2, 3, 4]
+    assert pickle_uses("n = config.eval.lengths\n") == []
+    assert pickle_uses('"""refuses a pickle"""\nmsg = "pytorch_model.bin is a pickle"  # not pickle.load\n') == []
 
 
 def test_restore_and_data_never_unpickle(two_step_run, tmp_path, monkeypatch):

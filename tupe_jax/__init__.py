@@ -8,7 +8,7 @@ module imports only from its own layer or below; tests/test_architecture.py chec
                                         each owns its names and checks its own config section
     model                               the Transformer LMs and classifier; the dtype table
     workdir, trainer                    a run's folder (config.json, meta, loading); the one training loop
-    pretrain/, finetune/                the two loops over the trainer, each with its validator
+    pretrain/, finetune/, interop/      the two loops over the trainer, each with its validator; HF import/export
     analysis/                           tools on trained runs; the comparison suites
 """
 __version__ = "0.1.0"

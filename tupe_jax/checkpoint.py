@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
-import shutil
 import signal
 import time
 from typing import Any, Mapping
@@ -29,6 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from tupe_jax import files
 from tupe_jax.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,8 @@ def checkpoint_dir(path: str) -> str:
     """Absolute `path/checkpoints` if `path` is a workdir, else `path` itself (already a checkpoints directory).
 
     Absolute because Orbax refuses relative checkpoint paths (`--workdir=runs/x` is the common spelling)."""
-    sub = os.path.join(path, "checkpoints")
-    return os.path.abspath(sub if os.path.isdir(sub) else path)
+    sub = files.join(path, "checkpoints")
+    return files.absolute(sub if files.isdir(sub) else path)
 
 
 def param_shapes(params: Any) -> dict[str, list[int]]:
@@ -87,7 +86,7 @@ class Checkpointer:
 
     def __init__(self, workdir: str, every: int = 1000, keep: int = 3, async_: bool = True,
                  read_only: bool = False):
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.directory = files.absolute(files.join(workdir, "checkpoints"))
         self.every = max(int(every), 1)
         options = ocp.CheckpointManagerOptions(  # the interval is decided in `save`, not by Orbax
             save_interval_steps=1, max_to_keep=keep, create=not read_only, read_only=read_only,
@@ -120,11 +119,11 @@ class Checkpointer:
 
     def _set_aside(self, step: int) -> None:
         """Rename the unrestorable step dir to `<step>.bad-<time>` (kept for inspection, never deleted)."""
-        src = os.path.join(self.directory, str(step))
+        src = files.join(self.directory, str(step))
         dst = f"{src}.bad-{time.strftime('%Y%m%d-%H%M%S')}"
         log.warning("checkpoint step %d in %s did not restore; moving it to %s (not deleted) to save step %d again",
                     step, self.directory, dst, step)
-        os.rename(src, dst)
+        files.rename(src, dst)
         self._manager.reload()
 
     def _write_errors(self):
@@ -147,10 +146,10 @@ class Checkpointer:
                     checkpointer._manager.wait_until_finished()
                 except Exception:  # pylint: disable=broad-except
                     pass
-                tmp = os.path.join(checkpointer.directory, f"{step}.orbax-checkpoint-tmp")
+                tmp = files.join(checkpointer.directory, f"{step}.orbax-checkpoint-tmp")
                 checkpointer._failed_tmp = tmp if step is not None else None
-                if step is not None and os.path.isdir(tmp):   # the unfinished write, never a committed step
-                    shutil.rmtree(tmp, ignore_errors=True)
+                if step is not None and files.isdir(tmp):   # the unfinished write, never a committed step
+                    files.rmtree(tmp)
                 try:
                     checkpointer._manager.reload()
                     kept = checkpointer.all_steps()
@@ -228,8 +227,8 @@ class Checkpointer:
         finally:
             with self._write_errors():
                 self._manager.close()
-            if self._failed_tmp and os.path.isdir(self._failed_tmp):   # written to after the failure was seen
-                shutil.rmtree(self._failed_tmp, ignore_errors=True)
+            if self._failed_tmp and files.isdir(self._failed_tmp):   # written to after the failure was seen
+                files.rmtree(self._failed_tmp)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -245,7 +244,7 @@ def restore_params(path_or_workdir: str, step: int | None = None, abstract_param
     shardings; without it the whole state item is read and its params returned.
     """
     directory = checkpoint_dir(path_or_workdir)
-    if not os.path.isdir(directory):
+    if not files.isdir(directory):
         raise UserError(f"no checkpoints at {path_or_workdir}", "--config.init_from", "point it at a pretraining workdir")
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
                                     item_names=("state", "data", "meta"))

@@ -14,6 +14,7 @@ import ast
 import hashlib
 import importlib.util
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -93,6 +94,13 @@ def parse_value(raw: str, current: Any, where: str) -> Any:
             raise bad("a Python literal list/tuple") from None
         if current is not None and not isinstance(value, (tuple, list)):
             raise bad("a list/tuple")
+        if current:   # elements of the default's type (ints where floats are expected are fine)
+            kind = type(current[0])
+            ok = (int, float) if kind is float else (kind,)
+            wrong = [v for v in value if not isinstance(v, ok) or (kind is not bool and isinstance(v, bool))]
+            if wrong:
+                raise bad(f"a list/tuple of {kind.__name__}s ({wrong[0]!r} is not)")
+            value = [kind(v) for v in value]
         return type(current)(value) if current is not None else value
     raise UserError(f"key of type {type(current).__name__} cannot be set from the command line", where,
                     "edit the config file instead")
@@ -156,6 +164,24 @@ def require_positive(config: ml_collections.ConfigDict, keys: tuple[str, ...], a
                 "give a " + ("non-negative" if allow_zero else "positive") + " value")
 
 
+def require_finite(config: ml_collections.ConfigDict) -> None:
+    """No float anywhere in `config` is inf or NaN (they pass every range check and poison the first step)."""
+    for key, value in flatten(config.to_dict()).items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise UserError(f"{key} = {v} is not a finite number", f"--config.{key}", "give a finite value")
+
+
+def require_seed(config: ml_collections.ConfigDict, key: str = "train.seed") -> None:
+    """The seed at dotted `key` is an int in [0, 2**63) (NumPy and JAX seeds)."""
+    value = config
+    for name in key.split("."):
+        value = value[name]
+    require(0 <= int(value) < 2 ** 63, f"{key} = {value} is outside [0, 2**63)", f"--config.{key}",
+            "give a non-negative seed below 2**63")
+
+
 def require_one_of(value: Any, known: tuple[str, ...], key: str) -> None:
     """`value` (of config key `key`) must be one of `known`."""
     require(value in known, f"unknown {key} {value!r}", f"--config.{key}", "use one of " + "|".join(known))
@@ -173,11 +199,12 @@ def config_hash(config: ml_collections.ConfigDict | Mapping[str, Any], sections:
     return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a.b": value} for every leaf of a nested mapping."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -186,7 +213,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], sections: tuple[str, ...]) -> list[str]:
     """Keys under `sections` whose values differ, as "key: old -> new" strings."""
     def normal(tree: Mapping[str, Any]) -> dict[str, Any]:  # JSON round trip: tuples → lists, as on disk
-        return _flatten(json.loads(json.dumps({s: tree.get(s, {}) for s in sections}, default=str)))
+        return flatten(json.loads(json.dumps({s: tree.get(s, {}) for s in sections}, default=str)))
     flat_old, flat_new = normal(old), normal(new)
     keys = sorted(set(flat_old) | set(flat_new))
     return [f"{k}: {flat_old.get(k)!r} -> {flat_new.get(k)!r}" for k in keys if flat_old.get(k) != flat_new.get(k)]

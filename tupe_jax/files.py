@@ -1,19 +1,141 @@
-"""The one place that writes files whole: atomic JSON / text writes (temporary file + rename) and JSON reads.
+"""The path layer: every run-folder and data path goes through here, local or in a bucket (`gs://...`).
+
+Local paths use `os` exactly as before; a path with a scheme (`gs://bucket/run`) goes through `etils.epath`
+(gcsfs underneath, the library Orbax uses too; checkpoint arrays go through tensorstore, which reads gs:// paths
+itself). Whole files are written atomically: locally a temporary file + rename; in a bucket an object upload is
+atomic by nature (an object appears whole or not at all). Appending (`append_text`) is native locally; in a bucket,
+objects are immutable, so the object is rewritten whole (`metrics.MetricsWriter` buffers rows and flushes them at
+intervals and at every checkpoint, so a rewrite happens seldom).
 
 Every JSON or text file the project writes as a unit (a run's `config.json`, `results.json`, `sweep.json`, reports,
-analysis outputs) goes through `write_json` / `write_text`, so a reader never sees half a file and a crash never
-leaves one. Appended streams (`metrics.jsonl`, TensorBoard events) and Orbax checkpoints have their own writers.
-This is the layer a storage backend other than the local disk plugs into.
+analysis outputs) goes through `write_json` / `write_text`, so a reader never sees half a file.
+
+gcsfs's experimental zonal/HNS bucket probe (a gRPC call that hangs where only the JSON API is reachable, e.g. an
+emulator) is off unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT says otherwise.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
+import socket
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def is_remote(path: Any) -> bool:
+    """True for a path with a scheme (gs://, ...)."""
+    return "://" in str(path)
+
+
+def _epath(path: Any):
+    from etils import epath  # pylint: disable=import-outside-toplevel
+    return epath.Path(str(path))
+
+
+def stat_bucket(url: str) -> dict:
+    """The bucket's metadata; FileNotFoundError if it does not exist, the transport's error if unreachable (unlike
+    `exists`/`isdir`, which answer False for both)."""
+    if str(url).startswith("gs://"):   # a refused connection fails at once here, not after gcsfs's ~60 s of retries
+        endpoint = urllib.parse.urlsplit(os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com")
+        port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+        try:
+            socket.create_connection((endpoint.hostname, port), timeout=10).close()
+        except OSError as err:
+            raise ConnectionError(f"{endpoint.hostname}:{port}: {err.strerror or err}") from None
+    import fsspec  # pylint: disable=import-outside-toplevel
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs.info(path)
+
+
+def join(base: Any, *parts: str) -> str:
+    """`os.path.join` for local paths, "/"-joined for bucket paths."""
+    if is_remote(base):
+        return "/".join([str(base).rstrip("/"), *[p.strip("/") for p in parts]])
+    return os.path.join(str(base), *parts)
+
+
+def absolute(path: Any) -> str:
+    """An absolute local path (Orbax wants them), or the bucket path as it is."""
+    return str(path) if is_remote(path) else os.path.abspath(str(path))
+
+
+def exists(path: Any) -> bool:
+    return _epath(path).exists() if is_remote(path) else os.path.exists(path)
+
+
+def isdir(path: Any) -> bool:
+    return _epath(path).is_dir() if is_remote(path) else os.path.isdir(path)
+
+
+def isfile(path: Any) -> bool:
+    return _epath(path).is_file() if is_remote(path) else os.path.isfile(path)
+
+
+def listdir(path: Any) -> list[str]:
+    return sorted(p.name for p in _epath(path).iterdir()) if is_remote(path) else os.listdir(path)
+
+
+def makedirs(path: Any) -> None:
+    if is_remote(path):
+        _epath(path).mkdir(parents=True, exist_ok=True)
+    else:
+        os.makedirs(path, exist_ok=True)
+
+
+def remove(path: Any) -> None:
+    if is_remote(path):
+        _epath(path).unlink(missing_ok=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def rmtree(path: Any) -> None:
+    if is_remote(path):
+        if _epath(path).exists():
+            _epath(path).rmtree()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def rename(src: Any, dst: Any) -> None:
+    if is_remote(src):
+        _epath(src).rename(_epath(dst))
+    else:
+        os.rename(src, dst)
+
+
+def read_text(path: Any) -> str:
+    if is_remote(path):
+        return _epath(path).read_text(encoding="utf-8")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def upload(local: Any, path: Any) -> None:
+    """Copy the local file `local` to `path` (a bucket object or a local path)."""
+    if is_remote(path):
+        with open(local, "rb") as f:
+            _epath(path).write_bytes(f.read())
+    else:
+        shutil.copyfile(local, path)
+
+
+def append_text(path: Any, text: str) -> None:
+    """Append `text` (locally an append; in a bucket a rewrite of the whole object)."""
+    if is_remote(path):
+        old = read_text(path) if exists(path) else ""
+        _epath(path).write_text(old + text, encoding="utf-8")
+    else:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text)
 
 
 def _default(value: Any) -> Any:
@@ -49,6 +171,9 @@ def to_json(obj: Any, indent: int | None = 2, sort_keys: bool = True) -> str:
 def write_text(path: str | os.PathLike, text: str) -> str:
     """Write `text` to `path` atomically (parent folders created); returns the path."""
     path = str(path)
+    if is_remote(path):
+        _epath(path).write_text(text, encoding="utf-8")
+        return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -64,5 +189,4 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, sort_k
 
 def read_json(path: str | os.PathLike) -> Any:
     """Parse the JSON file at `path` (json.JSONDecodeError / OSError propagate to the caller, who names it)."""
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads(read_text(path))

@@ -12,12 +12,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Mapping, TextIO
 
 import jax
 import numpy as np
+
+from tupe_jax import files
 
 # Dense bf16 peak TFLOP/s per device, by `jax.devices()[0].device_kind` substring (lower-cased). 0 = unknown.
 PEAK_TFLOPS = (
@@ -39,21 +43,31 @@ def _scalar(value: Any) -> float | int | str:
 class MetricsWriter:
     """Append one JSON object per logged step to `workdir/metrics.jsonl` and mirror it to TensorBoard.
 
-    Only process 0 writes (pass `enabled` to override); other processes get a no-op writer.
+    Only process 0 writes (pass `enabled` to override); other processes get a no-op writer. In a bucket
+    (`gs://...`), where objects cannot be appended to, rows are buffered and the object is rewritten whole at
+    `flush()` (called at every checkpoint and at the end) and at most every `flush_secs` seconds otherwise.
     """
 
-    def __init__(self, workdir: str, enabled: bool | None = None, tensorboard: bool = True):
+    def __init__(self, workdir: str, enabled: bool | None = None, tensorboard: bool = True, flush_secs: float = 30):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = files.join(workdir, "metrics.jsonl")
         self._file: TextIO | None = None
+        self._pending: list[str] = []               # rows not yet in the bucket object
+        self._remote, self._flush_secs, self._flushed = files.is_remote(workdir), flush_secs, time.time()
         self._tb: Any = None
+        self._tb_remote: str | None = None
+        self._tb_local = ""
         if not self.enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
-        if tensorboard:
+        files.makedirs(workdir)
+        if not self._remote:
+            self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+        if tensorboard:   # in a bucket: events are written to a local staging folder and uploaded at each flush
             from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), flush_secs=30)
+            self._tb_remote = files.join(workdir, "tensorboard") if self._remote else None
+            self._tb_local = tempfile.mkdtemp(prefix="tupe-jax-tb-") if self._remote else files.join(workdir,
+                                                                                                       "tensorboard")
+            self._tb = SummaryWriter(self._tb_local, flush_secs=30)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Log `metrics` (scalars; jax/numpy arrays are converted) at `step`."""
@@ -61,9 +75,15 @@ class MetricsWriter:
             return
         row: dict[str, Any] = {"step": int(step)}
         row.update({k: _scalar(v) for k, v in metrics.items()})
-        assert self._file is not None
-        self._file.write(json.dumps(row, sort_keys=False) + "\n")
-        self._file.flush()
+        line = json.dumps(row, sort_keys=False) + "\n"
+        if self._remote:
+            self._pending.append(line)
+            if time.time() - self._flushed >= self._flush_secs:
+                self._flush_rows()
+        else:
+            assert self._file is not None
+            self._file.write(line)
+            self._file.flush()
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
@@ -75,12 +95,26 @@ class MetricsWriter:
         if self.enabled and self._tb is not None:
             self._tb.add_text(tag, text, step)
 
+    def _flush_rows(self) -> None:
+        if self._pending:
+            files.append_text(self.path, "".join(self._pending))
+            self._pending = []
+        self._flushed = time.time()
+
     def flush(self) -> None:
         """Flush both sinks."""
+        if self._remote and self.enabled:
+            self._flush_rows()
         if self._file is not None:
             self._file.flush()
         if self._tb is not None:
             self._tb.flush()
+            self._upload_events()
+
+    def _upload_events(self) -> None:
+        if self._tb_remote:
+            for name in os.listdir(self._tb_local):
+                files.upload(os.path.join(self._tb_local, name), files.join(self._tb_remote, name))
 
     def close(self) -> None:
         """Flush and close."""
@@ -91,6 +125,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+            self._upload_events()
+            if self._tb_remote:
+                shutil.rmtree(self._tb_local, ignore_errors=True)
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -110,16 +147,15 @@ def read_metrics(workdir: str, raw: bool = False) -> list[dict[str, Any]]:
     not returned itself. `raw=True` returns every row as written, markers included.
     """
     rows: list[dict[str, Any]] = []
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not raw and row.get("event") == RESUMED:
-                rows = [r for r in rows if int(r.get("step", 0)) <= int(row["step"])]
-                continue
-            rows.append(row)
+    for line in files.read_text(files.join(workdir, "metrics.jsonl")).splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not raw and row.get("event") == RESUMED:
+            rows = [r for r in rows if int(r.get("step", 0)) <= int(row["step"])]
+            continue
+        rows.append(row)
     return rows
 
 

@@ -99,6 +99,8 @@ class Trainer:
                  checkpointer: Optional[ckpt_lib.Checkpointer] = None, meta: Optional[Callable[[dict], dict]] = None,
                  log_every: int = 1):
         self.mesh, self.checkpointer, self.log_every = mesh, checkpointer, max(int(log_every), 1)
+        if checkpointer is not None:   # from here on SIGTERM means "save and stop" (also during restore/compile)
+            ckpt_lib.install_sigterm_handler()
         self.init_fn, self.rng = init_fn, jax.random.PRNGKey(int(seed))
         self.abstract = jax.eval_shape(init_fn, self.rng)
         self.shardings = sharding_lib.logical_to_shardings(self.abstract, mesh)

@@ -19,7 +19,6 @@ import numpy as np
 from tupe_jax import files, plots
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.data import pipeline
-from tupe_jax.data.tokenizer import CLS_ID
 from tupe_jax.errors import UserError
 from tupe_jax.model import ModelConfig, TransformerLM
 from tupe_jax.workdir import LoadedRun
@@ -36,14 +35,50 @@ Run = LoadedRun
 load_runs = workdir_lib.load_runs
 
 
-def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> Path:
-    """`out`, or `<first workdir>/analysis/`; created."""
+def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None, create: bool = True) -> Path:
+    """`out`, or `<first workdir>/analysis/`; created (with `create=False`: only checked, before any compute)."""
     if not out:
         first = workdirs if isinstance(workdirs, (str, os.PathLike)) else workdirs[0]
         out = os.path.join(str(first), "analysis")
     path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path} is a file, not a folder", "--out", "give a folder for the analysis outputs")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        raise UserError(f"{existing} is not writable", "--out", "give an output folder you can write")
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can still give (MemAvailable), or 0 when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def forward_bytes(model_cfg: ModelConfig, rows: int, length: int) -> int:
+    """A lower bound on the memory of one deterministic forward: per layer the (rows, H, L, L) float32 logits and
+    probabilities (and a shared (H, L, L) bias), plus the (rows, L, V) float32 output logits."""
+    attention = 2 * rows * model_cfg.num_heads * length * length + model_cfg.num_heads * length * length
+    return 4 * (attention + rows * length * model_cfg.vocab_size)
+
+
+def check_memory(model_cfg: ModelConfig, length: int, where: str, token_budget: int = DEFAULT_TOKEN_BUDGET) -> None:
+    """Refuse a length whose smallest forward cannot fit in the memory this machine has available."""
+    need, have = forward_bytes(model_cfg, batch_rows(length, model_cfg, token_budget), length), available_memory()
+    if have and need > 0.8 * have:
+        raise UserError(f"length {length} needs at least {need / 2**30:.1f} GiB for one forward ({model_cfg.num_heads}"
+                        f" heads x {length}² attention), this machine has {have / 2**30:.1f} GiB available", where,
+                        "evaluate shorter lengths")
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
@@ -121,7 +156,7 @@ def model_windows(run: Run, split: str, length: int, count: Optional[int] = None
         idx = np.concatenate([rng.permutation(n) for _ in range(-(-count // n))])[:count]
     rows = np.stack([np.asarray(stream[i * text:(i + 1) * text]) for i in idx]).astype(np.int32)
     if not run.model_cfg.causal:
-        rows = np.concatenate([np.full((len(rows), 1), CLS_ID, np.int32), rows], axis=1)
+        rows = np.concatenate([np.full((len(rows), 1), run.tokenizer.cls_id, np.int32), rows], axis=1)
     return rows
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from tupe_jax.analysis import common
 from tupe_jax.data import masking
 from tupe_jax.data.batch import LMBatch
-from tupe_jax.data.tokenizer import PAD_ID
+from tupe_jax.data.tokenizer import CLS_ID, PAD_ID, Tokenizer
 from tupe_jax.errors import UserError
 from tupe_jax.model import TransformerLM
 
@@ -61,28 +61,32 @@ def clm_windows(num_tokens: int, length: int, mode: str = "nonoverlapping", stri
     return np.asarray(begins, np.int64), np.asarray(los, np.int64), np.asarray(his, np.int64)
 
 
-def clm_batch(stream: np.ndarray, begin: np.ndarray, lo: np.ndarray, hi: np.ndarray, length: int) -> LMBatch:
-    """Model inputs, targets and 0/1 weights (B, length) for a set of windows."""
+def clm_batch(stream: np.ndarray, begin: np.ndarray, lo: np.ndarray, hi: np.ndarray, length: int,
+              pad_id: int = PAD_ID) -> LMBatch:
+    """Model inputs, targets and 0/1 weights (B, length) for a set of windows ([PAD] = `pad_id` past the end)."""
     n = len(stream)
     idx = begin[:, None] + np.arange(length, dtype=np.int64)[None, :]
     tgt = idx + 1
-    inputs = np.where(idx < n, np.asarray(stream[np.minimum(idx, n - 1)]), PAD_ID).astype(np.int32)
-    targets = np.where(tgt < n, np.asarray(stream[np.minimum(tgt, n - 1)]), PAD_ID).astype(np.int32)
+    inputs = np.where(idx < n, np.asarray(stream[np.minimum(idx, n - 1)]), pad_id).astype(np.int32)
+    targets = np.where(tgt < n, np.asarray(stream[np.minimum(tgt, n - 1)]), pad_id).astype(np.int32)
     weights = ((tgt >= lo[:, None]) & (tgt < hi[:, None])).astype(np.float32)
     return LMBatch(inputs=inputs, targets=targets, weights=weights)
 
 
 def mlm_batch(stream: np.ndarray, windows: np.ndarray, length: int, *, seed: int, vocab_size: int,
-              mask_prob: float) -> LMBatch:
-    """Masked [CLS] + (length−1)-token windows (indices `windows`) in the data layer's MLM format."""
+              mask_prob: float, tokenizer: Optional[Tokenizer] = None) -> LMBatch:
+    """Masked [CLS] + (length−1)-token windows (indices `windows`) in the data layer's MLM format (special ids
+    from `tokenizer`; None: a vocabulary trained here)."""
     text = length - 1
     starts = windows.astype(np.int64) * text
     ends = np.minimum(starts + text, len(stream))
-    toks, valid = masking.gather_windows(stream, starts, ends, text)
-    toks, valid = masking.add_cls(toks, valid)
+    ids = {} if tokenizer is None else {"special_ids": tokenizer.special_ids, "mask_id": tokenizer.mask_id}
+    pad_id = PAD_ID if tokenizer is None else tokenizer.pad_id
+    toks, valid = masking.gather_windows(stream, starts, ends, text, pad_id)
+    toks, valid = masking.add_cls(toks, valid, CLS_ID if tokenizer is None else tokenizer.cls_id)
     keys = masking.example_keys(seed, windows.astype(np.int64), np.zeros(len(windows), np.int64))
-    return masking.mask_tokens(np.where(valid, toks, PAD_ID), valid.astype(np.int32), keys, vocab_size=vocab_size,
-                               mask_prob=mask_prob, max_predictions=max(1, math.ceil(mask_prob * length)))
+    return masking.mask_tokens(np.where(valid, toks, pad_id), valid.astype(np.int32), keys, vocab_size=vocab_size,
+                               mask_prob=mask_prob, max_predictions=max(1, math.ceil(mask_prob * length)), **ids)
 
 
 @functools.lru_cache(maxsize=32)
@@ -153,11 +157,12 @@ def evaluate_length(run: common.Run, length: int, *, mode: str = "nonoverlapping
     for i in range(0, n_windows, rows):
         sl = slice(i, min(i + rows, n_windows))
         if cfg.causal:
-            b = _pad_rows(clm_batch(stream, begin[sl], lo[sl], hi[sl], length), rows)
+            b = _pad_rows(clm_batch(stream, begin[sl], lo[sl], hi[sl], length, run.tokenizer.pad_id), rows)
             s, c = fn(run.params, b.inputs, b.targets, b.weights)
         else:
             b = _pad_rows(mlm_batch(stream, np.arange(sl.start, sl.stop), length, seed=seed,
-                                    vocab_size=run.tokenizer.vocab_size, mask_prob=mask_prob), rows)
+                                    vocab_size=run.tokenizer.vocab_size, mask_prob=mask_prob,
+                                    tokenizer=run.tokenizer), rows)
             s, c = fn(run.params, b.inputs, b.input_mask, b.mlm_positions, b.mlm_labels, b.mlm_weights)
         total += float(s)
         count += float(c)
@@ -194,6 +199,10 @@ def extrapolate(runs: Sequence[common.Run], lengths: Sequence[int], *, mode: str
         raise UserError(f"unknown extrapolation mode {mode!r}", "--mode", f"use one of {', '.join(MODES)}")
     if mode == "sliding" and stride is not None and stride < 1:
         raise UserError(f"--stride={stride} must be at least 1", "--stride", "give a positive stride")
+    for run in runs:   # before any compute: every defined length must fit in memory
+        for length in lengths:
+            if not undefined(run, int(length)):
+                common.check_memory(run.model_cfg, int(length), "--lengths", token_budget)
     report = {"protocol": protocol(mode, stride, split, seed, max_tokens), "lengths": list(lengths), "runs": []}
     for run in runs:
         stream = None if all(undefined(run, length) for length in lengths) else common.token_stream(run, split)
@@ -236,6 +245,7 @@ def run(workdir, lengths: Sequence[int], *, mode: str = "nonoverlapping", stride
         token_budget: int = common.DEFAULT_TOKEN_BUDGET, max_tokens: Optional[int] = None,
         runs: Optional[Sequence[common.Run]] = None) -> dict:
     """Load the run(s), evaluate every length, write `extrapolation.json` + `extrapolation.png` to `out`."""
+    common.output_dir(workdir, out, create=False)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step)
     report = extrapolate(runs, lengths, mode=mode, stride=stride, split=split, seed=seed,
                          token_budget=token_budget, max_tokens=max_tokens)

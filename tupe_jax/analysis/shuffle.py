@@ -15,20 +15,22 @@ import jax
 import numpy as np
 
 from tupe_jax.analysis import common
-from tupe_jax.data.tokenizer import CLS_ID
 from tupe_jax.errors import UserError
 
 DEFAULT_TEXT = ("the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat "
                 "and the bird sings in the tall tree")
 
 
-def encode(run: common.Run, text: str) -> tuple[np.ndarray, bool]:
+def encode(run: common.Run, text: str, announce: bool = True) -> tuple[np.ndarray, bool]:
     """Model input ids (MLM: [CLS] first), cut to max_len; returns (ids, truncated)."""
     ids = run.tokenizer.encode(text)
     if not run.model_cfg.causal:
-        ids = [CLS_ID] + ids
+        ids = [run.tokenizer.cls_id] + ids
     limit = run.model_cfg.max_len
     truncated = len(ids) > limit
+    if truncated and announce:
+        print(f"shuffle-attention {run.name}: the text has {len(ids)} tokens; only the first {limit} (model.max_len) "
+              "are used", flush=True)
     ids = ids[:limit]
     first = 0 if run.model_cfg.causal else 1
     if len(ids) - first < 2:
@@ -110,7 +112,10 @@ def shuffle_attention(runs: Sequence[common.Run], text: str = DEFAULT_TEXT, laye
 def run(workdir, *, text: Optional[str] = None, layer: int = 0, seed: int = 0, out: Optional[str] = None,
         step: Optional[int] = None, runs: Optional[Sequence[common.Run]] = None) -> dict:
     """Load the run(s), write `shuffle_attention.json` + `shuffle_attention.png` to `out`."""
+    common.output_dir(workdir, out, create=False)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step)
+    for r in runs:          # a text too short to shuffle is refused before anything is written
+        encode(r, text or DEFAULT_TEXT, announce=False)
     directory = common.output_dir(workdir, out)
     report = shuffle_attention(runs, text or DEFAULT_TEXT, layer, seed, directory / "shuffle_attention.png")
     common.write_json(directory / "shuffle_attention.json", report)

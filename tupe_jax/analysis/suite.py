@@ -109,6 +109,7 @@ def runs_root(config: ml_collections.ConfigDict, workdir: str) -> str:
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Everything checkable before compute: the shared sections, each scheme's config, the suite's keys."""
+    config_lib.require_finite(config)
     require(config.suite in SUITES, f"unknown suite {config.suite!r}", "--config.suite", "use one of " + "|".join(SUITES))
     for scheme in parse_schemes(config):
         validate_pretrain(scheme_config(config, scheme), num_devices)
@@ -247,7 +248,6 @@ def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
                 print(f"[compare {config.suite}] fine-tuning {scheme.name} on {task}: {int(g.train.steps)} steps "
                       f"-> {path}", flush=True)
                 start = time.time()
-                workdir_lib.write_config(path, g)
                 out = finetune(g, path)
                 if out.get("preempted"):
                     raise UserError("fine-tuning was preempted", path, "rerun the same command to continue")

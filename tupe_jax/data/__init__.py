@@ -2,7 +2,8 @@
 
 Modules: `batch` (the typed batches), `tokenizer`, `sources` (text files, WikiText, the embedded corpus),
 `builders` (TFDS builders and caches), `pipeline` (pretraining batches, resumable), `masking`, `classification`
-(GLUE/word-order batches), `glue_tsv` (the GLUE TSV layouts).
+(GLUE/word-order batches), `glue_tsv` (the GLUE TSV layouts), `prepare` (`launch prepare`: a corpus tokenized
+once, in parallel, into sharded ArrayRecord + manifest), `prepared` (reading such a directory per process).
 
 Public API:
   default_data_config()                                   -> ml_collections.ConfigDict (the `config.data` keys)
@@ -29,13 +30,24 @@ from tupe_jax.data.batch import ClassificationBatch, LMBatch
 from tupe_jax.data.classification import glue_batches
 from tupe_jax.data.glue_tsv import num_labels
 from tupe_jax.data.pipeline import PretrainIterator, pretrain_iterator
-from tupe_jax.data.tokenizer import Tokenizer, get_tokenizer
+from tupe_jax.data import prepared
+from tupe_jax.data.tokenizer import Tokenizer
+from tupe_jax.data.tokenizer import get_tokenizer as _corpus_tokenizer
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli", "wordorder")
 
 
+def get_tokenizer(config: ml_collections.ConfigDict, workdir) -> Tokenizer:
+    """The run's tokenizer: a prepared directory's (`data.name=prepared`), else `tokenizer.get_tokenizer`."""
+    if config.data.get("name", "") == "prepared":
+        return prepared.prepared_tokenizer(config, workdir)
+    return _corpus_tokenizer(config, workdir)
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Check the pretraining data keys against the model (`config.data`, `config.model`) before any compute."""
+    if config.data.get("name", "") == "prepared":
+        prepared.open_split(config, "train")   # settings, every shard present and as the manifest says
     if config.model.objective != "mlm":
         return
     data = config.data
@@ -44,12 +56,18 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     require(0 <= data.max_predictions <= config.model.max_len,
             f"data.max_predictions = {data.max_predictions} is outside [0, model.max_len]",
             "--config.data.max_predictions", "use 0 (= ceil(mask_prob * max_len)) or e.g. 20 for max_len 128")
+    # masking picks round(mask_prob * n) of the n <= max_len - 1 text tokens of a sequence ([CLS] is never masked)
+    require(data.mask_prob * (config.model.max_len - 1) >= 0.5,
+            f"data.mask_prob = {data.mask_prob} with model.max_len = {config.model.max_len} masks no position "
+            f"(round({data.mask_prob} x {config.model.max_len - 1} text tokens) = 0): the loss would be 0",
+            "--config.data.mask_prob", "raise data.mask_prob or model.max_len")
 
 
 def default_data_config() -> ml_collections.ConfigDict:
     """All `config.data` keys with their defaults.
 
-    name            'embedded' | 'text_files' | 'wikitext' | 'tfds:<name>[/<config>][:<version>]'. 'embedded' is
+    name            'embedded' | 'text_files' | 'wikitext' | 'tfds:<name>[/<config>][:<version>]' | 'prepared'
+                    (data.path = a directory written by `launch prepare`; docs/data.md). 'embedded' is
                     the CPython documentation text (`pydoc_data.topics`), built on first use; paragraphs
                     i%20==19 → validation, i%20==9 → test.
     path            text_files / wikitext: a directory, a glob, or a file. Files named *train*/*valid*|*dev*/
@@ -62,7 +80,8 @@ def default_data_config() -> ml_collections.ConfigDict:
     packing         MLM: 'full_sentences' (RoBERTa FULL-SENTENCES: whole lines packed up to max_len-1 tokens,
                     [SEP] between documents) or 'contiguous' (cut every max_len-1 tokens). CLM is contiguous.
     vocab_file      '' = train a WordPiece vocab of config.model.vocab_size on the train split; else a vocab.txt
-                    whose first five lines are [PAD] [UNK] [CLS] [SEP] [MASK].
+                    holding [PAD] [UNK] [CLS] [SEP] [MASK] (anywhere: BERT's layout works; casing from a
+                    tokenizer_config.json next to it). Pretraining batches assume our own layout (ids 0..4).
     mask_prob       MLM: fraction of candidate tokens masked (80% [MASK], 10% random, 10% kept).
     max_predictions MLM: P, the width of mlm_positions/labels/weights; 0 = ceil(mask_prob · max_len) (20 for 128).
                     A sequence never gets more than P masked positions.
@@ -72,7 +91,7 @@ def default_data_config() -> ml_collections.ConfigDict:
     tfds_data_dir   data_dir for tfds:<name> ('' = $TFDS_DATA_DIR or ~/tensorflow_datasets).
     tfds_text_key   feature holding the text for tfds:<name> ('' = 'text' or the first Text feature).
     prefetch        batches prefetched per process (0 = none, synchronous).
-    num_threads     threads building batches when prefetch > 0.
+    num_threads     threads building batches when prefetch > 0 (`launch prepare`: worker processes, 0 = all cores).
     """
     c = ml_collections.ConfigDict()
     c.name = "embedded"

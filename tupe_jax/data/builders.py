@@ -13,134 +13,18 @@ when TF is absent (the tests assert `tensorflow` is never imported).
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
-import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from tupe_jax.data import glue_tsv, sources
+from tupe_jax.data.cache import _tfds, cache_dir, digest, file_lock, local_builder  # noqa: F401  (re-exported)
 from tupe_jax.errors import UserError
 
 CORPORA = ("embedded", "text_files", "wikitext")
-
-
-def cache_dir(config) -> Path:
-    """`data.cache_dir`, else $TUPE_JAX_CACHE, else ~/.cache/tupe_jax."""
-    d = config.data.get("cache_dir", "") or os.environ.get("TUPE_JAX_CACHE", "") or "~/.cache/tupe_jax"
-    path = Path(d).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """Exclusive inter-process lock (several processes of one host may prepare the same dataset)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# ------------------------------------------------------------------------------------------- builders
-
-def _tfds():
-    import tensorflow_datasets as tfds
-    return tfds
-
-
-def _make_builder_class():
-    tfds = _tfds()
-
-    class LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        """A builder whose examples come from a Python callable `make(split) -> iterable of dicts`."""
-        VERSION = tfds.core.Version("1.0.0")
-        RELEASE_NOTES = {"1.0.0": "Initial version."}
-
-        # tfds' default code_path probes `importlib_resources` (a backport only installed for Python < 3.9)
-        # for builders defined inside a package; this builder has no code-side resources, so point at this file.
-        @tfds.core.utils.classproperty
-        @classmethod
-        def code_path(cls):
-            from etils import epath
-            return epath.Path(__file__)
-
-        def __init__(self, *, kind: str, spec: dict, splits: list[str], features,
-                     make: Callable[[str], Iterator[dict]], data_dir: Path):
-            self.name = f"tupe_{kind}"
-            self._splits, self._features, self._make = list(splits), features, make
-            config = tfds.core.BuilderConfig(name="c" + digest(spec), description=json.dumps(spec, sort_keys=True))
-            super().__init__(data_dir=str(data_dir), config=config, file_format="array_record")
-
-        def _info(self):
-            return tfds.core.DatasetInfo(builder=self, features=self._features, disable_shuffling=True,
-                                         description=f"tupe_jax local dataset {self.name}")
-
-        def _split_generators(self, dl_manager):
-            return {s: self._generate_examples(s) for s in self._splits}
-
-        def _generate_examples(self, split):
-            for i, ex in enumerate(self._make(split)):
-                yield i, ex
-
-    return LocalBuilder
-
-
-_BUILDER_CLASS = None
-
-
-def local_builder(config, kind: str, spec: dict, splits: list[str], features, make):
-    """Build (once, under a lock) and return a prepared LocalBuilder."""
-    global _BUILDER_CLASS
-    if _BUILDER_CLASS is None:
-        _BUILDER_CLASS = _make_builder_class()
-    root = cache_dir(config) / "tfds"
-    with _quiet_absl():
-        return _prepared(config, kind, spec, splits, features, make, root)
-
-
-@contextlib.contextmanager
-def _quiet_absl():
-    """tfds warns 'Using custom data configuration' for every construction of a config-keyed builder."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _prepared(config, kind, spec, splits, features, make, root):
-    tfds = _tfds()
-    builder = _BUILDER_CLASS(kind=kind, spec=spec, splits=splits, features=features, make=make, data_dir=root)
-    if not builder.is_prepared():
-        with file_lock(root / "locks" / f"{builder.name}-{builder.builder_config.name}.lock"):
-            builder = _BUILDER_CLASS(kind=kind, spec=spec, splits=splits, features=features, make=make,
-                                     data_dir=root)
-            if not builder.is_prepared():
-                from tensorflow_datasets.core.utils import tqdm_utils
-                was = tqdm_utils._active  # pylint: disable=protected-access
-                tfds.display_progress_bar(False)
-                try:
-                    builder.download_and_prepare(
-                        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
-                finally:
-                    tfds.display_progress_bar(was)
-    return builder
 
 
 def _doc_features():
@@ -196,11 +80,11 @@ def corpus_builder(config):
     return local_builder(config, name, spec, splits, _doc_features(), make)
 
 
-def _check_split(builder, split: str, where: str) -> None:
+def _check_split(builder, split: str, where: str,
+                 fix: str = "add a file for that split, or set data.holdout > 0 for a validation split") -> None:
     have = list(builder.info.splits.keys())
     if split not in have:
-        raise UserError(f"split {split!r} is not available (have {sorted(have)})", where,
-                        "add a file for that split, or set data.holdout > 0 for a validation split")
+        raise UserError(f"split {split!r} is not available (have {sorted(have)})", where, fix)
 
 
 # -------------------------------------------------------------------------------------- tfds:<name>
@@ -298,6 +182,8 @@ def glue_builder(config, task: str):
         raise UserError(f"no GLUE files for {task}", str(Path(glue_dir).expanduser() / glue_tsv.TASKS[task].dir),
                         "set data.glue_dir to the directory made by download_glue_data.py")
     files = [glue_tsv.split_file(glue_dir, task, s) for s in splits]
+    for split, path in zip(splits, files):
+        glue_tsv.check_has_rows(path, task, split)
     spec = {"kind": "glue_tsv", "task": task, "files": _file_stamps(files), "format": 1}
 
     def make(split):
@@ -335,7 +221,8 @@ def glue_examples(config, task: str, split: str) -> list[dict]:
                         "label": float(r["label"]) if task == "stsb" else int(r["label"])})
         return out
     builder = glue_builder(config, task)
-    _check_split(builder, canon, f"GLUE {task}")
+    _check_split(builder, canon, f"GLUE {task} in {config.data.get('glue_dir', '')}",
+                 "add the task's file for that split (download_glue_data.py layout)")
     src = builder.as_data_source(split=canon)
     regression = task == "stsb"
     return [{"idx": int(r["idx"]), "sentence1": _as_str(r["sentence1"]), "sentence2": _as_str(r["sentence2"]),

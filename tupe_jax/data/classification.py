@@ -18,7 +18,7 @@ import numpy as np
 
 from tupe_jax.data import builders
 from tupe_jax.data.batch import ClassificationBatch
-from tupe_jax.data.tokenizer import CLS_ID, PAD_ID, SEP_ID, Tokenizer
+from tupe_jax.data.tokenizer import PAD_ID, Tokenizer
 from tupe_jax.errors import UserError
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512)
@@ -42,6 +42,7 @@ class EncodedGlue:
     offsets: np.ndarray   # int64 (N+1,)
     labels: np.ndarray    # int32 or float32 (N,)
     num_truncated: int
+    pad_id: int = PAD_ID  # the tokenizer's [PAD]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -64,14 +65,14 @@ def encode_glue(tokenizer: Tokenizer, examples: list[dict], max_len: int, regres
     if budget < 2:
         raise UserError(f"max_len {max_len} is too short for GLUE", "config.model.max_len", "use at least 8")
     ta, tb = truncate_lengths(la, lb, budget)
-    seqs = []
+    seqs, cls, sep = [], tokenizer.cls_id, tokenizer.sep_id
     for x, y, na, nb in zip(a, b, ta.tolist(), tb.tolist()):
-        seqs.append([CLS_ID] + x[:na] + [SEP_ID] + ((y[:nb] + [SEP_ID]) if pair else []))
+        seqs.append([cls] + x[:na] + [sep] + ((y[:nb] + [sep]) if pair else []))
     lens = np.array([len(s) for s in seqs], np.int64)
     flat = np.fromiter((t for s in seqs for t in s), np.int32, int(lens.sum()))
     labels = np.array([e["label"] for e in examples], np.float32 if regression else np.int32)
     return EncodedGlue(flat, np.concatenate([[0], np.cumsum(lens)]), labels,
-                       int(np.sum((ta < la) | (tb < lb))))
+                       int(np.sum((ta < la) | (tb < lb))), tokenizer.pad_id)
 
 
 def encoded_split(config, tokenizer: Tokenizer, task: str, split: str, max_len: int) -> EncodedGlue:
@@ -132,7 +133,7 @@ class GlueBatches:
             mask = offs < ln[:, None]
             toks = self.enc.tokens[np.minimum(starts[:, None] + offs, len(self.enc.tokens) - 1)]
             yield ClassificationBatch(
-                inputs=np.where(mask, toks, PAD_ID).astype(np.int32), input_mask=mask.astype(np.int32),
+                inputs=np.where(mask, toks, self.enc.pad_id).astype(np.int32), input_mask=mask.astype(np.int32),
                 label=np.where(real, self.enc.labels[safe], self.enc.labels.dtype.type(0)).astype(
                     self.enc.labels.dtype),
                 example_index=np.where(real, idx, -1).astype(np.int32), example_weight=real.astype(np.float32))

@@ -79,6 +79,17 @@ def available_splits(glue_dir: str | Path, task: str) -> list[str]:
     return [s for s in names if split_file(glue_dir, task, s).is_file()]
 
 
+def check_has_rows(path: str | Path, task: str, split: str) -> None:
+    """A GLUE file must hold at least one example row (below its header, where it has one)."""
+    spec = task_spec(task)
+    header = 0 if spec.no_header and not canonical_split(task, split).startswith("test") else 1
+    with open(path, "rb") as fh:
+        rows = sum(1 for line in fh if line.strip()) - header
+    if rows < 1:
+        raise UserError("GLUE file has a header and no rows" if header else "GLUE file is empty", str(path),
+                        "give the task's file with its examples (download_glue_data.py layout)")
+
+
 def _decoded_lines(path: Path) -> Iterator[tuple[int, str]]:
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):

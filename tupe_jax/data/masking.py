@@ -4,12 +4,14 @@ Randomness comes from a counter-based hash (SplitMix64 finaliser) of (seed, epoc
 stream), so the mask of an example depends only on (seed, example index, epoch) — not on batch composition,
 host count, threads or resume point — and a whole batch is masked in a few vectorised NumPy calls.
 
-MLM rule for one sequence with n candidate positions (real tokens that are not one of the five special ids):
+MLM rule for one sequence with n candidate positions (real tokens that are not special ids: the five, and
+reserved "[...]" tokens such as BERT's [unusedN]; `special_ids`/`mask_id`/`cls_id`/`pad_id` default to a
+vocabulary trained here, [PAD]..[MASK] = 0..4, and a loaded vocabulary passes its tokenizer's):
   k = min(floor(mask_prob · n + 0.5), max_predictions) positions are chosen — the first k of a uniformly random
   permutation of the candidates (i.e. the k candidates with the smallest hash keys). When mask_prob·n would
   exceed max_predictions, the sequence is simply masked at max_predictions positions (fewer than mask_prob);
   the dense `weights` and the gather form always describe exactly the same positions.
-  Each chosen position becomes [MASK] with prob 0.8, a uniformly random non-special token with prob 0.1, and
+  Each chosen position becomes [MASK] with prob 0.8, a uniformly random non-special id with prob 0.1, and
   keeps its token with prob 0.1. Targets are the original ids everywhere; weights are 1.0 at chosen positions.
 """
 from __future__ import annotations
@@ -53,11 +55,12 @@ def uniform(bits: np.ndarray) -> np.ndarray:
 
 
 def mask_tokens(tokens: np.ndarray, input_mask: np.ndarray, keys: np.ndarray, *, vocab_size: int,
-                mask_prob: float, max_predictions: int) -> dict[str, np.ndarray]:
+                mask_prob: float, max_predictions: int, special_ids: tuple[int, ...] = tuple(range(NUM_SPECIALS)),
+                mask_id: int = MASK_ID) -> dict[str, np.ndarray]:
     """Mask a (B, L) batch; see the module docstring. `keys` from `example_keys`."""
     b, length = tokens.shape
     p = max_predictions
-    cand = (input_mask > 0) & (tokens >= NUM_SPECIALS)
+    cand = (input_mask > 0) & ~np.isin(tokens, special_ids)
     n = cand.sum(axis=1)
     k = np.minimum(np.floor(mask_prob * n + 0.5).astype(np.int64), p)
     prio = np.where(cand, uniform(position_bits(keys, length, 0)), 2.0)
@@ -76,9 +79,9 @@ def mask_tokens(tokens: np.ndarray, input_mask: np.ndarray, keys: np.ndarray, *,
     weights = chosen.astype(np.float32)
 
     r = uniform(position_bits(keys, length, 1))
-    random_tok = NUM_SPECIALS + (position_bits(keys, length, 2) % np.uint64(vocab_size - NUM_SPECIALS)).astype(
-        np.int64)
-    masked = np.where(r < 0.8, MASK_ID, np.where(r < 0.9, random_tok, tokens))
+    ordinary = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), special_ids)   # 5..V-1 in our own layout
+    random_tok = ordinary[(position_bits(keys, length, 2) % np.uint64(len(ordinary))).astype(np.int64)]
+    masked = np.where(r < 0.8, mask_id, np.where(r < 0.9, random_tok, tokens))
     inputs = np.where(chosen, masked, tokens).astype(np.int32)
     return LMBatch(inputs=inputs, input_mask=input_mask.astype(np.int32), targets=tokens.astype(np.int32),
                    weights=weights, mlm_positions=positions.astype(np.int32),
@@ -121,17 +124,17 @@ def contiguous_starts(total: int, capacity: int, stride: int | None = None) -> n
     return np.arange(0, max(total - (capacity - stride), 1), stride, dtype=np.int64)
 
 
-def gather_windows(stream: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int) -> tuple[
-        np.ndarray, np.ndarray]:
+def gather_windows(stream: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int,
+                   pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, valid) of shape (B, width): stream[start:end] left-aligned, [PAD] after `end`."""
     offs = np.arange(width, dtype=np.int64)[None, :]
     idx = starts[:, None] + offs
     valid = idx < ends[:, None]
     tokens = np.asarray(stream[np.minimum(idx, len(stream) - 1)]).astype(np.int32)
-    return np.where(valid, tokens, PAD_ID).astype(np.int32), valid
+    return np.where(valid, tokens, pad_id).astype(np.int32), valid
 
 
-def add_cls(tokens: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def add_cls(tokens: np.ndarray, valid: np.ndarray, cls_id: int = CLS_ID) -> tuple[np.ndarray, np.ndarray]:
     b = tokens.shape[0]
-    cls = np.full((b, 1), CLS_ID, np.int32)
+    cls = np.full((b, 1), cls_id, np.int32)
     return np.concatenate([cls, tokens], 1), np.concatenate([np.ones((b, 1), bool), valid], 1)

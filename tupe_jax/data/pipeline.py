@@ -15,11 +15,14 @@
    vectorised NumPy (gather + mask, masking keyed by (seed, example, epoch)); `to_iter_dataset` prefetches.
    repeat=False: one pass; the last step is filled with padding rows (all weights 0) so every example is seen
    exactly once and all processes take the same number of steps.
+   A prepared directory (`data.name=prepared`, `launch prepare`) replaces 1–2: its records are the examples
+   (`prepared.PreparedSplit.rows` reads only the records of this process's rows); 3–4 are the same code.
 4. The iterator's `get_state()` is grain's `{next_index}` plus a fingerprint of the settings; `set_state` of a
    fresh pipeline with the same settings continues with exactly the batches that would have come next.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -28,9 +31,9 @@ import threading
 import grain
 import numpy as np
 
-from tupe_jax.data import builders, masking
+from tupe_jax.data import builders, masking, prepared
 from tupe_jax.data.batch import LMBatch
-from tupe_jax.data.tokenizer import PAD_ID, SEP_ID, Tokenizer
+from tupe_jax.data.tokenizer import Tokenizer
 from tupe_jax.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -49,10 +52,11 @@ def _encode_documents(docs, tokenizer: Tokenizer, chunk: int = 4096):
             units.extend(lines)
             last.extend([False] * (len(lines) - 1) + [True])
         enc = tokenizer.encode_batch(units)
-        lens = np.fromiter((len(e) + int(t) for e, t in zip(enc, last)), np.int64, len(enc))
-        toks = np.fromiter((i for e, t in zip(enc, last) for i in (e + [SEP_ID] if t else e)), np.int32,
-                           int(lens.sum()))
-        return toks, lens
+        sizes = np.fromiter(map(len, enc), np.int64, len(enc))
+        flat = np.fromiter(itertools.chain.from_iterable(enc), np.int32, int(sizes.sum()))
+        last = np.asarray(last, bool)
+        toks = np.insert(flat, np.cumsum(sizes)[last], np.int32(tokenizer.sep_id))   # [SEP] ends each document
+        return toks, sizes + last
 
     for doc in docs:
         buf.append(doc)
@@ -80,8 +84,12 @@ def token_stream(config, tokenizer: Tokenizer, split: str) -> tuple[np.ndarray, 
                     np.save(tmp, arr)
                     os.replace(tmp, path)
                 log.info("data: tokenized %s/%s: %d tokens in %d sentences", key, split, len(toks), len(ends))
-    toks = np.load(tok_path, mmap_mode="r")
-    ends = np.load(unit_path)
+    try:
+        toks = np.load(tok_path, mmap_mode="r")
+        ends = np.load(unit_path)
+    except (ValueError, OSError, EOFError) as err:
+        raise UserError(f"the cached token stream {tok_path.parent} is damaged ({err})", str(tok_path.parent),
+                        f"delete {tok_path.parent} (it is rebuilt from the corpus)") from None
     if len(toks) == 0:
         raise UserError(f"split {split!r} of data.name={config.data.get('name')} has no text", str(tok_path.parent),
                         "check data.path / data.holdout (a holdout larger than the number of documents is empty)")
@@ -108,13 +116,33 @@ def example_windows(config, stream_len: int, unit_ends: np.ndarray, objective: s
 
 # ----------------------------------------------------------------------------------------------- batches
 
-class _Batcher:
-    """Step number → host-local batch (a pure function of the settings)."""
+class StreamRows:
+    """Examples as windows [starts[i], ends[i]) of one token stream (the corpora tokenized in the cache)."""
 
-    def __init__(self, stream, starts, ends, *, objective, max_len, vocab_size, mask_prob, max_predictions,
-                 global_batch, process_index, process_count, seed, shuffle, repeat):
+    def __init__(self, stream, starts, ends):
         self.stream, self.starts, self.ends = stream, starts, ends
         self.n = len(starts)
+
+    def rows(self, index: np.ndarray, real: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, valid) of shape (B, width) for examples `index` where `real` (other rows: empty windows)."""
+        starts = self.starts[index]
+        ends = np.where(real, self.ends[index], starts)  # padding rows: empty window
+        return masking.gather_windows(self.stream, starts, ends, width)
+
+
+class _Batcher:
+    """Step number → host-local batch (a pure function of the settings).
+
+    `source.rows(index, real, width)` gives the token rows of examples (`StreamRows`, or a prepared directory's
+    `prepared.PreparedSplit`, which reads only those records); `source.n` is the number of examples."""
+
+    def __init__(self, source, *, objective, max_len, vocab_size, mask_prob, max_predictions,
+                 global_batch, process_index, process_count, seed, shuffle, repeat, tokenizer: Tokenizer):
+        self.source = source
+        # the vocabulary's own special ids ([PAD] 0 ... [MASK] 4 here; [CLS] 101 etc. in an imported BERT vocab)
+        self.pad_id, self.cls_id = tokenizer.pad_id, tokenizer.cls_id
+        self.special_ids, self.mask_id = tokenizer.special_ids, tokenizer.mask_id
+        self.n = source.n
         self.objective, self.max_len, self.vocab_size = objective, max_len, vocab_size
         self.mask_prob, self.max_predictions = mask_prob, max_predictions
         self.p, self.pc = process_index, process_count
@@ -151,18 +179,18 @@ class _Batcher:
         index, epochs = self.examples(int(step))
         real = index >= 0
         safe = np.where(real, index, 0)
-        starts = self.starts[safe]
-        ends = np.where(real, self.ends[safe], starts)  # padding rows: empty window
         if self.objective == "clm":
-            win, valid = masking.gather_windows(self.stream, starts, ends, self.max_len + 1)
+            win, valid = self.source.rows(safe, real, self.max_len + 1)
+            win = np.where(valid, win, self.pad_id).astype(win.dtype)
             return LMBatch(inputs=win[:, :-1], targets=win[:, 1:], weights=valid[:, 1:].astype(np.float32))
-        toks, valid = masking.gather_windows(self.stream, starts, ends, self.max_len - 1)
-        toks, valid = masking.add_cls(toks, valid)
+        toks, valid = self.source.rows(safe, real, self.max_len - 1)
+        toks, valid = masking.add_cls(toks, valid, self.cls_id)
         valid &= real[:, None]
-        toks = np.where(valid, toks, PAD_ID)
+        toks = np.where(valid, toks, self.pad_id)
         keys = masking.example_keys(self.seed, safe, epochs)
         return masking.mask_tokens(toks, valid.astype(np.int32), keys, vocab_size=self.vocab_size,
-                                   mask_prob=self.mask_prob, max_predictions=self.max_predictions)
+                                   mask_prob=self.mask_prob, max_predictions=self.max_predictions,
+                                   special_ids=self.special_ids, mask_id=self.mask_id)
 
 
 class PretrainIterator(grain.DatasetIterator):
@@ -215,11 +243,16 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
                         "config.train.batch_size", f"use a multiple of {process_count}")
     if max_len < 2:
         raise UserError(f"model.max_len {max_len} is too small", "config.model.max_len", "use at least 8")
-    stream, unit_ends = token_stream(config, tokenizer, split)
-    starts, ends = example_windows(config, len(stream), unit_ends, objective, max_len)
+    if config.data.get("name") == "prepared":
+        source = prepared.open_split(config, split)
+        key = source.key
+    else:
+        stream, unit_ends = token_stream(config, tokenizer, split)
+        source = StreamRows(stream, *example_windows(config, len(stream), unit_ends, objective, max_len))
+        key, _ = builders.corpus_fingerprint(config, split)
     mask_prob = float(config.data.get("mask_prob", 0.15))
     max_pred = resolve_max_predictions(config, max_len)
-    batcher = _Batcher(stream, starts, ends, objective=objective, max_len=max_len,
+    batcher = _Batcher(source, objective=objective, max_len=max_len, tokenizer=tokenizer,
                        vocab_size=tokenizer.vocab_size, mask_prob=mask_prob, max_predictions=max_pred,
                        global_batch=global_batch_size, process_index=process_index, process_count=process_count,
                        seed=int(seed), shuffle=shuffle, repeat=repeat)
@@ -231,7 +264,6 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
     prefetch = int(config.data.get("prefetch", 4))
     threads = int(config.data.get("num_threads", 2)) if prefetch > 0 else 0
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)).__iter__()
-    key, _ = builders.corpus_fingerprint(config, split)
     fp = builders.digest([key, split, tokenizer.fingerprint, objective, max_len, global_batch_size, process_count,
                           int(seed), shuffle, repeat, mask_prob, max_pred, config.data.get("packing", "full_sentences")])
     return PretrainIterator(it, batcher, fp)

@@ -4,14 +4,18 @@ Training counts words with HF's BERT normaliser/pre-tokeniser and learns the wor
 loop (`learn_wordpiece`) because HF's WordPiece trainer is not deterministic across processes (ties broken by
 hash-map order); every host and every run on the same text gets the same vocabulary.
 
-The vocabulary always starts with [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4. `encode` never adds special tokens;
-the pipelines add [CLS]/[SEP] themselves. The literal strings "[UNK]" etc. in text map to their ids (the WikiText
-reader uses this for `<unk>`).
+A vocabulary trained here starts with [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4 (the `*_ID` constants); a loaded
+one may hold the five anywhere (BERT's vocab.txt: [PAD]=0, [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103), and
+`Tokenizer.pad_id`/`cls_id`/... are read from it. Lower-casing and accent stripping (BERT's `do_lower_case`,
+`strip_accents`) come from a `tokenizer_config.json` next to the vocab.txt, when there is one (default: lower-case,
+accents stripped, as BERT uncased). `encode` never adds special tokens; the pipelines add [CLS]/[SEP] themselves.
+The literal strings "[UNK]" etc. in text map to their ids (the WikiText reader uses this for `<unk>`).
 """
 from __future__ import annotations
 
 import hashlib
 import heapq
+import json
 import logging
 import os
 from collections import Counter, defaultdict
@@ -22,19 +26,20 @@ from tupe_jax import files
 from tupe_jax.errors import UserError
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)
+PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)   # in a vocabulary trained here
 NUM_SPECIALS = len(SPECIALS)
+CONFIG_NAME = "tokenizer_config.json"   # HF's name; the keys read are do_lower_case and strip_accents
 
 log = logging.getLogger(__name__)
 
 
-def _build(vocab: dict[str, int] | None):
+def _build(vocab: dict[str, int] | None, lowercase: bool = True, strip_accents: bool | None = None):
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
     model = models.WordPiece(vocab=vocab, unk_token="[UNK]", max_input_chars_per_word=100) if vocab \
         else models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100)
     tok = HFTokenizer(model)
-    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
-                                                lowercase=True)
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                strip_accents=strip_accents, lowercase=lowercase)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
     if vocab:
@@ -43,21 +48,39 @@ def _build(vocab: dict[str, int] | None):
 
 
 class Tokenizer:
-    """WordPiece tokenizer with the project's fixed special ids."""
+    """WordPiece tokenizer; the special ids (`pad_id`, `unk_id`, `cls_id`, `sep_id`, `mask_id`) are where the
+    vocabulary holds [PAD] [UNK] [CLS] [SEP] [MASK]. `lowercase`/`strip_accents` as BERT's normaliser (None: strip
+    accents when lower-casing)."""
 
-    pad_id, unk_id, cls_id, sep_id, mask_id = PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID
-
-    def __init__(self, vocab: Sequence[str], source: str = ""):
+    def __init__(self, vocab: Sequence[str], source: str = "", lowercase: bool = True,
+                 strip_accents: bool | None = None):
         vocab = list(vocab)
-        if tuple(vocab[:NUM_SPECIALS]) != SPECIALS:
-            raise UserError(f"vocabulary must start with {' '.join(SPECIALS)} (found {vocab[:NUM_SPECIALS]})",
-                            source or "vocab", "use a vocab.txt trained by tupe_jax or reorder its first five lines")
-        if len(set(vocab)) != len(vocab):
-            dup = next(t for i, t in enumerate(vocab) if t in vocab[:i])
+        index = {t: i for i, t in enumerate(vocab)}
+        if len(index) != len(vocab):
+            dup = next(t for i, t in enumerate(vocab) if index[t] != i)
             raise UserError(f"vocabulary has duplicate token {dup!r}", source or "vocab", "remove the duplicate line")
+        missing = [t for t in SPECIALS if t not in index]
+        if missing:
+            raise UserError(f"vocabulary lacks the special token(s) {' '.join(missing)}", source or "vocab",
+                            f"use a vocab.txt that holds all of {' '.join(SPECIALS)} (e.g. one trained by tupe_jax)")
         self.vocab = vocab
-        self._tok = _build({t: i for i, t in enumerate(vocab)})
-        self.fingerprint = hashlib.sha256("\n".join(vocab).encode()).hexdigest()[:16]
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (index[t] for t in SPECIALS)
+        # ids text never produces bar [UNK]: the five and reserved "[...]" tokens such as BERT's [unusedN] (the
+        # pre-tokenizer splits off brackets); MLM masking neither masks nor samples them. (0..4) in our own layout.
+        self.special_ids = tuple(i for i, t in enumerate(vocab) if len(t) > 2 and t[0] == "[" and t[-1] == "]")
+        self.lowercase, self.strip_accents = bool(lowercase), strip_accents
+        self._tok = _build(index, self.lowercase, strip_accents)
+        text = "\n".join(vocab) + ("" if self.default_casing else f"\n{self.casing_config()}")
+        self.fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def default_casing(self) -> bool:
+        """Lower-casing with accents stripped (BERT uncased, and every vocabulary trained here)."""
+        return self.lowercase and self.strip_accents in (None, True)
+
+    def casing_config(self) -> dict:
+        """The `tokenizer_config.json` keys that say how text is normalised (HF's names)."""
+        return {"do_lower_case": self.lowercase, "strip_accents": self.strip_accents}
 
     @property
     def vocab_size(self) -> int:
@@ -75,23 +98,28 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str:
         return self.vocab[i]
 
-    def save(self, directory: str | Path) -> Path:
-        """Write `directory/vocab.txt` atomically; returns its path."""
-        return Path(files.write_text(Path(directory) / "vocab.txt", "".join(t + "\n" for t in self.vocab)))
+    def save(self, directory: str | Path) -> Path | str:
+        """Write `directory/vocab.txt` (and `tokenizer_config.json` unless the casing is the default) atomically,
+        locally or in a bucket; returns the vocab.txt path."""
+        if not self.default_casing:
+            files.write_json(files.join(directory, CONFIG_NAME), self.casing_config())
+        path = files.write_text(files.join(directory, "vocab.txt"), "".join(t + "\n" for t in self.vocab))
+        return path if files.is_remote(path) else Path(path)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise UserError(f"vocab file {str(path)!r} not found", "config.data.vocab_file",
+        path = str(path) if files.is_remote(path) else os.path.expanduser(str(path))
+        if not files.isfile(path):
+            raise UserError(f"vocab file {path!r} not found", "config.data.vocab_file",
                             "point data.vocab_file at a vocab.txt, or leave it empty to train one")
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            lines = files.read_text(path).splitlines()
         except UnicodeDecodeError:
-            raise UserError("vocab file is not UTF-8", str(path), "re-encode it as UTF-8") from None
+            raise UserError("vocab file is not UTF-8", path, "re-encode it as UTF-8") from None
         if lines and lines[-1] == "":
             lines.pop()
-        return cls(lines, source=str(path))
+        return cls(lines, source=path, **read_casing(files.join(path.rsplit("/", 1)[0] if "/" in path else ".",
+                                                                  CONFIG_NAME)))
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
@@ -108,6 +136,22 @@ class Tokenizer:
         if len(vocab) < vocab_size:
             log.warning("tokenizer: corpus supports only %d of the requested %d word pieces", len(vocab), vocab_size)
         return cls(vocab)
+
+
+def read_casing(path: str | Path) -> dict:
+    """{'lowercase', 'strip_accents'} from an HF `tokenizer_config.json` ({} if there is none)."""
+    if not files.isfile(path):
+        return {}
+    try:
+        data = json.loads(files.read_text(path))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({err})", str(path), "fix or remove it") from None
+    out = {}
+    if "do_lower_case" in data:
+        out["lowercase"] = bool(data["do_lower_case"])
+    if data.get("strip_accents") is not None:
+        out["strip_accents"] = bool(data["strip_accents"])
+    return out
 
 
 def learn_wordpiece(counts: dict[str, int], vocab_size: int, max_alphabet: int = 1000,
@@ -185,8 +229,8 @@ def get_tokenizer(config, workdir: str | Path | None) -> Tokenizer:
     A trained tokenizer uses `config.model.vocab_size` and the training split of `config.data`; it is saved to
     `workdir/tokenizer/` so a resumed run reuses it. With workdir=None nothing is saved.
     """
-    saved = Path(workdir) / "tokenizer" / "vocab.txt" if workdir else None
-    if saved is not None and saved.is_file():
+    saved = files.join(workdir, "tokenizer", "vocab.txt") if workdir else None
+    if saved is not None and files.isfile(saved):
         return Tokenizer.from_file(saved)
     if config.data.get("vocab_file", ""):
         tok = Tokenizer.from_file(config.data.vocab_file)
@@ -200,5 +244,5 @@ def get_tokenizer(config, workdir: str | Path | None) -> Tokenizer:
                         str(config.data.get("vocab_file", "")) or "config.model.vocab_size",
                         f"set --config.model.vocab_size={tok.vocab_size} or use a smaller vocab")
     if saved is not None:
-        tok.save(saved.parent)
+        tok.save(files.join(workdir, "tokenizer"))
     return tok

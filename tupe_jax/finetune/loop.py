@@ -42,10 +42,14 @@ def finetune(config: ml_collections.ConfigDict, workdir: str, devices: list | No
 
     `devices`: the devices of the mesh (default: all; the launcher always uses all).
     """
-    # --------------------------------------------------------------------------------------- setup
     devices = list(devices) if devices is not None else jax.devices()
     validate(config, len(devices))
-    os.makedirs(workdir, exist_ok=True)
+    with workdir_lib.claim(workdir, config):   # the gate: same run, one process, cleanup after a failure
+        return _finetune(config, workdir, devices)
+
+
+def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) -> dict[str, Any]:
+    # --------------------------------------------------------------------------------------- setup
     runner = Runner(config, workdir, devices)
     task, total, spe = runner.task, runner.total_steps, runner.steps_per_epoch
     key = scores.headline_key(task)

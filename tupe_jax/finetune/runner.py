@@ -83,6 +83,10 @@ class Runner:
                 "--config.train.batch_size", "use a smaller batch")
         self.total_steps = int(t.steps) or (int(t.epochs) or paper_epochs(self.task)) * self.steps_per_epoch
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        for split, _ in self.dev_splits():   # a run is scored on dev: refuse before training, not after it
+            require(len(data_lib.glue_examples(config, self.task, split)) > 0,
+                    f"the {self.task} {split} split has no examples", f"data.glue_dir={config.data.glue_dir}",
+                    "give the task's dev file with at least one row")
         self.tx, self.schedule = make_optimizer(schedule_section(config, self.total_steps))
         self.init_fn = trainer_lib.init_state_fn(self.model, self.tx, int(config.model.max_len))
         self.step_fn = trainer_lib.make_train_step(make_loss_fn(self.model), self.tx, self.schedule,

@@ -12,7 +12,6 @@ import jax
 import ml_collections
 
 from tupe_jax import files
-from tupe_jax import workdir as workdir_lib
 from tupe_jax.config import lock
 from tupe_jax.finetune import scores
 from tupe_jax.finetune.loop import finetune
@@ -45,9 +44,7 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             print(f"[{i}/{len(grid)}] {task} lr={lr:g} seed={seed}: done, skipping", flush=True)
             continue
         print(f"[{i}/{len(grid)}] {task} lr={lr:g} seed={seed} -> {path}", flush=True)
-        sub = sub_config(config, task, lr, seed)
-        workdir_lib.write_config(path, sub, write=jax.process_index() == 0)
-        out = finetune(sub, path)
+        out = finetune(sub_config(config, task, lr, seed), path)   # claims (checks, locks, writes) its folder
         if out.get("preempted"):
             print("sweep stopped by preemption; rerun the same command to continue", flush=True)
             return {"preempted": True}

@@ -6,7 +6,7 @@ import math
 import ml_collections
 
 from tupe_jax import model, optim, sharding
-from tupe_jax.config import require_positive
+from tupe_jax.config import require_finite, require_positive, require_seed
 from tupe_jax.data import GLUE_TASKS
 from tupe_jax.errors import require
 
@@ -20,7 +20,11 @@ def paper_epochs(task: str) -> int:
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
     """Check a fine-tuning config against `num_devices` before any compute; return the mesh (data, fsdp, tensor)."""
+    require_finite(config)
     model.validate_config(config.model)
+    require(config.model.objective == "mlm", f"model.objective={config.model.objective!r}: the classifier reads "
+            "[CLS] at position 0, which a causal decoder computes without seeing the rest of the text",
+            "--config.model.objective", "fine-tune an MLM (bidirectional) run")
     mesh = sharding.resolve_mesh_shape(config.mesh, num_devices)
     require(config.task in GLUE_TASKS, f"unknown GLUE task {config.task!r}", "--config.task",
             "use one of " + "|".join(GLUE_TASKS))
@@ -30,6 +34,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     require(0.0 <= config.train.warmup_ratio < 1.0, f"train.warmup_ratio = {config.train.warmup_ratio} is outside "
             "[0, 1)", "--config.train.warmup_ratio", "use e.g. 0.06")
     optim.validate_config(config.train)
+    require_seed(config)
     sharding.check_batch(config.train, mesh)
     require(config.checkpoint.every > 0 and config.checkpoint.keep > 0, "checkpoint.every and checkpoint.keep must "
             "be positive", "--config.checkpoint.every", "give positive values")

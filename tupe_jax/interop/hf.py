@@ -1,0 +1,239 @@
+"""`import-hf`: a Hugging Face BERT folder (config.json, model.safetensors, vocab.txt) -> a `bert_a` MLM run.
+
+The run is what `launch pretrain` would leave at step 0: `config.json` (the base pretraining config with the
+model keys from the checkpoint), `tokenizer/vocab.txt` (+ `tokenizer_config.json` when the casing is not BERT
+uncased's) and `checkpoints/0/` (params, a fresh optimizer state, meta), so evaluate, finetune --init_from,
+extrapolate, probe and correlations take it. This project's own exports (`export.py`, model_type 'tupe_jax') are
+read back the same way, any scheme. Every check runs before anything is written; the name map is `names.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax import model as model_lib
+from tupe_jax import optim
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.data.tokenizer import CONFIG_NAME, SPECIALS, Tokenizer
+from tupe_jax.errors import UserError, require
+from tupe_jax.interop import names, safetensors_io
+from tupe_jax.model import ModelConfig, SequenceClassifier, TransformerLM
+
+WHERE = "--from"
+NATIVE = "tupe_jax"   # model_type of this project's exports of non-BERT schemes
+# HF BertConfig key -> config.model key
+BERT_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
+             "num_attention_heads": "num_heads", "intermediate_size": "mlp_dim", "max_position_embeddings": "max_len",
+             "layer_norm_eps": "layer_norm_eps", "hidden_dropout_prob": "dropout_rate",
+             "attention_probs_dropout_prob": "attention_dropout_rate"}
+# What BertConfig assumes for a key config.json leaves out (transformers' documented defaults).
+BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                 "intermediate_size": 3072, "max_position_embeddings": 512, "layer_norm_eps": 1e-12,
+                 "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
+                 "position_embedding_type": "absolute"}
+SPECIAL_KEYS = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIALS))
+
+
+# ------------------------------------------------------------------------------------------------ config.json
+def read_hf_config(src: str, where: str = WHERE) -> dict:
+    require(os.path.isdir(src), f"{src} is not a folder", where, "point it at a Hugging Face model folder")
+    path = os.path.join(src, "config.json")
+    require(os.path.isfile(path), f"{src} has no config.json", where, "point it at a Hugging Face model folder "
+            "(config.json, model.safetensors, vocab.txt)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({err})", where, "restore it from the model's source") from None
+
+
+def bert_model_keys(hf: dict, where: str = WHERE) -> dict[str, Any]:
+    """The config.model keys of a BERT config.json; refuses another architecture or a BERT variant this model
+    does not compute (another activation, relative positions, a decoder, an untied output layer)."""
+    kind, arch = hf.get("model_type", "?"), ", ".join(hf.get("architectures") or []) or "none given"
+    require(kind == "bert", f"config.json describes a {kind!r} model (architectures: {arch}), not BERT", where,
+            "import-hf reads BERT checkpoints (model_type 'bert') and this project's own exports")
+    hf = {**BERT_DEFAULTS, **hf}
+    for key, ok, fix in (("hidden_act", ("gelu",), "only exact (erf) GELU BERTs are supported"),
+                         ("position_embedding_type", ("absolute", None), "only absolute-position BERTs are supported"),
+                         ("is_decoder", (False, None), "only BERT encoders are supported"),
+                         ("tie_word_embeddings", (True, None), "only BERTs whose output layer is the embedding")):
+        require(hf.get(key) in ok, f"config.json has {key}={hf.get(key)!r}", where, fix)
+    return {**{ours: hf[theirs] for theirs, ours in BERT_KEYS.items()}, "pe": "bert_a", "objective": "mlm"}
+
+
+def build_config(base: ml_collections.ConfigDict, model_keys: dict[str, Any], where: str = WHERE
+                 ) -> ml_collections.ConfigDict:
+    """`base` (a configs/pretrain.py config) with `model_keys` set (cast to the base's types) and validated."""
+    config = ml_collections.ConfigDict(base.to_dict())
+    for key, value in model_keys.items():
+        if key in config.model:
+            current = config.model[key]
+            config.model[key] = type(current)(value) if isinstance(current, (bool, int, float, str)) else value
+    config.data.vocab_file = ""
+    if config.model.objective == "clm":
+        config.model.untie_cls = False
+    try:
+        model_lib.validate_config(config.model)
+    except UserError as err:
+        raise UserError(f"the checkpoint's config is not a model this project can build ({err.what})", where,
+                        "check its config.json") from None
+    config.lock()
+    return config
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+def read_tokenizer(src: str, where: str = WHERE) -> Tokenizer:
+    """The folder's vocab.txt with the casing of its tokenizer_config.json; refuses renamed special tokens."""
+    path = os.path.join(src, "vocab.txt")
+    require(os.path.isfile(path), f"{src} has no vocab.txt", where, "add the model's WordPiece vocab.txt")
+    cfg_path = os.path.join(src, CONFIG_NAME)
+    if os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                tok_cfg = json.load(f)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise UserError(f"{cfg_path} is not valid JSON ({err})", where, "fix or remove it") from None
+        for key, wanted in SPECIAL_KEYS.items():
+            value = tok_cfg.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            require(value in (None, wanted), f"{cfg_path} names {key} {value!r}, not {wanted!r}", where,
+                    f"only the BERT special tokens {' '.join(SPECIALS)} are supported")
+    return Tokenizer.from_file(path)
+
+
+# ------------------------------------------------------------------------------------------------ weights
+def abstract_params(cfg: ModelConfig, classifier_labels: int = 0) -> Any:
+    """ShapeDtypeStructs of a TransformerLM's params (or a SequenceClassifier's with `classifier_labels`)."""
+    module = SequenceClassifier(cfg, classifier_labels) if classifier_labels else TransformerLM(cfg)
+    tokens = jnp.zeros((1, min(cfg.max_len, 8)), jnp.int32)
+    return jax.eval_shape(lambda: nn.meta.unbox(module.init({"params": jax.random.PRNGKey(0)}, tokens)["params"]))
+
+
+def bert_prefix(tensors: dict, where: str = WHERE) -> str:
+    for prefix in ("bert.", ""):
+        if f"{prefix}embeddings.word_embeddings.weight" in tensors:
+            return prefix
+    raise UserError("the safetensors hold no BERT word embeddings (bert.embeddings.word_embeddings.weight)", where,
+                    "give a BERT checkpoint saved by transformers")
+
+
+def check_vocab(tensors: dict, prefix: str, hf: dict, tokenizer: Tokenizer, where: str = WHERE) -> None:
+    rows = int(tensors[f"{prefix}embeddings.word_embeddings.weight"].shape[0])
+    size = int(hf.get("vocab_size", BERT_DEFAULTS["vocab_size"]))
+    require(size == rows, f"config.json has vocab_size={size} but the word embedding matrix has {rows} rows", where,
+            "fix vocab_size in config.json to match the weights")
+    require(tokenizer.vocab_size <= rows, f"vocab.txt has {tokenizer.vocab_size} tokens but the word embedding matrix "
+            f"has {rows} rows", where, "use the vocab.txt the checkpoint was trained with")
+
+
+def bert_params(tensors: dict, hf: dict, cfg: ModelConfig, tokenizer: Tokenizer, where: str = WHERE,
+                classifier_labels: int = 0) -> tuple[dict, list[str]]:
+    """(our params as {dotted path: array}, notes) from BERT `tensors`; the MLM head is initialised fresh (with a
+    note) when the checkpoint has none (BertModel)."""
+    prefix = bert_prefix(tensors, where)
+    check_vocab(tensors, prefix, hf, tokenizer, where)
+    has_head = "cls.predictions.transform.dense.weight" in tensors
+    rows = names.bert_rows(cfg.num_layers, prefix, head=has_head and not classifier_labels,
+                           classifier=bool(classifier_labels))
+    want = names.shapes(abstract_params(cfg, classifier_labels))
+    flat, unused = names.params_from_bert(tensors, want, rows, where)
+    notes = [f"ignored {len(unused)} tensor(s) this model has no place for: {', '.join(unused[:4])}"] if unused else []
+    if set(flat) != set(want):
+        fresh = names.flatten(model_lib.init_params(cfg, jax.random.PRNGKey(0)))
+        missing = sorted(set(want) - set(flat))
+        flat.update({k: fresh[k] for k in missing})
+        notes.append(f"the checkpoint has no MLM head ({', '.join(sorted({m.split('.')[0] for m in missing}))} "
+                     "initialised fresh): fine for fine-tuning, MLM scores are meaningless until trained")
+    return flat, notes
+
+
+def native_params(tensors: dict, cfg: ModelConfig, where: str = WHERE) -> dict:
+    """Our params from a native export: the keys must be exactly this model's param paths and shapes."""
+    want = names.shapes(abstract_params(cfg))
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    require(not missing and not extra, f"the safetensors do not match the config's {cfg.pe} model (missing: "
+            f"{missing[:3]}, unexpected: {extra[:3]})", where, "export the run again with `launch export`")
+    for key, shape in want.items():
+        got = tuple(tensors[key].shape)
+        require(got == shape, f"tensor {key} has shape {list(got)}, the config.json asks for {list(shape)}", where,
+                "export the run again with `launch export`")
+    return tensors
+
+
+# ------------------------------------------------------------------------------------------------ the run
+def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, classifier_labels: int = 0):
+    """(config, params tree of jnp float32, tokenizer, notes) of the HF folder `src`; nothing is written.
+
+    With `classifier_labels` the params are a `SequenceClassifier`'s: the checkpoint's pooler and classifier
+    (`BertForSequenceClassification` with that many labels) on its encoder.
+    """
+    src = os.path.abspath(os.path.expanduser(src))
+    hf = read_hf_config(src, where)
+    native = hf.get("model_type") == NATIVE
+    if native:
+        keys = dict((hf.get(NATIVE) or {}).get("model") or {})
+        require(bool(keys), "config.json of a tupe_jax export lacks its 'tupe_jax.model' section", where,
+                "export the run again with `launch export`")
+    else:
+        keys = {**(hf.get(NATIVE) or {}).get("model", {}), **bert_model_keys(hf, where)}
+    config = build_config(base, keys, where)
+    tokenizer = read_tokenizer(src, where)
+    tensors, _ = safetensors_io.read(src, where)
+    cfg = ModelConfig.from_config(config.model)
+    require(not (native and classifier_labels), "a tupe_jax export holds no classifier", where,
+            "give a BertForSequenceClassification folder")
+    if native:
+        flat, notes = native_params(tensors, cfg, where), []
+    else:
+        flat, notes = bert_params(tensors, hf, cfg, tokenizer, where, classifier_labels)
+    require(tokenizer.vocab_size <= cfg.vocab_size, f"vocab.txt has {tokenizer.vocab_size} tokens but the model "
+            f"has {cfg.vocab_size} embedding rows", where, "use the vocab.txt the checkpoint was trained with")
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), names.unflatten(flat))
+    return config, params, tokenizer, notes
+
+
+def import_hf(src: str, workdir: str, base: ml_collections.ConfigDict) -> str:
+    """Convert the HF folder `src` into a new run folder `workdir` (see the module docstring); returns it."""
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    require(not (os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir))),
+            f"{workdir} already exists and is not empty", "--workdir", "give a new folder for the imported run")
+    config, params, tokenizer, notes = convert(src, base)
+    existed = os.path.isdir(workdir)
+    try:
+        write_run(workdir, config, params, tokenizer)
+    except BaseException:   # leave no half-written run behind (the folder was new or empty)
+        for name in (os.listdir(workdir) if os.path.isdir(workdir) else []):
+            path = os.path.join(workdir, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        if not existed and os.path.isdir(workdir):
+            os.rmdir(workdir)
+        raise
+    for note in notes:
+        print(f"note: {note}", flush=True)
+    cfg = ModelConfig.from_config(config.model)
+    print(f"imported {src} -> {workdir} (pe={cfg.pe}, {cfg.num_layers} layers, d={cfg.hidden_size}, "
+          f"vocab {tokenizer.vocab_size}, {model_lib.count_params(params):,} parameters, step 0)", flush=True)
+    return workdir
+
+
+def write_run(workdir: str, config: ml_collections.ConfigDict, params: Any, tokenizer: Tokenizer,
+              step: int = 0) -> None:
+    """config.json, tokenizer/ and checkpoints/<step>/ (params, a fresh optimizer state, meta) in `workdir`."""
+    os.makedirs(workdir, exist_ok=True)
+    workdir_lib.write_config(workdir, config)
+    tokenizer.save(os.path.dirname(workdir_lib.tokenizer_path(workdir)))
+    tx, _ = optim.make_optimizer(config.train)
+    state = {"step": jnp.int32(step), "params": params, "opt_state": tx.init(params),
+             "rng": jax.random.PRNGKey(int(config.train.seed))}
+    with ckpt_lib.Checkpointer(workdir, async_=False) as checkpointer:
+        checkpointer.save(step, state, data_state={}, force=True,
+                          meta=workdir_lib.make_meta(config, params, tokenizer.fingerprint))

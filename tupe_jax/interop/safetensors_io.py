@@ -1,0 +1,88 @@
+"""Reading and writing weights as safetensors (never pickles).
+
+A Hugging Face folder holds `model.safetensors` or shards listed by `model.safetensors.index.json`. PyTorch-format
+files (metadata format 'pt', the Hub's usual) keep PyTorch names and layouts; Flax-format files (format 'flax',
+written by `FlaxPreTrainedModel.save_pretrained(safe_serialization=True)`) are renamed to the PyTorch spelling
+here (`kernel` -> `weight` transposed, `scale`/`embedding` -> `weight`), so the name map has one spelling.
+`pytorch_model.bin` (a pickle), `tf_model.h5` and `flax_model.msgpack` are refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping
+
+import numpy as np
+
+from tupe_jax.errors import UserError
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+OTHER_FORMATS = {"pytorch_model.bin": "a PyTorch pickle, which can run code when loaded",
+                 "pytorch_model.bin.index.json": "sharded PyTorch pickles, which can run code when loaded",
+                 "tf_model.h5": "TensorFlow weights", "flax_model.msgpack": "Flax msgpack weights"}
+FIX = ("convert it once, where you trust the file, with transformers: "
+       "`AutoModelForMaskedLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)`")
+
+
+def weight_files(src: str, where: str) -> list[str]:
+    """The safetensors files of folder `src` (one, or the shards of its index); UserError if there are none."""
+    if os.path.isfile(os.path.join(src, WEIGHTS)):
+        return [os.path.join(src, WEIGHTS)]
+    if os.path.isfile(os.path.join(src, INDEX)):
+        try:
+            with open(os.path.join(src, INDEX), encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError) as err:
+            raise UserError(f"{os.path.join(src, INDEX)} is not a safetensors index ({err})", where,
+                            "restore the file from the model's source") from None
+        missing = [s for s in shards if not os.path.isfile(os.path.join(src, s))]
+        if missing:
+            raise UserError(f"{src} lacks the shard(s) {', '.join(missing)} listed in {INDEX}", where,
+                            "download every shard")
+        return [os.path.join(src, s) for s in shards]
+    other = [f"{name} ({why})" for name, why in OTHER_FORMATS.items() if os.path.isfile(os.path.join(src, name))]
+    if other:
+        raise UserError(f"{src} has no {WEIGHTS}, only {', '.join(other)}; only safetensors are read", where, FIX)
+    raise UserError(f"{src} has no {WEIGHTS}", where, "point it at a Hugging Face model folder (config.json, "
+                    f"{WEIGHTS}, vocab.txt)")
+
+
+def read(src: str, where: str) -> tuple[dict[str, np.ndarray], str]:
+    """({name: float32 array}, format) of the safetensors in folder `src`; Flax names become PyTorch names."""
+    from safetensors import SafetensorError, safe_open
+    tensors: dict[str, np.ndarray] = {}
+    fmt = ""
+    for path in weight_files(src, where):
+        try:
+            # framework='flax' reads bfloat16 too (NumPy has no bfloat16); float32 copies on the host
+            with safe_open(path, framework="flax") as f:
+                fmt = (f.metadata() or {}).get("format", fmt or "pt")
+                for name in f.keys():
+                    tensors[name] = np.asarray(f.get_tensor(name), np.float32)
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{path} is not a readable safetensors file ({err})", where,
+                            "download it again") from None
+    return dict(_pytorch_name(k, v, fmt == "flax") for k, v in tensors.items()), fmt
+
+
+def _pytorch_name(name: str, value: np.ndarray, flax: bool) -> tuple[str, np.ndarray]:
+    """Today's PyTorch spelling of a tensor name (also old checkpoints' LayerNorm gamma/beta)."""
+    stem, _, leaf = name.rpartition(".")
+    if leaf in ("gamma", "beta"):
+        return f"{stem}.{'weight' if leaf == 'gamma' else 'bias'}", value
+    if not flax:
+        return name, value
+    if leaf == "kernel":
+        return f"{stem}.weight", value.T
+    if leaf in ("scale", "embedding"):
+        return f"{stem}.weight", value
+    return name, value
+
+
+def write(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+    """Write `tensors` to `path` atomically."""
+    from safetensors.numpy import save_file
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=dict(metadata))
+    os.replace(tmp, path)

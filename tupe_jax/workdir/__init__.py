@@ -1,0 +1,32 @@
+"""Everything about a run's folder (`--workdir`). A folder changes only through `claim`, the one gate.
+
+    gate.py    config.json: `check_config` (before anything is written: the stored config and the checkpoints
+               against the new one; only `meta.RESUMABLE` keys may change, each change recorded in
+               config_history.jsonl), `read_config`, `write_config`
+    lock.py    one run per folder: `RunLock` (`.lock`, an exclusive flock that dies with its process)
+    claim.py   `claim(workdir, config)`: check, lock, write, run; after a failure remove what the command created
+    meta.py    what defines a run (`RESUMABLE`, `identity_hash`) and the checkpoint's meta item (`make_meta`,
+               `check_compatible`, `check_tokenizer`), `checkpoint_steps`
+    run.py     `LoadedRun` / `load_run`: a finished run for evaluate, fine-tuning and every analysis
+
+A run folder holds:
+    config.json          the resolved config (what the run is; `config_history.jsonl`: the allowed changes)
+    tokenizer/vocab.txt  the run's WordPiece vocabulary (data.tokenizer)
+    checkpoints/<step>/  Orbax items state / data / meta (checkpoint.py; meta from `make_meta`)
+    metrics.jsonl, tensorboard/   (metrics.py)
+    results.json, predictions/    fine-tuning runs (finetune/)
+    analysis/            outputs of the analysis commands (default `--out`)
+    logs/                the full traceback of an unexpected failure (the launcher's last resort)
+Whole-file writes go through `files.write_json` / `files.write_text` (atomic).
+"""
+from tupe_jax.workdir.claim import check_folder, claim, remove_partial_outputs
+from tupe_jax.workdir.gate import check_config, config_path, differing_keys, read_config, tokenizer_path, write_config
+from tupe_jax.workdir.lock import RunLock
+from tupe_jax.workdir.meta import (RESUMABLE, RUN_IDENTITY_SECTIONS, check_compatible, check_tokenizer,
+                                   checkpoint_steps, make_meta)
+from tupe_jax.workdir.run import LoadedRun, load_run, load_runs
+
+__all__ = ["RESUMABLE", "RUN_IDENTITY_SECTIONS", "LoadedRun", "RunLock", "check_compatible", "check_config",
+           "check_folder", "check_tokenizer", "checkpoint_steps", "claim", "config_path", "differing_keys",
+           "load_run", "load_runs", "make_meta", "read_config", "remove_partial_outputs", "tokenizer_path",
+           "write_config"]

@@ -1,0 +1,115 @@
+"""`claim(workdir, config)`: the one way a command takes a run folder.
+
+In order, before the command computes anything: the folder path is usable (`check_folder`), the config passes
+the gate (`gate.check_config`: nothing written yet), the folder's lock is taken (`lock.RunLock`), config.json is
+stored (process 0). If the command then fails — a UserError or anything unexpected, but not an interrupt — what
+it created in the folder is removed unless it holds checkpoints or results; what was there before is never touched.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Iterator, Optional
+
+import jax
+import ml_collections
+
+from tupe_jax import files
+from tupe_jax.errors import UserError
+from tupe_jax.workdir.gate import check_config, write_config
+from tupe_jax.workdir.lock import LOCK_NAME, RunLock
+
+
+def check_bucket(path: str) -> None:
+    """The bucket of a `gs://bucket/...` path exists and its storage answers (one line otherwise)."""
+    bucket = "/".join(str(path).split("/")[:3])
+    try:
+        files.stat_bucket(bucket)
+    except FileNotFoundError:
+        raise UserError(f"bucket {bucket} does not exist (or this account cannot list it)", "--workdir",
+                        "create the bucket or fix the name / permissions") from None
+    except Exception as err:  # pylint: disable=broad-except  # any transport failure: one line, before compute
+        raise UserError(f"cannot reach the storage of {bucket} ({type(err).__name__}: "
+                        f"{(str(err).splitlines() or [''])[0][:160]})", "--workdir",
+                        "check the network / STORAGE_EMULATOR_HOST and the credentials") from None
+
+
+def check_folder(workdir: str, writable: bool = True) -> None:
+    """`workdir` is a non-empty path to a folder (or to nothing yet) that this process can write."""
+    if not str(workdir).strip():
+        raise UserError("--workdir is empty", "--workdir", "give a folder, e.g. --workdir=runs/x")
+    if files.is_remote(workdir):
+        check_bucket(workdir)
+        return
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise UserError(f"{workdir} is a file, not a folder", "--workdir", "give a folder path")
+    if not writable:
+        return
+    existing = os.path.abspath(workdir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{existing} is not writable by this user", "--workdir",
+                        "fix its permissions or give a workdir you can write")
+    try:   # access() says yes to root on read-only mounts: try for real
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise UserError(f"{existing} is not writable ({err.strerror})", "--workdir",
+                        "give a workdir on a writable disk") from None
+
+
+def _holds_results(path: str) -> bool:
+    """True if `path` holds a committed checkpoint step or a results file (worth keeping after an error)."""
+    if files.is_remote(path):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        return (name in ("results.json", "sweep.json")
+                or (name == "checkpoints" and any(d.isdigit() for d in files.listdir(path))))
+    if os.path.isfile(path):
+        return False
+    for root, dirs, names in os.walk(path):
+        if os.path.basename(root) == "checkpoints" and any(d.isdigit() for d in dirs):
+            return True
+        if {"results.json", "sweep.json"} & set(names):
+            return True
+    return False
+
+
+def remove_partial_outputs(workdir: str, before: Optional[set[str]]) -> None:
+    """Remove what a failed command created in `workdir` (config.json, tokenizer/, metrics, ...) unless it produced
+    checkpoints or results. Entries that existed before (`before`, None = the folder did not exist) stay."""
+    if not files.isdir(workdir):
+        return
+    new = sorted(set(files.listdir(workdir)) - (before or set()) - {LOCK_NAME, "logs"})
+    if any(_holds_results(files.join(workdir, name)) for name in new):
+        return
+    for name in new:
+        path = files.join(workdir, name)
+        if files.is_remote(path) or not os.path.islink(path):
+            if files.isdir(path):
+                files.rmtree(path)
+                continue
+        with contextlib.suppress(OSError):
+            files.remove(path)
+    if before is None and not files.is_remote(workdir) and not os.listdir(workdir):
+        os.rmdir(workdir)
+
+
+@contextlib.contextmanager
+def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[bool] = None) -> Iterator[None]:
+    """Check, lock and write `workdir` for a command that runs `config` there (see the module doc). `overwrite`:
+    the launcher's --overwrite_config (None from library callers, which have no such option)."""
+    lead = jax.process_index() == 0
+    check_folder(workdir, writable=lead)
+    check_config(workdir, config, overwrite=overwrite)    # refuse before anything (even the lock) is written
+    before = set(files.listdir(workdir)) if files.isdir(workdir) else None
+    lock = RunLock(workdir) if lead else contextlib.nullcontext()
+    try:
+        with lock:
+            write_config(workdir, config, overwrite=overwrite, write=lead)
+            yield
+    except Exception:   # an interrupt (Ctrl-C) keeps everything: the same command continues where it stopped
+        if lead:
+            remove_partial_outputs(workdir, before)
+        raise

@@ -1,0 +1,132 @@
+"""config.json, and the gate every command passes before it writes anything into a run's folder.
+
+`check_config(workdir, config)` compares the new config with the folder's `config.json` and with its
+checkpoints, and writes nothing. Only the `RESUMABLE` keys (meta.py) may differ (how long and how a run proceeds, never
+what it computes); any other difference is refused naming the key and both values. An allowed change is recorded
+in `config_history.jsonl` (time, command line, key: [old, new]) when `write_config` stores the new config.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from typing import Any, Optional
+
+import ml_collections
+
+from tupe_jax import config as config_lib
+from tupe_jax import files
+from tupe_jax.errors import UserError, require
+from tupe_jax.workdir.meta import identity_hash, latest_meta, resumable
+
+HISTORY = "config_history.jsonl"
+
+
+def config_path(workdir: str) -> str:
+    return files.join(workdir, "config.json")
+
+
+def tokenizer_path(workdir: str) -> str:
+    return files.join(workdir, "tokenizer", "vocab.txt")
+
+
+def _read_stored(path: str) -> dict[str, Any]:
+    try:
+        return files.read_json(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({err})", "--workdir",
+                        "restore it from a backup, or move the folder aside and use a fresh workdir") from None
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+    """`workdir/config.json` as a locked ConfigDict (UserError if missing or not JSON)."""
+    path = config_path(workdir)
+    require(files.isfile(path), f"{path} does not exist", "--workdir", "point it at a run made by `launch pretrain`")
+    return config_lib.lock(ml_collections.ConfigDict(_read_stored(path)))
+
+
+def _has_results(workdir: str) -> bool:
+    """A fine-tune's, sweep's or suite's results are in the folder (a config change would misrepresent them)."""
+    return any(files.exists(files.join(workdir, name)) for name in ("results.json", "sweep.json", "report.json"))
+
+
+def _shown(key: str, old: Any, new: Any) -> str:
+    return f"{key}={old!r} (this command: {new!r})"
+
+
+def check_config(workdir: str, config: ml_collections.ConfigDict,
+                 overwrite: Optional[bool] = None) -> list[tuple[str, Any, Any]]:
+    """The gate: [(key, old, new)] of the allowed changes against the folder's run; UserError for anything else.
+    Reads only. `overwrite=True` replaces a config.json that no checkpoint or result depends on; `None` = the
+    caller offers no such option (its messages do not suggest it)."""
+    path = config_path(workdir)
+    step, meta = latest_meta(workdir)
+    new = json.loads(config_lib.to_json(config))
+    if not files.isfile(path):
+        require(step is None or not meta.get("identity") or meta["identity"] == identity_hash(new),
+                f"{workdir}/checkpoints (step {step}) were trained with other model/data settings and the folder has "
+                "no config.json", "--workdir", "use a fresh workdir")
+        return []
+    old = _read_stored(path)
+    if ("task" in old) != ("task" in new):
+        kinds = ("a fine-tuning run", "a pretraining run")
+        raise UserError(f"{workdir} holds {kinds[0] if 'task' in old else kinds[1]}; this command is "
+                        f"{kinds[0] if 'task' in new else kinds[1]}", "--workdir",
+                        "give each run its own workdir (init_from reads the pretraining run, it is not written)")
+    if overwrite:
+        require(step is None and not _has_results(workdir),
+                f"--overwrite_config would misrepresent {workdir}: its checkpoints/results were made with the "
+                "stored config.json", "--overwrite_config", "use a fresh workdir")
+        return []
+    flat_old = config_lib.flatten(old)
+    flat_new = config_lib.flatten(new)
+    changed = [k for k in sorted(set(flat_old) | set(flat_new)) if flat_old.get(k) != flat_new.get(k)]
+    refused = [k for k in changed if not resumable(k)]
+    if refused:
+        more = f" and {len(refused) - 1} more ({', '.join(refused[1:4])})" if len(refused) > 1 else ""
+        fresh = step is None and not _has_results(workdir)
+        raise UserError(f"{path} holds a run with {_shown(refused[0], flat_old.get(refused[0]), flat_new.get(refused[0]))}"
+                        f"{more}", "--workdir", "resume with the run's settings (only steps, logging, checkpointing, "
+                        "mesh and data-loading keys may change) or use a fresh workdir"
+                        + (" (or --overwrite_config: nothing was trained there yet)"
+                           if fresh and overwrite is not None else ""))
+    steps = flat_new.get("train.steps")
+    if step is not None and isinstance(steps, int) and 0 < steps < step:
+        raise UserError(f"{workdir} is at step {step}; train.steps={steps} would end before it", "--config.train.steps",
+                        f"give train.steps >= {step} to continue, or evaluate the run as it is")
+    if step is not None and meta.get("identity") and meta["identity"] != identity_hash(new):
+        raise UserError(f"{path} does not match its checkpoint step {step} (model/data settings differ: was "
+                        "config.json edited by hand?)", "--workdir", "restore the run's config.json or use a fresh "
+                        "workdir")
+    return [(k, flat_old.get(k), flat_new.get(k)) for k in changed]
+
+
+def write_config(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[bool] = None,
+                 write: bool = True) -> None:
+    """Pass the gate (`check_config`), then (process 0, `write`) store config.json, appending the allowed changes
+    to config_history.jsonl. An unchanged config is not rewritten."""
+    changes = check_config(workdir, config, overwrite=overwrite)
+    if not write:
+        return
+    text = config_lib.to_json(config) + "\n"
+    path = config_path(workdir)
+    if files.isfile(path) and files.read_text(path) == text:
+        return
+    if changes:
+        row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "command": " ".join(sys.argv), "changes": {k: [a, b] for k, a, b in changes}}
+        files.append_text(files.join(workdir, HISTORY), files.to_json(row, indent=None) + "\n")
+        print(f"{workdir}: config changed (recorded in {HISTORY}): "
+              + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes), flush=True)
+    files.write_text(path, text)
+
+
+def differing_keys(workdir: str, config: ml_collections.ConfigDict, sections: tuple[str, ...],
+                   ignore: tuple[str, ...] = ()) -> list[str]:
+    """"key: old -> new" for keys of `sections` where `workdir/config.json` differs from `config` (bar `ignore`
+    prefixes); [] when the folder has no config.json."""
+    path = config_path(workdir)
+    if not files.isfile(path):
+        return []
+    old = _read_stored(path)
+    return [d for d in config_lib.config_differences(old, config.to_dict(), sections) if not d.startswith(ignore)]

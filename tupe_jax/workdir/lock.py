@@ -1,0 +1,150 @@
+"""One run per folder: an exclusive lock on `<workdir>/.lock`.
+
+The lock is an `fcntl.flock` on the file, so it belongs to the process that holds it and dies with it: a run
+killed with SIGKILL leaves the file behind but not the lock, and the next command takes it over (saying whose
+it was). The file records who holds it (host, pid, start time, command) for the message a second process gets.
+Locks are re-entrant within a process (a launcher command and the library loop it calls claim the same folder).
+Process 0 of a multi-process run holds the lock for all of them.
+
+In a bucket (`gs://...`) there is no flock: the lock is a lease object that its holder rewrites every
+`LEASE_SECONDS / 4` (a heartbeat thread). A lease whose heartbeat is older than `LEASE_SECONDS` belongs to a dead
+run (a preempted VM) and is taken over. Two commands started within the same second on an unlocked bucket folder
+can both see it free (GCS preconditions would close that window; not done here).
+"""
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+from tupe_jax import files
+
+from tupe_jax.errors import UserError
+
+LOCK_NAME = ".lock"
+LEASE_SECONDS = 300.0
+_HELD: dict[str, list] = {}     # absolute workdir -> [file object, depth]
+
+
+def _holder(text: str) -> str:
+    try:
+        info = json.loads(text)
+        return f"process {info['pid']} on {info['host']} (started {info['started']}: {info['command']})"
+    except (ValueError, KeyError, TypeError):
+        return "another process"
+
+
+class RunLock:
+    """`with RunLock(workdir): ...` holds the folder's lock; a second holder gets a one-line UserError."""
+
+    def __init__(self, workdir: str):
+        self.workdir = files.absolute(workdir)
+        self.path = files.join(self.workdir, LOCK_NAME)
+        self.taken_over: Optional[str] = None   # who held a stale lock file we took over
+
+    def _identity(self) -> dict:
+        return {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+                "started": datetime.datetime.now().isoformat(timespec="seconds")}
+
+    def _enter_remote(self) -> None:
+        """The lease object of a bucket folder (see the module doc)."""
+        path = files.join(self.workdir, LOCK_NAME)
+        if files.exists(path):
+            text = files.read_text(path)
+            try:
+                age = time.time() - float(json.loads(text).get("heartbeat", 0))
+            except (ValueError, AttributeError):
+                age = LEASE_SECONDS
+            if age < LEASE_SECONDS:
+                raise UserError(f"{self.workdir} is in use by {_holder(text)}, heartbeat {age:.0f} s ago", "--workdir",
+                                f"wait for that run to finish (a dead run's lease expires {LEASE_SECONDS:.0f} s after "
+                                "its last heartbeat), or use another workdir")
+            self.taken_over = _holder(text)
+            print(f"{self.workdir}: taking over the lease left by {self.taken_over} (no heartbeat for {age:.0f} s)",
+                  file=sys.stderr, flush=True)
+        identity, stop = self._identity(), threading.Event()
+
+        def beat() -> None:
+            while True:
+                files.write_text(path, json.dumps({**identity, "heartbeat": time.time()}))
+                if stop.wait(LEASE_SECONDS / 4):
+                    return
+
+        files.write_text(path, json.dumps({**identity, "heartbeat": time.time()}))
+        thread = threading.Thread(target=beat, daemon=True, name="tupe-jax-lease")
+        thread.start()
+        _HELD[self.workdir] = [(stop, thread, path), 1]
+
+    def __enter__(self) -> "RunLock":
+        held = _HELD.get(self.workdir)
+        if held is not None:
+            held[1] += 1
+            return self
+        if files.is_remote(self.workdir):
+            self._enter_remote()
+            return self
+        os.makedirs(self.workdir, exist_ok=True)
+        f = self._acquire()
+        f.seek(0)
+        previous = f.read().strip()
+        if previous:   # the file of a process that died without releasing: the kernel already dropped its lock
+            self.taken_over = _holder(previous)
+            print(f"{self.workdir}: taking over the lock left by {self.taken_over}, which is no longer running",
+                  file=sys.stderr, flush=True)
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(self._identity()))
+        f.flush()
+        _HELD[self.workdir] = [f, 1]
+        return self
+
+    def _acquire(self):
+        """The locked lock file (retried if a releasing holder removed it between our open and our lock)."""
+        while True:
+            f = open(self.path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                f.seek(0)
+                text = f.read()
+                f.close()
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise UserError(f"{self.workdir} is in use by {_holder(text)}", "--workdir",
+                                "wait for that run to finish (or stop it), or use another workdir") from None
+            try:
+                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    return f
+            except FileNotFoundError:
+                pass
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            f.close()
+
+    def __exit__(self, *exc) -> None:
+        held = _HELD.get(self.workdir)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _HELD[self.workdir]
+        if files.is_remote(self.workdir):
+            stop, thread, path = held[0]
+            stop.set()
+            thread.join()
+            files.remove(path)
+            return
+        f = held[0]
+        try:
+            if os.path.exists(self.path):
+                os.remove(self.path)       # still ours: nobody can hold it while we do
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            f.close()

@@ -1,0 +1,84 @@
+"""The checkpoint's `meta` item: what a later fine-tune, resume or evaluation needs to refuse a mismatch."""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+import ml_collections
+
+from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax import config as config_lib
+from tupe_jax import files
+from tupe_jax.errors import UserError
+
+# Sections that define "the same model and data": the meta's config hash covers these.
+RUN_IDENTITY_SECTIONS = ("model", "data")
+# Keys that may change when a run continues. Entries ending in "." cover a whole section. Everything else —
+# model, data, optimizer, batch, seed, task, init_from — is what the run IS and is never changed in place.
+RESUMABLE = (
+    "train.steps", "train.epochs",                                      # train longer
+    "train.log_every", "train.eval_every", "train.eval_steps", "train.eval_batch_size", "train.predict_test",
+    "checkpoint.", "metrics.", "mesh.",                                 # how it is saved, measured, laid out
+    "model.attention_backend",                                          # same maths, another kernel
+    "data.cache_dir", "data.tfds_data_dir", "data.prefetch", "data.num_threads",   # where/how data is read
+    "sweep.", "schemes", "glue.", "eval.", "probe.",                    # a sweep's or suite's grid and analyses
+)
+
+
+def resumable(key: str) -> bool:
+    return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
+
+
+def identity_hash(config: ml_collections.ConfigDict | dict) -> str:
+    """A hash of the model/data keys that define the run (the resumable ones left out)."""
+    as_dict = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+    flat = config_lib.flatten({s: as_dict.get(s, {}) for s in RUN_IDENTITY_SECTIONS})
+    kept = {k: v for k, v in flat.items() if not resumable(k)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def make_meta(config: Any, params: Any, tokenizer_fingerprint: str = "") -> dict[str, Any]:
+    """The meta item of a checkpoint of `config` with `params`."""
+    return {"config_hash": config_lib.config_hash(config, RUN_IDENTITY_SECTIONS), "pe": str(config.model.pe),
+            "objective": str(config.model.objective), "param_shapes": ckpt_lib.param_shapes(params),
+            "tokenizer": tokenizer_fingerprint, "identity": identity_hash(config)}
+
+
+def check_tokenizer(meta: Mapping[str, Any], fingerprint: str, vocab_path: str) -> None:
+    """Raise UserError if the checkpoint was trained with another vocabulary than the one at `vocab_path`."""
+    saved = meta.get("tokenizer") or ""
+    if saved and fingerprint and saved != fingerprint:
+        raise UserError(f"the tokenizer at {vocab_path} (fingerprint {fingerprint}) is not the one the checkpoint "
+                        f"was trained with (fingerprint {saved})", vocab_path,
+                        "restore the run's original vocab.txt or start a fresh workdir")
+
+
+def check_compatible(meta: Mapping[str, Any], pe: str, shapes: Mapping[str, list[int]] | None = None,
+                     where: str = "--config.init_from") -> None:
+    """Raise UserError if checkpoint `meta` has another positional scheme or other param shapes."""
+    if meta.get("pe") != pe:
+        raise UserError(f"the checkpoint was trained with pe={meta.get('pe')!r}, not pe={pe!r}", where,
+                        f"fine-tune with pe={meta.get('pe')} or pick a checkpoint of {pe}")
+    saved = meta.get("param_shapes", {})
+    for key, shape in (shapes or {}).items():
+        if key in saved and list(saved[key]) != list(shape):
+            raise UserError(f"param {key} has shape {saved[key]} in the checkpoint but {list(shape)} here", where,
+                            "use the same model size (model.* keys) as the pretraining run")
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+    """Committed checkpoint steps of `workdir` ([] when it has none)."""
+    if not files.isdir(files.join(workdir, "checkpoints")):
+        return []
+    with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
+        return checkpointer.all_steps()
+
+
+def latest_meta(workdir: str) -> tuple[int | None, dict[str, Any]]:
+    """(latest committed step, its meta) — (None, {}) without checkpoints."""
+    steps = checkpoint_steps(workdir)
+    if not steps:
+        return None, {}
+    with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
+        return steps[-1], checkpointer.restore_meta(steps[-1])

@@ -1,0 +1,87 @@
+"""A finished (or running) run loaded for evaluation, fine-tuning and every analysis: `LoadedRun`, `load_run`."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax.data.tokenizer import get_tokenizer
+from tupe_jax.errors import UserError, require
+from tupe_jax.model import ModelConfig, TransformerLM
+from tupe_jax.positional import TABLE_SCHEMES, canonical_name
+from tupe_jax.workdir.gate import read_config, tokenizer_path
+from tupe_jax.workdir.meta import check_tokenizer, checkpoint_steps
+
+
+# ================================================================================================ loading a run
+@dataclasses.dataclass
+class LoadedRun:
+    """One trained (or freshly initialised) model and what it was trained with; tests build them in memory."""
+
+    config: Any                 # the run's config (ml_collections; `config.data` for the analyses' text)
+    model_cfg: ModelConfig
+    params: Any                 # unboxed, on the default device
+    tokenizer: Any
+    step: Optional[int] = None
+    workdir: str = ""
+
+    @property
+    def name(self) -> str:
+        base = str(self.workdir).rstrip("/").rsplit("/", 1)[-1] if self.workdir else ""
+        return base or f"{self.model_cfg.pe}-{self.model_cfg.objective}"
+
+    @property
+    def pe(self) -> str:
+        return canonical_name(self.model_cfg.pe)
+
+    @property
+    def has_table(self) -> bool:
+        """Whether a learned position table bounds the input length (max_len)."""
+        return self.pe in TABLE_SCHEMES
+
+    def describe(self) -> dict:
+        c = self.model_cfg
+        return {"name": self.name, "workdir": self.workdir, "step": self.step, "pe": self.pe,
+                "objective": c.objective, "max_len": c.max_len, "num_layers": c.num_layers,
+                "hidden_size": c.hidden_size, "num_heads": c.num_heads}
+
+
+def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
+    """A finished (or running) pretraining run's config, params (default device), tokenizer and step."""
+    config = read_config(workdir)
+    if "task" in config:
+        raise UserError(f"{workdir} is a fine-tuning run ({config.task}); this command reads a pretraining run",
+                        "--workdir", "point it at the run given as init_from, or at a `launch pretrain` workdir")
+    cfg = ModelConfig.from_config(config.model)
+    steps = checkpoint_steps(workdir)
+    require(bool(steps), f"no checkpoint in {workdir}/checkpoints", "--workdir", "pretrain this workdir first")
+    require(step is None or step in steps, f"no checkpoint at step {step} in {workdir}/checkpoints", "--step",
+            f"use one of {steps}")
+    step = steps[-1] if step is None else step
+    with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
+        meta = checkpointer.restore_meta(step)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.eval_shape(lambda: TransformerLM(cfg).init({"params": jax.random.PRNGKey(0)},
+                                                              jnp.zeros((1, 8), jnp.int32))["params"])
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                                      nn.meta.unbox(abstract))
+    saved, ours = meta.get("param_shapes") or {}, ckpt_lib.param_shapes(abstract)
+    wrong = next((k for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)), None)
+    if saved and wrong is not None:
+        raise UserError(f"{workdir}/config.json does not match its checkpoint step {step}: param {wrong} has shape "
+                        f"{saved.get(wrong)} there but {ours.get(wrong)} from config.json (was it edited?)",
+                        "--workdir", "restore the run's config.json")
+    params = ckpt_lib.restore_params(workdir, step, abstract)
+    tokenizer = get_tokenizer(config, workdir)
+    check_tokenizer(meta, tokenizer.fingerprint, tokenizer_path(workdir))
+    return LoadedRun(config, cfg, params, tokenizer, step, str(workdir))
+
+
+def load_runs(workdirs: str | list[str], step: Optional[int] = None) -> list[LoadedRun]:
+    """`load_run` for each workdir."""
+    return [load_run(str(w), step) for w in ([workdirs] if isinstance(workdirs, (str, os.PathLike)) else workdirs)]
