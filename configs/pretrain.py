@@ -81,6 +81,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         seed=0, weight_decay=0.01, clip_norm=1.0, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-6,
         grad_accum_steps=1, log_every=50, eval_every=1000, eval_steps=20,
         dropout_rng="threefry2x32",       # threefry2x32 | rbg | unsafe_rbg (rbg: faster masks on GPU/TPU)
+        profile_steps="",                 # "START,END": a jax.profiler trace of those steps in workdir/profile/
     ))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1: fill with remaining devices
     config.checkpoint = ml_collections.ConfigDict(dict(every=1000, keep=3, async_save=True))

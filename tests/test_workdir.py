@@ -234,3 +234,35 @@ def test_a_folder_that_cannot_be_written_is_refused_before_anything(tmp_path, mo
     with pytest.raises(UserError, match=r"is not writable \(Read-only file system\), --workdir"):
         workdir_lib.check_folder(str(tmp_path / "new_run"))
     assert not os.path.exists(tmp_path / "new_run")
+
+
+def test_every_claim_records_its_provenance(tmp_path):
+    import jax  # pylint: disable=import-outside-toplevel
+    wd = str(tmp_path / "run")
+    with workdir_lib.claim(wd, _load()):
+        with workdir_lib.claim(wd, _load()):          # the launcher's claim and the loop's: one row
+            pass
+    with workdir_lib.claim(str(tmp_path / "other"), _load()):
+        pass
+    rows = [json.loads(line) for line in open(os.path.join(wd, "provenance.jsonl"))]
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["packages"]["jax"] == jax.__version__ and row["devices"]["count"] == jax.device_count()
+    assert row["devices"]["kind"] == jax.devices()[0].device_kind and row["process_count"] == 1
+    assert row["command"] == " ".join(sys.argv) and len(row["git_commit"]) >= 40
+
+
+@pytest.mark.slow
+def test_profile_steps_write_a_trace_tensorboard_lists(tmp_path):
+    """`train.profile_steps=2,3` leaves an xplane trace where TensorBoard's profile plugin looks for runs."""
+    from tupe_jax.pretrain import loop  # pylint: disable=import-outside-toplevel
+    config = _load(**{"model.hidden_size": 32, "model.num_layers": 1, "model.num_heads": 2, "model.mlp_dim": 64,
+                      "model.vocab_size": 512, "model.max_len": 32, "train.steps": 4, "train.batch_size": 8,
+                      "train.eval_every": 0, "checkpoint.async_save": "false", "train.profile_steps": "2,3",
+                      "data.cache_dir": str(tmp_path / "cache")})
+    loop.pretrain(config, str(tmp_path / "run"), devices=jax.devices()[:1])
+    traces = list((tmp_path / "run" / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    with pytest.raises(UserError, match=r"train.profile_steps = '3,2' is not START,END"):
+        from tupe_jax.pretrain.validate import validate  # pylint: disable=import-outside-toplevel
+        validate(_load(**{"train.profile_steps": "3,2"}), 8)

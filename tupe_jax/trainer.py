@@ -35,6 +35,17 @@ from tupe_jax.optim import accumulate_gradients, dropout_key
 LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, dict]]
 
 
+def parse_profile_steps(text: str, key: str = "train.profile_steps") -> Optional[tuple[int, int]]:
+    """"START,END" -> (START, END), 1 <= START <= END; "" -> None. UserError otherwise."""
+    if not str(text).strip():
+        return None
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
+        raise UserError(f"{key} = {text!r} is not START,END with 1 <= START <= END", f"--config.{key}",
+                        "write e.g. --config.train.profile_steps=10,15 (or leave it empty)")
+    return int(parts[0]), int(parts[1])
+
+
 def init_state_fn(model: nn.Module, tx: optax.GradientTransformation, max_len: int) -> Callable:
     """rng -> boxed train state {'step', 'params', 'opt_state', 'rng'} (for eval_shape and the sharded init)."""
     dummy = jnp.zeros((1, min(int(max_len), 8)), jnp.int32)
@@ -97,7 +108,8 @@ class Trainer:
 
     def __init__(self, init_fn: Callable, seed: int, mesh: jax.sharding.Mesh, step_fn: Callable,
                  checkpointer: Optional[ckpt_lib.Checkpointer] = None, meta: Optional[Callable[[dict], dict]] = None,
-                 log_every: int = 1):
+                 log_every: int = 1, profile: Optional[tuple[int, int, str]] = None):
+        self.profile = profile   # (first step, last step, trace folder): a jax.profiler trace of those steps
         self.mesh, self.checkpointer, self.log_every = mesh, checkpointer, max(int(log_every), 1)
         if checkpointer is not None:   # from here on SIGTERM means "save and stop" (also during restore/compile)
             ckpt_lib.install_sigterm_handler()
@@ -168,8 +180,15 @@ class Trainer:
             batch = next(iterator, None)
             if batch is None:
                 break
-            state, device_metrics = self.step_fn(state, sharding_lib.global_batch(batch, self.mesh))
+            if self.profile and step + 1 == self.profile[0]:
+                jax.profiler.start_trace(self.profile[2])
+            with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+                state, device_metrics = self.step_fn(state, sharding_lib.global_batch(batch, self.mesh))
             step += 1
+            if self.profile and step == self.profile[1]:
+                jax.block_until_ready(device_metrics)
+                jax.profiler.stop_trace()
+                print(f"profile: steps {self.profile[0]}-{step} traced to {self.profile[2]}", flush=True)
             window["steps"] += 1
             if pending is not None:                      # the previous step is done by now (or nearly)
                 values = self._fetch(*pending)

@@ -15,6 +15,7 @@ import ml_collections
 
 from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax import data as data_lib
+from tupe_jax import files
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import sharding as sharding_lib
 from tupe_jax import trainer as trainer_lib
@@ -70,7 +71,7 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
     trainer = trainer_lib.Trainer(
         trainer_lib.init_state_fn(model, tx, int(config.model.max_len)), int(config.train.seed), mesh, step_fn,
         checkpointer, meta=lambda s: workdir_lib.make_meta(config, s["params"], tokenizer.fingerprint),
-        log_every=int(config.train.log_every))
+        log_every=int(config.train.log_every), profile=_profile(config, workdir))
     train_iter = data_lib.pretrain_iterator(config, tokenizer, split="train", global_batch_size=batch_size,
                                             seed=int(config.train.seed))
     state, data_state = trainer.restore_or_init()
@@ -140,3 +141,8 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
     writer.close()
     return final
 
+
+def _profile(config: ml_collections.ConfigDict, workdir: str) -> Optional[tuple[int, int, str]]:
+    """`train.profile_steps` -> (first, last, `workdir/profile`): a trace TensorBoard's profile plugin / xprof read."""
+    steps = trainer_lib.parse_profile_steps(config.train.get("profile_steps", ""))
+    return None if steps is None else (*steps, files.join(workdir, "profile"))

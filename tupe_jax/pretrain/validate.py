@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from tupe_jax import data, model, optim, sharding
+from tupe_jax import data, model, optim, sharding, trainer
 from tupe_jax.config import require_finite, require_positive, require_seed
 
 
@@ -18,6 +18,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     optim.validate_config(config.train)
     sharding.check_batch(config.train, mesh)
     require_seed(config)
+    trainer.parse_profile_steps(config.train.get("profile_steps", ""))
     require_positive(config, ("checkpoint.every", "checkpoint.keep"))
     data.validate_config(config)
     return mesh

@@ -5,18 +5,21 @@
                config_history.jsonl), `read_config`, `write_config`
     lock.py    one run per folder: `RunLock` (`.lock`, an exclusive flock that dies with its process)
     claim.py   `claim(workdir, config)`: check, lock, write, run; after a failure remove what the command created
+    provenance.py  `provenance.jsonl`: a row per command (command line, git commit, packages, devices, processes)
     meta.py    what defines a run (`RESUMABLE`, `identity_hash`) and the checkpoint's meta item (`make_meta`,
                `check_compatible`, `check_tokenizer`), `checkpoint_steps`
     run.py     `LoadedRun` / `load_run`: a finished run for evaluate, fine-tuning and every analysis
 
 A run folder holds:
     config.json          the resolved config (what the run is; `config_history.jsonl`: the allowed changes)
+    provenance.jsonl     who ran what where: one row per command that claimed the folder
     tokenizer/vocab.txt  the run's WordPiece vocabulary (data.tokenizer)
     checkpoints/<step>/  Orbax items state / data / meta (checkpoint.py; meta from `make_meta`)
     metrics.jsonl, tensorboard/   (metrics.py)
     results.json, predictions/    fine-tuning runs (finetune/)
     analysis/            outputs of the analysis commands (default `--out`)
     logs/                the full traceback of an unexpected failure (the launcher's last resort)
+    profile/             a jax.profiler trace when `train.profile_steps` is set
 Whole-file writes go through `files.write_json` / `files.write_text` (atomic).
 """
 from tupe_jax.workdir.claim import check_folder, claim, remove_partial_outputs

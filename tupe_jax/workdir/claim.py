@@ -2,7 +2,7 @@
 
 In order, before the command computes anything: the folder path is usable (`check_folder`), the config passes
 the gate (`gate.check_config`: nothing written yet), the folder's lock is taken (`lock.RunLock`), config.json is
-stored (process 0). If the command then fails — a UserError or anything unexpected, but not an interrupt — what
+stored and a provenance row appended (process 0; `provenance.py`). If the command then fails — a UserError or anything unexpected, but not an interrupt — what
 it created in the folder is removed unless it holds checkpoints or results; what was there before is never touched.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import ml_collections
 
 from tupe_jax import files
 from tupe_jax.errors import UserError
+from tupe_jax.workdir import provenance
 from tupe_jax.workdir.gate import check_config, write_config
 from tupe_jax.workdir.lock import LOCK_NAME, RunLock
 
@@ -108,6 +109,8 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
     try:
         with lock:
             write_config(workdir, config, overwrite=overwrite, write=lead)
+            if lead:
+                provenance.record(workdir)
             yield
     except Exception:   # an interrupt (Ctrl-C) keeps everything: the same command continues where it stopped
         if lead:

@@ -19,6 +19,7 @@ RUN_IDENTITY_SECTIONS = ("model", "data")
 RESUMABLE = (
     "train.steps", "train.epochs",                                      # train longer
     "train.log_every", "train.eval_every", "train.eval_steps", "train.eval_batch_size", "train.predict_test",
+    "train.profile_steps",
     "checkpoint.", "metrics.", "mesh.",                                 # how it is saved, measured, laid out
     "model.attention_backend",                                          # same maths, another kernel
     "data.cache_dir", "data.tfds_data_dir", "data.prefetch", "data.num_threads",   # where/how data is read
