@@ -50,6 +50,26 @@ def test_a_bucket_run_matches_a_local_run_and_resumes(gcs, tmp_path, monkeypatch
     assert {"config.json", "metrics.jsonl", "checkpoints", "tokenizer", "tensorboard"} <= set(files.listdir(remote))
     assert not os.path.exists(tmp_path / "gs:") and not files.exists(remote + "/.lock")
 
+    # the run in the bucket is read by evaluate, a fine-tune's init_from and the analyses (outputs to the bucket)
+    from tupe_jax.analysis import extrapolate, probe  # pylint: disable=import-outside-toplevel
+    from tupe_jax.finetune import loop as ft_loop  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain.evaluate import evaluate  # pylint: disable=import-outside-toplevel
+    assert evaluate(remote)["eval_loss"] > 0
+    glue = config_lib.load_config(os.path.join(ROOT, "configs", "glue.py") + ":task=wordorder,pe=tupe_r")
+    config_lib.apply_overrides(glue, {**{k: v for k, v in TINY.items() if k.startswith("model.")},
+                                      "train.steps": "2", "train.batch_size": "8", "train.eval_batch_size": "8",
+                                      "train.predict_test": "false", "checkpoint.async_save": "false"})
+    with glue.unlocked():
+        glue.data.cache_dir, glue.init_from = str(tmp_path / "cache"), remote
+    result = ft_loop.finetune(glue, f"gs://{BUCKET}/ft", devices=jax.devices()[:1])
+    assert result["init_from"] == remote and files.isfile(f"gs://{BUCKET}/ft/results.json")
+    assert files.read_text(f"gs://{BUCKET}/ft/tokenizer/vocab.txt") == files.read_text(remote + "/tokenizer/vocab.txt")
+    extrapolate.run(remote, [16, 32])
+    probe.run(remote, steps=2)
+    assert {"extrapolation.json", "extrapolation.png", "probe.json", "probe.png"} <= set(files.listdir(remote +
+                                                                                                  "/analysis"))
+    assert not os.path.exists(tmp_path / "gs:")
+
 
 def test_bucket_errors_are_one_line_before_compute(gcs, tmp_path):  # noqa: F811
     with pytest.raises(UserError, match=r"bucket gs://no-such-bucket does not exist"):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -35,11 +37,24 @@ Run = LoadedRun
 load_runs = workdir_lib.load_runs
 
 
+_STAGED: dict[str, str] = {}   # local staging folder -> its bucket folder (see `output_dir`, `publish`)
+
+
 def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None, create: bool = True) -> Path:
-    """`out`, or `<first workdir>/analysis/`; created (with `create=False`: only checked, before any compute)."""
+    """`out`, or `<first workdir>/analysis/`; created (with `create=False`: only checked, before any compute).
+
+    A bucket target (`gs://...`) gets a local staging folder: the tool writes there and `publish` uploads it."""
     if not out:
         first = workdirs if isinstance(workdirs, (str, os.PathLike)) else workdirs[0]
-        out = os.path.join(str(first), "analysis")
+        out = files.join(str(first), "analysis")
+    if files.is_remote(out):
+        if files.exists(out) and not files.isdir(out):
+            raise UserError(f"{out} is a file, not a folder", "--out", "give a folder for the analysis outputs")
+        if not create:
+            return Path(out.replace("://", "/"))          # nothing to create yet; never used as a path
+        staging = tempfile.mkdtemp(prefix="tupe-jax-analysis-")
+        _STAGED[staging] = str(out)
+        return Path(staging)
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise UserError(f"{path} is a file, not a folder", "--out", "give a folder for the analysis outputs")
@@ -51,6 +66,17 @@ def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None, create:
     if create:
         path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def publish(directory: Path) -> str:
+    """Where `directory`'s files live now: itself, or (a staging folder) its bucket folder, after uploading them."""
+    target = _STAGED.pop(str(directory), None)
+    if target is None:
+        return str(directory)
+    for name in sorted(os.listdir(directory)):
+        files.upload(os.path.join(directory, name), files.join(target, name))
+    shutil.rmtree(directory, ignore_errors=True)
+    return target
 
 
 def available_memory() -> int:

@@ -276,5 +276,5 @@ def run(workdir, *, layer: int = 0, out: Optional[str] = None, step: Optional[in
                            if v["variance_vs_word"] is not None)
         print(f"correlations {r['name']} ({r['pe']}, {r['kind']}, layer {r['layer']}): variance vs word term "
               f"[{ratios}]; max |sum - model| = {r['max_abs_error_vs_model']:.2e}")
-    print(f"correlations: wrote {directory / 'correlations.json'} and heatmaps")
+    print(f"correlations: wrote correlations.json and heatmaps to {common.publish(directory)}")
     return report

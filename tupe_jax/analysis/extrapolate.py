@@ -256,5 +256,5 @@ def run(workdir, lengths: Sequence[int], *, mode: str = "nonoverlapping", stride
         cells = [f"{x['length']}: {x[r['metric']]:.3f}" if x["defined"] else f"{x['length']}: not defined"
                  for x in r["results"]]
         print(f"extrapolate {r['name']} ({r['pe']}, {r['metric']}): " + ", ".join(cells))
-    print(f"extrapolate: wrote {directory / 'extrapolation.json'} and extrapolation.png")
+    print(f"extrapolate: wrote extrapolation.json and extrapolation.png to {common.publish(directory)}")
     return report

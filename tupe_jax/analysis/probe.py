@@ -185,5 +185,5 @@ def run(workdir, *, out: Optional[str] = None, step: Optional[int] = None, steps
     for r in report["runs"]:
         mads = ", ".join(f"{x['mad']:.2f}" for x in r["layers"])
         print(f"probe {r['name']} ({r['pe']}): MAD per layer [{mads}] (chance {r['chance_mad']:.2f})")
-    print(f"probe: wrote {directory / 'probe.json'} and probe.png")
+    print(f"probe: wrote probe.json and probe.png to {common.publish(directory)}")
     return report

@@ -125,5 +125,5 @@ def run(workdir, *, text: Optional[str] = None, layer: int = 0, seed: int = 0, o
         gaps = ", ".join(f"{g:.2e}" for g in r["equivariance_gap"])
         print(f"shuffle-attention {r['name']} ({r['pe']}, {r['objective']}): equivariance gap per layer [{gaps}]"
               + extra)
-    print(f"shuffle-attention: wrote {directory / 'shuffle_attention.json'} and shuffle_attention.png")
+    print(f"shuffle-attention: wrote shuffle_attention.json and shuffle_attention.png to {common.publish(directory)}")
     return report

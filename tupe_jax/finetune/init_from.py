@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from typing import Any
 
 import jax
@@ -40,14 +39,14 @@ class InitSource:
 
 def resolve_init_from(path: str, init_step: int = -1) -> tuple[str, int | None]:
     """(pretraining workdir, step or None = latest) from a workdir, its checkpoints dir, or checkpoints/<step>."""
-    path = os.path.abspath(os.path.expanduser(path))
-    base, name = os.path.split(path.rstrip(os.sep))
+    path = files.absolute(path if files.is_remote(path) else os.path.expanduser(path)).rstrip("/")
+    base, _, name = path.rpartition("/")
     step = None if init_step < 0 else int(init_step)
-    if os.path.isdir(os.path.join(path, "checkpoints")):
+    if files.isdir(files.join(path, "checkpoints")):
         workdir = path
-    elif name.isdigit() and os.path.basename(base) == "checkpoints" and os.path.isdir(path):
-        workdir, step = os.path.dirname(base), int(name)
-    elif name == "checkpoints" and os.path.isdir(path):
+    elif name.isdigit() and base.rpartition("/")[2] == "checkpoints" and files.isdir(path):
+        workdir, step = base.rpartition("/")[0], int(name)
+    elif name == "checkpoints" and files.isdir(path):
         workdir = base
     else:
         raise UserError(f"init_from {path} is not a pretraining run (no checkpoints/ there)", WHERE,
@@ -78,7 +77,7 @@ def open_init_source(config: ml_collections.ConfigDict) -> InitSource:
 def check_model_keys(pretrain_workdir: str, config: ml_collections.ConfigDict) -> None:
     """Refuse a pretraining run whose config.json has other shape-defining model keys, naming both values."""
     path = workdir_lib.config_path(pretrain_workdir)
-    if not os.path.isfile(path):
+    if not files.isfile(path):
         return  # the param-shape check in `check_encoder_shapes` still runs
     try:
         old = files.read_json(path).get("model", {})
@@ -123,21 +122,18 @@ def restore_encoder(source: InitSource, abstract_encoder: Any) -> Any:
 def adopt_tokenizer(pretrain_workdir: str, workdir: str) -> str:
     """Copy the pretraining run's tokenizer into `workdir/tokenizer/` (process 0) and return the pretraining run's
     vocab.txt path (every process loads that); refuse a different tokenizer already in `workdir`."""
-    src = os.path.join(pretrain_workdir, "tokenizer", "vocab.txt")
-    require(os.path.isfile(src), f"the pretraining run {pretrain_workdir} has no tokenizer/vocab.txt", WHERE,
+    src_dir = files.join(pretrain_workdir, "tokenizer")
+    src = files.join(src_dir, "vocab.txt")
+    require(files.isfile(src), f"the pretraining run {pretrain_workdir} has no tokenizer/vocab.txt", WHERE,
             "point init_from at a workdir made by `launch pretrain`")
-    dst_dir = os.path.join(workdir, "tokenizer")
-    dst = os.path.join(dst_dir, "vocab.txt")
-    with open(src, encoding="utf-8") as f:
-        wanted = f.read()
-    if os.path.isfile(dst):
-        with open(dst, encoding="utf-8") as f:
-            if f.read() != wanted:
-                raise UserError(f"{dst} differs from the pretraining run's tokenizer {src}", "--workdir",
-                                "use a fresh workdir for a fine-tune of another pretraining run")
+    dst_dir = files.join(workdir, "tokenizer")
+    dst = files.join(dst_dir, "vocab.txt")
+    if files.isfile(dst):
+        if files.read_text(dst) != files.read_text(src):
+            raise UserError(f"{dst} differs from the pretraining run's tokenizer {src}", "--workdir",
+                            "use a fresh workdir for a fine-tune of another pretraining run")
         return src
-    if jax.process_index() == 0:
-        os.makedirs(dst_dir, exist_ok=True)
-        for name in os.listdir(os.path.dirname(src)):
-            shutil.copy2(os.path.join(os.path.dirname(src), name), os.path.join(dst_dir, name))
+    if jax.process_index() == 0:   # vocab.txt and, where there is one, tokenizer_config.json
+        for name in files.listdir(src_dir):
+            files.write_text(files.join(dst_dir, name), files.read_text(files.join(src_dir, name)))
     return src

@@ -2,8 +2,9 @@
 
 In order, before the command computes anything: the folder path is usable (`check_folder`), the config passes
 the gate (`gate.check_config`: nothing written yet), the folder's lock is taken (`lock.RunLock`), config.json is
-stored and a provenance row appended (process 0; `provenance.py`). If the command then fails — a UserError or anything unexpected, but not an interrupt — what
-it created in the folder is removed unless it holds checkpoints or results; what was there before is never touched.
+stored and a provenance row appended (process 0; `provenance.py`). If the command then fails — a UserError or
+anything unexpected, but not an interrupt — what it created in the folder is removed unless it holds checkpoints
+or results; what was there before is never touched.
 """
 from __future__ import annotations
 

@@ -85,9 +85,10 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
     if refused:
         more = f" and {len(refused) - 1} more ({', '.join(refused[1:4])})" if len(refused) > 1 else ""
         fresh = step is None and not _has_results(workdir)
-        raise UserError(f"{path} holds a run with {_shown(refused[0], flat_old.get(refused[0]), flat_new.get(refused[0]))}"
-                        f"{more}", "--workdir", "resume with the run's settings (only steps, logging, checkpointing, "
-                        "mesh and data-loading keys may change) or use a fresh workdir"
+        first = _shown(refused[0], flat_old.get(refused[0]), flat_new.get(refused[0]))
+        raise UserError(f"{path} holds a run with {first}{more}", "--workdir",
+                        "resume with the run's settings (only steps, logging, checkpointing, mesh and data-loading "
+                        "keys may change) or use a fresh workdir"
                         + (" (or --overwrite_config: nothing was trained there yet)"
                            if fresh and overwrite is not None else ""))
     steps = flat_new.get("train.steps")
