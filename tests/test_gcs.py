@@ -115,3 +115,74 @@ def test_the_bucket_lease_refuses_a_second_process_and_a_stale_lease_is_taken_ov
         assert lock.taken_over and str(holder.pid) in lock.taken_over
         assert json.loads(files.read_text(folder + "/.lock"))["pid"] == os.getpid()
     assert not files.exists(folder + "/.lock")
+
+
+@pytest.mark.slow
+def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resumes_bitwise(gcs, tmp_path):  # noqa: F811
+    """`launch pretrain --workdir=gs://...` killed with SIGKILL mid-run; its newest checkpoint is then damaged (an
+    object of its state removed). The same command warns, restores the previous good step from the bucket and
+    ends bitwise equal to an uninterrupted local run."""
+    import signal  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    remote = f"gs://{BUCKET}/killed"
+    flags = [f"--config.{k}={v}" for k, v in {**TINY, "train.steps": "12"}.items()] + \
+        [f"--config.data.cache_dir={tmp_path / 'cache'}"]
+    argv = [sys.executable, "-m", "launch", "pretrain", "--config=configs/pretrain.py:pe=tupe_r", *flags]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "TUPE_JAX_LEASE_SECONDS": "4"}
+    subprocess.run(argv + [f"--workdir={tmp_path / 'local'}"], cwd=ROOT, env=env, check=True, capture_output=True,
+                   timeout=600)
+    child = subprocess.Popen(argv + [f"--workdir={remote}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in child.stdout:
+            if line.startswith("step 8/"):
+                break
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    steps = workdir_lib.checkpoint_steps(remote)
+    assert steps[-1] >= 6, steps
+    state = f"{remote}/checkpoints/{steps[-1]}/state"
+    for name in files.listdir(state):                 # the array data and index of the state: unrestorable
+        if name.startswith(("ocdbt", "manifest", "d")):
+            files.rmtree(f"{state}/{name}") if files.isdir(f"{state}/{name}") else files.remove(f"{state}/{name}")
+    import time  # pylint: disable=import-outside-toplevel
+    time.sleep(5)                                     # the killed run's lease (4 s in this test) runs out
+    resumed = subprocess.run(argv + [f"--workdir={remote}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"checkpoint step {steps[-1]}" in resumed.stderr and "trying the previous one" in resumed.stderr, \
+        resumed.stderr[-3000:]
+    assert "taking over the lease" in resumed.stderr
+    local, bucket = params_of(str(tmp_path / "local")), params_of(remote)
+    for a, b in zip(jax.tree_util.tree_leaves(local), jax.tree_util.tree_leaves(bucket)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_two_processes_write_one_run_to_the_bucket(gcs, tmp_path):  # noqa: F811
+    """Two jax.distributed processes (gloo) on one gs:// folder: one config.json, one metrics stream with each
+    step once, one checkpoint directory per saved step; the losses are the one-process run's."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+    from tests import test_multiprocess as mp  # pylint: disable=import-outside-toplevel
+    remote = f"gs://{BUCKET}/two"
+    extra = ["--config.checkpoint.every=2"]
+    single = subprocess.run(mp.command(tmp_path / "single", tmp_path / "cache", extra), cwd=ROOT, env=mp.env(4),
+                            capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    port = mp.free_port()
+    procs = [subprocess.Popen(mp.command(remote, tmp_path / "cache", extra + [
+        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"]),
+        cwd=ROOT, env=mp.env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    rows = read_metrics(remote, raw=True)
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5]
+    one = [m["loss"] for m in read_metrics(str(tmp_path / "single")) if "loss" in m]
+    np.testing.assert_allclose([r["loss"] for r in rows if "loss" in r], one, atol=1e-5, rtol=0)
+    assert workdir_lib.checkpoint_steps(remote) == [2, 4, 5]
+    assert sorted(files.listdir(remote + "/checkpoints")) == ["2", "4", "5"]
+    assert [n for n in files.listdir(remote) if n.startswith("config")] == ["config.json"]

@@ -7,8 +7,8 @@ Locks are re-entrant within a process (a launcher command and the library loop i
 Process 0 of a multi-process run holds the lock for all of them.
 
 In a bucket (`gs://...`) there is no flock: the lock is a lease object that its holder rewrites every
-`LEASE_SECONDS / 4` (a heartbeat thread). A lease whose heartbeat is older than `LEASE_SECONDS` belongs to a dead
-run (a preempted VM) and is taken over. Two commands started within the same second on an unlocked bucket folder
+`LEASE_SECONDS / 4` (a heartbeat thread). A lease whose heartbeat is older than `LEASE_SECONDS` (300 s, or
+$TUPE_JAX_LEASE_SECONDS) belongs to a dead run (a preempted VM) and is taken over. Two commands started within the same second on an unlocked bucket folder
 can both see it free (GCS preconditions would close that window; not done here).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tupe_jax import files
 from tupe_jax.errors import UserError
 
 LOCK_NAME = ".lock"
-LEASE_SECONDS = 300.0
+LEASE_SECONDS = float(os.environ.get("TUPE_JAX_LEASE_SECONDS", "300"))   # a bucket lease's lifetime without heartbeat
 _HELD: dict[str, list] = {}     # absolute workdir -> [file object, depth]
 
 
