@@ -186,3 +186,31 @@ def test_two_processes_write_one_run_to_the_bucket(gcs, tmp_path):  # noqa: F811
     assert workdir_lib.checkpoint_steps(remote) == [2, 4, 5]
     assert sorted(files.listdir(remote + "/checkpoints")) == ["2", "4", "5"]
     assert [n for n in files.listdir(remote) if n.startswith("config")] == ["config.json"]
+
+
+def test_text_files_and_glue_tsvs_can_live_in_a_bucket(gcs, tmp_path):  # noqa: F811
+    """data.path and data.glue_dir accept gs://: the same documents and examples as from the local copy."""
+    from tests.glue_fixtures import write_glue_dir  # pylint: disable=import-outside-toplevel
+    from tupe_jax import data as data_lib  # pylint: disable=import-outside-toplevel
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_text("the cat sat on the mat\nit was warm\n\nthe dog ran away\n")
+    (corpus / "valid.txt").write_text("a bird sang\n\nthe end\n")
+    write_glue_dir(str(tmp_path / "glue"))
+    for local in [*corpus.iterdir(), *(tmp_path / "glue").rglob("*.tsv")]:
+        files.upload(str(local), f"gs://{BUCKET}/inputs/{local.relative_to(tmp_path)}")
+
+    def documents(path, cache):
+        config = tiny(cache, **{"data.name": "text_files", "data.path": path})
+        return [data_lib.load_documents(config, split) for split in ("train", "validation")]
+
+    def examples(glue_dir, cache):
+        config = config_lib.load_config(os.path.join(ROOT, "configs", "glue.py") + ":task=rte")
+        with config.unlocked():
+            config.data.glue_dir, config.data.cache_dir = glue_dir, str(cache)
+        return [data_lib.glue_examples(config, "rte", split) for split in ("train", "validation", "test")]
+
+    assert documents(f"gs://{BUCKET}/inputs/corpus", tmp_path / "c1") == documents(str(corpus), tmp_path / "c2")
+    assert examples(f"gs://{BUCKET}/inputs/glue", tmp_path / "c1") == examples(str(tmp_path / "glue"), tmp_path / "c2")
+    with pytest.raises(UserError, match=r"nothing at gs://tupe-test/nope, --config.data.path"):
+        documents(f"gs://{BUCKET}/nope", tmp_path / "c1")

@@ -128,6 +128,27 @@ def upload(local: Any, path: Any) -> None:
         shutil.copyfile(local, path)
 
 
+def mirror(url: str, local_root: str) -> str:
+    """A local copy of the bucket file or folder `url` under `local_root` (objects already there with the same size
+    are kept, so a second call costs one listing); returns the local path standing for `url`."""
+    import fsspec  # pylint: disable=import-outside-toplevel
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    found = fs.find(root, detail=True)
+    if not found:
+        raise FileNotFoundError(url)
+    single = list(found) == [root]
+    target = os.path.join(local_root, os.path.basename(root)) if single else local_root
+    for remote, info in found.items():
+        local = target if single else os.path.join(local_root, remote[len(root):].lstrip("/"))
+        if os.path.isfile(local) and os.path.getsize(local) == int(info.get("size", -1)):
+            continue
+        os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+        fs.get_file(remote, local + ".part")
+        os.replace(local + ".part", local)
+    return target
+
+
 def append_text(path: Any, text: str) -> None:
     """Append `text` (locally an append; in a bucket a rewrite of the whole object)."""
     if is_remote(path):

@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from tupe_jax.data import glue_tsv, sources
-from tupe_jax.data.cache import _tfds, cache_dir, digest, file_lock, local_builder  # noqa: F401  (re-exported)
+from tupe_jax.data.cache import _tfds, cache_dir, digest, file_lock, local_builder, local_input  # noqa: F401
 from tupe_jax.errors import UserError
 
 CORPORA = ("embedded", "text_files", "wikitext")
@@ -53,7 +53,8 @@ def corpus_builder(config):
     if name not in ("text_files", "wikitext"):
         raise UserError(f"unknown data.name {name!r}", "config.data.name",
                         "use embedded, text_files, wikitext or tfds:<name>")
-    files = sources.find_files(d.get("path", ""), d.get("file_pattern", ""))
+    path = local_input(config, d.get("path", ""), "--config.data.path")   # a bucket folder: mirrored once
+    files = sources.find_files(path, d.get("file_pattern", ""))
     by_split, named = sources.assign_files(files)
     holdout = int(d.get("holdout", 200))
     split_by = d.get("split_by", "blank_line")
@@ -175,7 +176,7 @@ def glue_builder(config, task: str):
         spec = {"kind": "wordorder", "python": sys.version_info[:2], "format": 3}
         return local_builder(config, "wordorder", spec, list(sources.SPLITS), _glue_features(False),
                              sources.wordorder_examples)
-    glue_dir = config.data.get("glue_dir", "")
+    glue_dir = local_input(config, config.data.get("glue_dir", ""), "--config.data.glue_dir")
     glue_tsv.task_spec(task)
     splits = glue_tsv.available_splits(glue_dir, task)
     if not splits:

@@ -37,6 +37,20 @@ def cache_dir(config) -> Path:
     return path
 
 
+def local_input(config, path: str, where: str) -> str:
+    """`path` itself when local; for a bucket path (gs://...), a copy mirrored once into `<cache>/inputs/` (sources
+    such as text files and GLUE TSVs are read locally; the copy is refreshed when an object's size changes)."""
+    if "://" not in str(path):
+        return path
+    root = cache_dir(config) / "inputs" / hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    from tupe_jax import files  # pylint: disable=import-outside-toplevel
+    try:
+        with file_lock(root.parent / (root.name + ".lock")):
+            return files.mirror(str(path), str(root))
+    except FileNotFoundError:
+        raise UserError(f"nothing at {path}", where, "point it at an existing bucket file or folder") from None
+
+
 @contextlib.contextmanager
 def file_lock(path: Path):
     """Exclusive inter-process lock (several processes of one host may prepare the same dataset)."""
