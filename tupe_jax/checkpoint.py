@@ -5,8 +5,9 @@ Each step holds three items:
   against an abstract tree carrying target shardings, so a checkpoint loads onto a different mesh shape.
 - `data`: the data-iterator state (a JSON-able dict, e.g. grain's `get_state()`), `JsonSave`.
 - `meta`: JSON with the config hash, scheme, objective, param shapes and tokenizer fingerprint, written and
-  checked by `workdir.py` (`make_meta`, `check_compatible`, `check_tokenizer`), so a fine-tune or a resume refuses a
-  checkpoint of another scheme, shape or vocabulary. This module only stores it.
+  checked by `workdir/meta.py` (`make_meta`, `check_compatible`, `check_tokenizer`), so a fine-tune or a resume
+  refuses a checkpoint of another scheme, shape or vocabulary. This module only stores it. Paths may be local or
+  in a bucket (`gs://`: Orbax + tensorstore write there directly).
 
 Orbax writes each step into a temporary directory and renames it when complete, so unfinished saves are never
 listed. If the newest step fails to restore (corrupt files), `restore` warns naming it and falls back to the
