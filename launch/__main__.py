@@ -8,6 +8,10 @@ from launch import main
 
 absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax/tfds chatter; our own progress lines are prints
 logging.getLogger("absl").setLevel(logging.ERROR)
+# Storage clients narrate their credential fallbacks (no metadata server, anonymous access) as warnings; what
+# fails is reported as our own one-line error.
+for _name in ("google.auth", "google.auth._default", "gcsfs"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 if __name__ == "__main__":
     sys.exit(main())

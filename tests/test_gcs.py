@@ -214,3 +214,21 @@ def test_text_files_and_glue_tsvs_can_live_in_a_bucket(gcs, tmp_path):  # noqa: 
     assert examples(f"gs://{BUCKET}/inputs/glue", tmp_path / "c1") == examples(str(tmp_path / "glue"), tmp_path / "c2")
     with pytest.raises(UserError, match=r"nothing at gs://tupe-test/nope, --config.data.path"):
         documents(f"gs://{BUCKET}/nope", tmp_path / "c1")
+
+
+@pytest.mark.parametrize("where,needle", [("gs://no-such-bucket/run", "bucket gs://no-such-bucket does not exist"),
+                                          ("unreachable", "cannot reach the storage of gs://tupe-test")])
+def test_bucket_errors_through_the_launcher_are_one_line(gcs, tmp_path, where, needle):  # noqa: F811
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    env = dict(os.environ)
+    workdir = where
+    if where == "unreachable":
+        env["STORAGE_EMULATOR_HOST"], workdir = "http://127.0.0.1:9", f"gs://{BUCKET}/run"
+    proc = subprocess.run([sys.executable, "-m", "launch", "pretrain", "--config=configs/pretrain.py:pe=tupe_r",
+                           f"--workdir={workdir}", f"--config.data.cache_dir={tmp_path / 'cache'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], \
+        proc.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()            # refused before any data was touched
