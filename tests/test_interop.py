@@ -169,26 +169,28 @@ def test_a_folder_without_safetensors_is_one_line_and_writes_nothing(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
-def test_another_architecture_is_one_line_and_writes_nothing(hf_mlm, tmp_path, capsys):
-    src = tmp_path / "roberta"
+def copy_with_config(hf_mlm, src, edit):
+    """A copy of the saved HF model folder at `src` with `edit(config dict)` applied to its config.json."""
     src.mkdir()
     for name in os.listdir(hf_mlm["root"] / "hf"):
         (src / name).write_bytes((hf_mlm["root"] / "hf" / name).read_bytes())
     cfg = json.loads((src / "config.json").read_text())
-    cfg.update(model_type="roberta", architectures=["RobertaForMaskedLM"])
+    edit(cfg)
     (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+def test_another_architecture_is_one_line_and_writes_nothing(hf_mlm, tmp_path, capsys):
+    src = copy_with_config(hf_mlm, tmp_path / "roberta", lambda cfg: cfg.update(
+        model_type="roberta", architectures=["RobertaForMaskedLM"]))
     err = one_line_error(capsys, ["import-hf", f"--from={src}", f"--workdir={tmp_path / 'run'}"])
     assert "'roberta' model" in err and "RobertaForMaskedLM" in err and "not BERT" in err
     assert not (tmp_path / "run").exists()
 
 
 def test_vocab_size_disagreeing_with_the_embeddings_is_one_line(hf_mlm, tmp_path, capsys):
-    src = tmp_path / "bad_vocab"
-    src.mkdir()
-    for name in os.listdir(hf_mlm["root"] / "hf"):
-        (src / name).write_bytes((hf_mlm["root"] / "hf" / name).read_bytes())
-    cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 7}))
+    cfg = json.loads((hf_mlm["root"] / "hf" / "config.json").read_text())        # the model's own config
+    src = copy_with_config(hf_mlm, tmp_path / "bad_vocab", lambda c: c.update(vocab_size=cfg["vocab_size"] + 7))
     err = one_line_error(capsys, ["import-hf", f"--from={src}", f"--workdir={tmp_path / 'run'}"])
     assert f"vocab_size={cfg['vocab_size'] + 7}" in err and f"has {cfg['vocab_size']} rows" in err
     (src / "config.json").write_text(json.dumps(cfg))

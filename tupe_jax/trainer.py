@@ -160,7 +160,6 @@ class Trainer:
         hooks = hooks or Hooks()
         if self.checkpointer is None:
             raise ValueError("Trainer.fit needs a checkpointer")
-        ckpt_lib.install_sigterm_handler()
         start = step = int(state["step"])
         every = self.checkpointer.every
         meta = self.meta_fn(state)

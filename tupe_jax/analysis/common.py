@@ -40,32 +40,39 @@ load_runs = workdir_lib.load_runs
 _STAGED: dict[str, str] = {}   # local staging folder -> its bucket folder (see `output_dir`, `publish`)
 
 
-def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None, create: bool = True) -> Path:
-    """`out`, or `<first workdir>/analysis/`; created (with `create=False`: only checked, before any compute).
+def _target(workdirs: str | Sequence[str], out: Optional[str]) -> str:
+    if out:
+        return str(out)
+    first = workdirs if isinstance(workdirs, (str, os.PathLike)) else workdirs[0]
+    return files.join(str(first), "analysis")
 
-    A bucket target (`gs://...`) gets a local staging folder: the tool writes there and `publish` uploads it."""
-    if not out:
-        first = workdirs if isinstance(workdirs, (str, os.PathLike)) else workdirs[0]
-        out = files.join(str(first), "analysis")
-    if files.is_remote(out):
-        if files.exists(out) and not files.isdir(out):
-            raise UserError(f"{out} is a file, not a folder", "--out", "give a folder for the analysis outputs")
-        if not create:
-            return Path(out.replace("://", "/"))          # nothing to create yet; never used as a path
-        staging = tempfile.mkdtemp(prefix="tupe-jax-analysis-")
-        _STAGED[staging] = str(out)
-        return Path(staging)
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{path} is a file, not a folder", "--out", "give a folder for the analysis outputs")
-    existing = path
+
+def check_output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> None:
+    """Before any compute: the output folder (`out`, or `<first workdir>/analysis/`) is not a file and, locally,
+    can be written."""
+    target = _target(workdirs, out)
+    if files.exists(target) and not files.isdir(target):
+        raise UserError(f"{target} is a file, not a folder", "--out", "give a folder for the analysis outputs")
+    if files.is_remote(target):
+        return
+    existing = Path(target)
     while not existing.exists():
         existing = existing.parent
     if not os.access(existing, os.W_OK):
         raise UserError(f"{existing} is not writable", "--out", "give an output folder you can write")
-    if create:
-        path.mkdir(parents=True, exist_ok=True)
-    return path
+
+
+def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> Path:
+    """`out`, or `<first workdir>/analysis/`, created. A bucket target (`gs://...`) gets a local staging folder:
+    the tool writes there and `publish` uploads it."""
+    check_output_dir(workdirs, out)
+    target = _target(workdirs, out)
+    if files.is_remote(target):
+        staging = tempfile.mkdtemp(prefix="tupe-jax-analysis-")
+        _STAGED[staging] = target
+        return Path(staging)
+    Path(target).mkdir(parents=True, exist_ok=True)
+    return Path(target)
 
 
 def publish(directory: Path) -> str:

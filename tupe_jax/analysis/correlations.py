@@ -266,7 +266,7 @@ def correlations(runs: Sequence[common.Run], layer: int = 0, batch: int = 8, see
 def run(workdir, *, layer: int = 0, out: Optional[str] = None, step: Optional[int] = None, batch: int = 8,
         seed: int = 0, runs: Optional[Sequence[common.Run]] = None) -> dict:
     """Load the run(s), decompose `layer`, write `correlations.json` + heatmap PNGs to `out`."""
-    common.output_dir(workdir, out, create=False)
+    common.check_output_dir(workdir, out)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step)
     directory = common.output_dir(workdir, out)
     report = correlations(runs, layer, batch, seed, directory)

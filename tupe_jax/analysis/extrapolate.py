@@ -245,7 +245,7 @@ def run(workdir, lengths: Sequence[int], *, mode: str = "nonoverlapping", stride
         token_budget: int = common.DEFAULT_TOKEN_BUDGET, max_tokens: Optional[int] = None,
         runs: Optional[Sequence[common.Run]] = None) -> dict:
     """Load the run(s), evaluate every length, write `extrapolation.json` + `extrapolation.png` to `out`."""
-    common.output_dir(workdir, out, create=False)
+    common.check_output_dir(workdir, out)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step)
     report = extrapolate(runs, lengths, mode=mode, stride=stride, split=split, seed=seed,
                          token_budget=token_budget, max_tokens=max_tokens)

@@ -176,7 +176,7 @@ def run(workdir, *, out: Optional[str] = None, step: Optional[int] = None, steps
         if steps < 1:
             raise UserError(f"--probe_steps={steps} must be at least 1", "--probe_steps", "give a positive number")
         settings = dataclasses.replace(settings, steps=steps)
-    common.output_dir(workdir, out, create=False)
+    common.check_output_dir(workdir, out)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step)
     report = probe(runs, settings)
     directory = common.output_dir(workdir, out)

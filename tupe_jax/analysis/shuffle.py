@@ -112,7 +112,7 @@ def shuffle_attention(runs: Sequence[common.Run], text: str = DEFAULT_TEXT, laye
 def run(workdir, *, text: Optional[str] = None, layer: int = 0, seed: int = 0, out: Optional[str] = None,
         step: Optional[int] = None, runs: Optional[Sequence[common.Run]] = None) -> dict:
     """Load the run(s), write `shuffle_attention.json` + `shuffle_attention.png` to `out`."""
-    common.output_dir(workdir, out, create=False)
+    common.check_output_dir(workdir, out)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step)
     for r in runs:          # a text too short to shuffle is refused before anything is written
         encode(r, text or DEFAULT_TEXT, announce=False)

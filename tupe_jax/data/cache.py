@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from tupe_jax import files
 from tupe_jax.errors import UserError
 
 
@@ -43,7 +44,6 @@ def local_input(config, path: str, where: str) -> str:
     if "://" not in str(path):
         return path
     root = cache_dir(config) / "inputs" / hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    from tupe_jax import files  # pylint: disable=import-outside-toplevel
     try:
         with file_lock(root.parent / (root.name + ".lock")):
             return files.mirror(str(path), str(root))

@@ -19,8 +19,8 @@ import ml_collections
 from tupe_jax import files
 from tupe_jax.errors import UserError
 from tupe_jax.workdir import provenance
-from tupe_jax.workdir.gate import check_config, write_config
-from tupe_jax.workdir.lock import LOCK_NAME, RunLock
+from tupe_jax.workdir.gate import check_config, store_config
+from tupe_jax.workdir.lock import LOCK_NAME, RunLock, held
 
 
 def check_bucket(path: str) -> None:
@@ -103,14 +103,17 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
     """Check, lock and write `workdir` for a command that runs `config` there (see the module doc). `overwrite`:
     the launcher's --overwrite_config (None from library callers, which have no such option)."""
     lead = jax.process_index() == 0
+    if lead and held(workdir):   # nested (the launcher's claim, then the loop's): the outer claim gated the folder
+        yield
+        return
     check_folder(workdir, writable=lead)
-    check_config(workdir, config, overwrite=overwrite)    # refuse before anything (even the lock) is written
+    changes = check_config(workdir, config, overwrite=overwrite)   # refuse before anything (even the lock) is written
     before = set(files.listdir(workdir)) if files.isdir(workdir) else None
     lock = RunLock(workdir) if lead else contextlib.nullcontext()
     try:
         with lock:
-            write_config(workdir, config, overwrite=overwrite, write=lead)
             if lead:
+                store_config(workdir, config, changes)
                 provenance.record(workdir)
             yield
     except Exception:   # an interrupt (Ctrl-C) keeps everything: the same command continues where it stopped

@@ -107,8 +107,12 @@ def write_config(workdir: str, config: ml_collections.ConfigDict, overwrite: Opt
     """Pass the gate (`check_config`), then (process 0, `write`) store config.json, appending the allowed changes
     to config_history.jsonl. An unchanged config is not rewritten."""
     changes = check_config(workdir, config, overwrite=overwrite)
-    if not write:
-        return
+    if write:
+        store_config(workdir, config, changes)
+
+
+def store_config(workdir: str, config: ml_collections.ConfigDict, changes: list[tuple[str, Any, Any]]) -> None:
+    """Store config.json (unless unchanged) and record `changes` (from `check_config`) in config_history.jsonl."""
     text = config_lib.to_json(config) + "\n"
     path = config_path(workdir)
     if files.isfile(path) and files.read_text(path) == text:

@@ -8,8 +8,9 @@ Process 0 of a multi-process run holds the lock for all of them.
 
 In a bucket (`gs://...`) there is no flock: the lock is a lease object that its holder rewrites every
 `LEASE_SECONDS / 4` (a heartbeat thread). A lease whose heartbeat is older than `LEASE_SECONDS` (300 s, or
-$TUPE_JAX_LEASE_SECONDS) belongs to a dead run (a preempted VM) and is taken over. Two commands started within the same second on an unlocked bucket folder
-can both see it free (GCS preconditions would close that window; not done here).
+$TUPE_JAX_LEASE_SECONDS) belongs to a dead run (a preempted VM) and is taken over. Two commands started within the
+same second on an unlocked bucket folder can both see it free (GCS preconditions would close that window; not
+done here).
 """
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def _holder(text: str) -> str:
         return f"process {info['pid']} on {info['host']} (started {info['started']}: {info['command']})"
     except (ValueError, KeyError, TypeError):
         return "another process"
+
+
+def held(workdir: str) -> bool:
+    """Whether this process holds `workdir`'s lock already."""
+    return files.absolute(workdir) in _HELD
 
 
 class RunLock:

@@ -78,8 +78,8 @@ def checkpoint_steps(workdir: str) -> list[int]:
 
 def latest_meta(workdir: str) -> tuple[int | None, dict[str, Any]]:
     """(latest committed step, its meta) — (None, {}) without checkpoints."""
-    steps = checkpoint_steps(workdir)
-    if not steps:
+    if not files.isdir(files.join(workdir, "checkpoints")):
         return None, {}
     with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
-        return steps[-1], checkpointer.restore_meta(steps[-1])
+        steps = checkpointer.all_steps()
+        return (steps[-1], checkpointer.restore_meta(steps[-1])) if steps else (None, {})

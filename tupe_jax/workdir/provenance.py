@@ -19,7 +19,6 @@ from tupe_jax import files
 NAME = "provenance.jsonl"
 PACKAGES = ("tupe-jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "grain", "tensorflow-datasets",
             "tokenizers", "etils", "gcsfs", "libtpu", "jax-cuda12-plugin")
-_RECORDED: set[str] = set()    # folders this process has recorded (a launcher claim and the loop's claim nest)
 
 
 def git_commit() -> str:
@@ -57,9 +56,5 @@ def describe() -> dict:
 
 
 def record(workdir: str) -> None:
-    """Append this command's row to `workdir/provenance.jsonl` (once per process and folder)."""
-    key = files.absolute(workdir)
-    if key in _RECORDED:
-        return
-    _RECORDED.add(key)
+    """Append this command's row to `workdir/provenance.jsonl` (`workdir.claim` calls it once per command)."""
     files.append_text(files.join(workdir, NAME), files.to_json(describe(), indent=None, sort_keys=False) + "\n")
