@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import signal
+import os
 import time
 from typing import Any, Mapping
 
@@ -80,6 +81,28 @@ def is_disk_full(err: BaseException) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def _snapshot(path: str) -> list:
+    """What is under `path` now (names and sizes; [] for a bucket path or nothing)."""
+    if files.is_remote(path) or not os.path.isdir(path):
+        return []
+    return sorted((os.path.join(root, n), os.path.getsize(os.path.join(root, n)))
+                  for root, _, names in os.walk(path) for n in names if os.path.exists(os.path.join(root, n)))
+
+
+def remove_when_quiet(path: str, settle: float = 0.5, limit: float = 30.0) -> None:
+    """Remove the unfinished step folder `path` once nothing has written to it for `settle` seconds: after a
+    failed save, tensorstore's array writers may still be landing (and would recreate a folder removed earlier)."""
+    deadline, last = time.time() + limit, None
+    while time.time() < deadline:
+        now = _snapshot(path)
+        if now == last:
+            break
+        last = now
+        time.sleep(settle)
+    if files.isdir(path):
+        files.rmtree(path)
 
 
 class Checkpointer:
@@ -149,8 +172,8 @@ class Checkpointer:
                     pass
                 tmp = files.join(checkpointer.directory, f"{step}.orbax-checkpoint-tmp")
                 checkpointer._failed_tmp = tmp if step is not None else None
-                if step is not None and files.isdir(tmp):   # the unfinished write, never a committed step
-                    files.rmtree(tmp)
+                if step is not None:   # the unfinished write, never a committed step
+                    remove_when_quiet(tmp)
                 try:
                     checkpointer._manager.reload()
                     kept = checkpointer.all_steps()
@@ -228,8 +251,8 @@ class Checkpointer:
         finally:
             with self._write_errors():
                 self._manager.close()
-            if self._failed_tmp and files.isdir(self._failed_tmp):   # written to after the failure was seen
-                files.rmtree(self._failed_tmp)
+            if self._failed_tmp:   # written to after the failure was seen
+                remove_when_quiet(self._failed_tmp)
 
     def __enter__(self) -> "Checkpointer":
         return self
