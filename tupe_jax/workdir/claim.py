@@ -20,7 +20,7 @@ from tupe_jax import files
 from tupe_jax.errors import UserError
 from tupe_jax.workdir import provenance
 from tupe_jax.workdir.gate import check_config, store_config
-from tupe_jax.workdir.lock import LOCK_NAME, RunLock, held
+from tupe_jax.workdir.lock import LOCK_NAME, RunLock
 
 
 def check_bucket(path: str) -> None:
@@ -98,13 +98,17 @@ def remove_partial_outputs(workdir: str, before: Optional[set[str]]) -> None:
         os.rmdir(workdir)
 
 
+_CLAIMED: set[str] = set()   # folders this process is inside a claim of
+
+
 @contextlib.contextmanager
 def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[bool] = None) -> Iterator[None]:
     """Check, lock and write `workdir` for a command that runs `config` there (see the module doc). `overwrite`:
     the launcher's --overwrite_config (None from library callers, which have no such option)."""
     lead = jax.process_index() == 0
-    if lead and held(workdir):   # nested (the launcher's claim, then the loop's): the outer claim gated the folder
-        yield
+    key = files.absolute(workdir)
+    if key in _CLAIMED:   # nested (the launcher's claim, then the loop's), on every process alike: Orbax's reads
+        yield             # in the gate are collective in a multi-process run, so all processes must skip it
         return
     check_folder(workdir, writable=lead)
     changes = check_config(workdir, config, overwrite=overwrite)   # refuse before anything (even the lock) is written
@@ -115,7 +119,11 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
             if lead:
                 store_config(workdir, config, changes)
                 provenance.record(workdir)
-            yield
+            _CLAIMED.add(key)
+            try:
+                yield
+            finally:
+                _CLAIMED.discard(key)
     except Exception:   # an interrupt (Ctrl-C) keeps everything: the same command continues where it stopped
         if lead:
             remove_partial_outputs(workdir, before)

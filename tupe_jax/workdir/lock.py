@@ -42,11 +42,6 @@ def _holder(text: str) -> str:
         return "another process"
 
 
-def held(workdir: str) -> bool:
-    """Whether this process holds `workdir`'s lock already."""
-    return files.absolute(workdir) in _HELD
-
-
 class RunLock:
     """`with RunLock(workdir): ...` holds the folder's lock; a second holder gets a one-line UserError."""
 
