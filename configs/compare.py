@@ -1,7 +1,7 @@
 """Comparison suites: several positional schemes trained with identical data, seeds and compute, then analysed.
 
 Arg (comma-separated, all optional): `suite=extrapolation|tupe|probe` (default extrapolation),
-`size=tiny|small|base|large` (default tiny: the model shape of configs/pretrain.py's preset, with short training).
+`size=tiny|small|medium|base|large` (default tiny: the model shape of configs/pretrain.py's preset, with short training).
 
     extrapolation  causal LMs bert_a, sinusoidal, rope, alibi, nopos trained at model.max_len (128), evaluated at
                    eval.lengths (128..1024): perplexity vs length (ALiBi, Press et al. 2022)
@@ -31,13 +31,18 @@ Keys beyond configs/pretrain.py's (model/data/train/mesh/checkpoint are shared b
                  turns TUPE's [CLS] untying off. Each scheme trains in `<runs_dir>/<pe>-<objective>[-tiedcls]/`;
                  model.pe / model.objective / model.untie_cls are set per scheme (untie_cls on for MLM).
   objective      default objective of the schemes (mlm | clm);
+  seeds          comma-separated seeds (default "0"): every scheme trains once per seed; a seed sets init, dropout,
+                 data order and masking (all schemes of a seed see the same data: paired comparisons) and the
+                 fine-tuning seed. Runs live in `<runs_dir>/<scheme>-s<seed>/`. train.seed must stay 0.
+                 With >= 3 seeds each finding gets a verdict (analysis/findings.py: mean ± std over seeds, paired
+                 differences, "reproduced" only when they exceed the seed spread).
   runs_dir       '' = the compare workdir; else where the pretraining runs live, so suites can share them (a
                  finished run is reused, never retrained; a run with other model/data/train keys is refused);
   eval.lengths / eval.mode / eval.max_tokens   extrapolation (max_tokens 0 = whole validation split);
   probe.steps / probe.train_tokens / probe.eval_tokens / probe.learning_rate   the position probes;
   glue.tasks     comma-separated tasks; 'auto' = wordorder + every GLUE task with train and dev TSVs under
                  data.glue_dir (WNLI excluded, as in the TUPE paper); '' = no fine-tuning;
-  glue.epochs / glue.learning_rate / glue.batch_size / glue.seed   one fine-tuning run per (scheme, task);
+  glue.epochs / glue.learning_rate / glue.batch_size   one fine-tuning run per (scheme, seed, task);
   finetune       configs/glue.py's remaining sections (train, sweep, checkpoint, ...) for the fine-tunes;
   glue.max_steps fine-tuning steps per task are min(epochs x examples // batch, max_steps) (0 = no cap): a
                  capped big task (SST-2) sees only max_steps x batch_size training examples (said in the report).
@@ -61,6 +66,7 @@ SUITES = {
 TRAIN = {
     "tiny": (500, 16, 1e-3, 50, 100),
     "small": (3000, 32, 5e-4, 300, 250),
+    "medium": (4000, 128, 5e-4, 400, 500),     # tools/paper_scale_gpu.sh: minutes on one accelerator
     "base": (1_000_000, 256, 1e-4, 10_000, 10_000),
     "large": (1_000_000, 256, 1e-4, 10_000, 10_000),
 }
@@ -91,6 +97,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.schemes = schemes
     config.objective = objective
     config.runs_dir = ""
+    config.seeds = "0"
     config.model = ml_collections.ConfigDict(pre.model.to_dict())
     config.data = ml_collections.ConfigDict(pre.data.to_dict())
     config.train = ml_collections.ConfigDict(pre.train.to_dict())
@@ -105,7 +112,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.probe = ml_collections.ConfigDict(dict(steps=300, train_tokens=16384, eval_tokens=4096,
                                                   learning_rate=2e-3))
     config.glue = ml_collections.ConfigDict(dict(tasks="wordorder", epochs=3, learning_rate=1e-4, batch_size=32,
-                                                 seed=0, max_steps=150))
+                                                 max_steps=150))
     # configs/glue.py's settings for the fine-tunes; task, model, data, mesh, init_from and the glue.* keys above
     # are filled in per (scheme, task) by the suite.
     config.finetune = ml_collections.ConfigDict({k: v for k, v in glue.to_dict().items()

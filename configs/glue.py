@@ -1,7 +1,7 @@
 """GLUE fine-tuning config: one task, one positional scheme, the model shape of a pretraining size preset.
 
 Arg (comma-separated, all optional): `task=<cola|sst2|mrpc|stsb|qqp|mnli|qnli|rte|wnli|wordorder>` (default rte),
-`pe=<scheme>` (default tupe_r), `size=tiny|small|base|large` (default tiny), `objective=mlm|clm` (default mlm).
+`pe=<scheme>` (default tupe_r), `size=tiny|small|medium|base|large` (default tiny), `objective=mlm|clm` (default mlm).
 `model.*` is built exactly as in `configs/pretrain.py`, so a checkpoint of the same `pe`/`size` fits.
 
 Ready-to-paste commands:

@@ -1,6 +1,6 @@
 """Pretraining config: one Transformer LM, any positional scheme, MLM encoder or causal decoder.
 
-Arg (comma-separated, all optional): `pe=<scheme>` (default tupe_r), `size=tiny|small|base|large` (default tiny),
+Arg (comma-separated, all optional): `pe=<scheme>` (default tupe_r), `size=tiny|small|medium|base|large` (default tiny),
 `objective=mlm|clm` (default mlm).
 
 Ready-to-paste commands:
@@ -34,6 +34,7 @@ from tupe_jax.positional import ALIASES, SCHEMES
 SIZES = {
     "tiny": (2, 128, 2, 512, 2048, 128),
     "small": (4, 256, 4, 1024, 8192, 128),
+    "medium": (4, 512, 8, 2048, 16384, 128),      # BERT-small (Turc et al. 2019): the accelerator script's shape
     "base": (12, 768, 12, 3072, 30522, 512),
     "large": (24, 1024, 16, 4096, 30522, 512),
 }
@@ -44,6 +45,7 @@ SIZES = {
 TRAIN = {
     "tiny": (1000, 32, 1e-3, 100, "float32"),
     "small": (10_000, 64, 5e-4, 500, "float32"),
+    "medium": (20_000, 128, 5e-4, 1000, "bfloat16"),
     "base": (1_000_000, 256, 1e-4, 10_000, "bfloat16"),
     "large": (1_000_000, 256, 1e-4, 10_000, "bfloat16"),
 }
@@ -73,6 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         rope_base=10000.0, rope_style="half", rope_fraction=1.0,
         rel_num_buckets=32, rel_max_distance=128,
         layer_norm_eps=1e-5, attention_backend="einsum", tupe_form="bias",
+        sinusoidal_style="scaled",        # scaled | fairseq (the NoPos/ALiBi papers' table; positional/sinusoidal.py)
     ))
     config.data = default_data_config()  # keys documented in tupe_jax/data/__init__.py
     config.train = ml_collections.ConfigDict(dict(

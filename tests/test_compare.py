@@ -1,4 +1,5 @@
-"""Comparison suites (issue #6, item 5): configs, scheme parsing, GLUE task resolution, and a tiny suite end to end."""
+"""Comparison suites: configs, scheme and seed parsing, GLUE task resolution, the seed-statistics verdict rule, and
+tiny suites end to end (two seeds)."""
 import json
 import os
 
@@ -24,14 +25,14 @@ def test_every_suite_config_validates(suite):
     suite_lib.validate(config, 8)           # what the launcher checks: every scheme's own pretraining config too
     schemes = suite_lib.parse_schemes(config)
     assert len(schemes) >= 5
-    assert len({suite_lib.scheme_config(config, s).model.pe for s in schemes}) >= 4
+    assert len({suite_lib.scheme_config(config, s, 0).model.pe for s in schemes}) >= 4
 
 
 def test_scheme_names_objectives_and_tied_cls():
     config = load("suite=tupe", schemes="tupe_a,learned-clm,tupe_a-tiedcls,nopos-mlm")
     schemes = suite_lib.parse_schemes(config)
     assert [s.name for s in schemes] == ["tupe_a-mlm", "bert_a-clm", "tupe_a-mlm-tiedcls", "nopos-mlm"]
-    subs = [suite_lib.scheme_config(config, s).model for s in schemes]
+    subs = [suite_lib.scheme_config(config, s, 0).model for s in schemes]
     assert [m.untie_cls for m in subs] == [True, False, False, True]
     assert [m.objective for m in subs] == ["mlm", "clm", "mlm", "mlm"]
     # everything but the scheme keys is shared
@@ -39,11 +40,30 @@ def test_scheme_names_objectives_and_tied_cls():
     assert all({k: v for k, v in m.items() if k in shared} == shared for m in subs)
 
 
-@pytest.mark.parametrize("schemes,needle", [("bert_a,nonsense", "nonsense"), ("bert_a-xyz", "-xyz"),
+@pytest.mark.parametrize("schemes,needle", [("bert_a,nonsense", "nonsense"), ("bert_a-xyz", "-xyz"), ("rope-fairseq", "sinusoidal"),
                                             ("alibi-clm-tiedcls", "tiedcls"), ("rope,rope", "twice"), ("", "no")])
 def test_bad_schemes_are_one_line_errors(schemes, needle):
     with pytest.raises(UserError, match=needle):
         suite_lib.parse_schemes(load("suite=extrapolation", schemes=schemes))
+
+
+def test_seeds_parse_and_set_the_run_seed():
+    config = load("suite=tupe", seeds="2, 0,5")
+    assert suite_lib.parse_seeds(config) == [2, 0, 5]
+    scheme = suite_lib.parse_schemes(config)[0]
+    assert [suite_lib.scheme_config(config, scheme, k).train.seed for k in (2, 5)] == [2, 5]
+    assert suite_lib.run_name(scheme, 5) == "bert_a-mlm-s5"
+
+
+@pytest.mark.parametrize("seeds,needle", [("0,x", "'x'"), ("1,1", "twice"), ("", "no seeds"), ("-1", "'-1'")])
+def test_bad_seeds_are_one_line_errors(seeds, needle):
+    with pytest.raises(UserError, match=needle):
+        suite_lib.parse_seeds(load("suite=tupe", seeds=seeds))
+
+
+def test_train_seed_is_refused_in_a_suite():
+    with pytest.raises(UserError, match="--config.seeds"):
+        suite_lib.validate(load("suite=extrapolation", **{"train.seed": 3}), 8)
 
 
 def test_bad_suite_is_a_user_error():
@@ -75,25 +95,34 @@ def test_tiny_extrapolation_suite_end_to_end_and_resume(tmp_path, capsys):
     cache = tmp_path / "cache"
     workdir = tmp_path / "cmp"
     argv = ["compare", f"--config={CONFIG}:suite=extrapolation", f"--workdir={workdir}",
-            "--config.schemes=alibi,bert_a", f"--config.data.cache_dir={cache}"]
+            "--config.schemes=alibi,bert_a", "--config.seeds=0,1", f"--config.data.cache_dir={cache}"]
     argv += [f"--config.{k}={v}" for k, v in TINY.items()]
     assert launch.main(argv) == 0
-    for name in ("REPORT.md", "report.json", "loss_curves.png", "extrapolation.png", "extrapolation.json",
-                 "config.json"):
+    for name in ("REPORT.md", "report.json", "loss_curves.png", "extrapolation.png", "config.json"):
         assert (workdir / name).is_file(), name
     report = json.loads((workdir / "report.json").read_text())
     assert [s["name"] for s in report["schemes"]] == ["alibi-clm", "bert_a-clm"]
-    assert all(len(s["eval"]) == 2 and s["train"] for s in report["schemes"])
-    runs = {r["name"]: r for r in report["extrapolation"]["runs"]}
-    assert [x["defined"] for x in runs["alibi-clm"]["results"]] == [True, True, True]
-    assert [x["defined"] for x in runs["bert_a-clm"]["results"]] == [True, True, False]  # learned table: ≤ max_len
+    assert report["seeds"] == [0, 1]
+    assert all(len(r["eval"]) == 2 and r["train"] for s in report["schemes"] for r in s["seeds"].values())
+    for seed in ("0", "1"):
+        assert (workdir / f"alibi-clm-s{seed}" / "checkpoints").is_dir()
+        assert (workdir / f"seed{seed}" / "extrapolation.json").is_file()
+        runs = {os.path.basename(r["workdir"]): r for r in report["extrapolation"][seed]["runs"]}
+        assert [x["defined"] for x in runs[f"alibi-clm-s{seed}"]["results"]] == [True, True, True]
+        # learned table: defined only up to max_len
+        assert [x["defined"] for x in runs[f"bert_a-clm-s{seed}"]["results"]] == [True, True, False]
+    # the two seeds are different runs: different initialisation and data order give different losses
+    alibi = report["schemes"][0]["seeds"]
+    assert alibi["0"]["final_eval"]["eval_loss"] != alibi["1"]["final_eval"]["eval_loss"]
+    finding = {f["claim"]: f for f in report["findings"]}["ALiBi degrades least past the training length"]
+    assert finding["verdict"] == "no verdict (fewer than 3 seeds)"     # bert_a is undefined past max_len; 2 seeds
     text = (workdir / "REPORT.md").read_text()
-    assert "## Extrapolation" in text and "## Checks" in text and "`alibi-clm`" in text
+    assert "## Extrapolation" in text and "## Findings" in text and "`alibi-clm`" in text and " ± " in text
 
     # a second run reuses the finished pretraining runs; a different train config is refused
     capsys.readouterr()
     assert launch.main(argv) == 0
-    assert capsys.readouterr().out.count("reusing it") == 2
+    assert capsys.readouterr().out.count("reusing it") == 4
     assert launch.main(argv + ["--config.train.learning_rate=0.5"]) == 2   # the suite folder's gate refuses it
     err = capsys.readouterr().err
     assert "train.learning_rate=" in err and "(this command: 0.5)" in err and "--overwrite_config" not in err
@@ -106,5 +135,6 @@ def test_tiny_tupe_suite_fine_tunes_and_tabulates(tmp_path):
                                                               "glue.max_steps": 3, "glue.epochs": 1})
     report = suite_lib.run(config, str(workdir))
     assert set(report["glue"]) == {"tupe_a-mlm"}
-    assert report["glue"]["tupe_a-mlm"]["wordorder"]["steps"] == 3
+    assert report["glue"]["tupe_a-mlm"]["0"]["wordorder"]["steps"] == 3
+    assert (workdir / "glue" / "tupe_a-mlm-s0" / "wordorder" / "results.json").is_file()
     assert (workdir / "glue.png").is_file() and "## Fine-tuning" in (workdir / "REPORT.md").read_text()

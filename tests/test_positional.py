@@ -103,6 +103,34 @@ def test_sinusoidal_input_matches_token_embedding_scale():
     assert np.sqrt(np.mean(vec ** 2)) == pytest.approx(0.02, rel=0.02)
 
 
+def test_fairseq_sinusoidal_matches_fairseq_definition():
+    """fairseq's table, written out per element: position t = index + padding_idx + 1 (= index + 2), half h = d/2,
+    feature i < h is sin(t · 10000^(−i/(h−1))), feature h + i is the cos of the same angle; amplitude 1."""
+    from tupe_jax.positional import Sinusoidal
+    d, length, offset = 12, 40, 3
+    vec = np.asarray(Sinusoidal(PositionalSettings(hidden_size=d, num_heads=2, max_len=8,
+                                                   sinusoidal_style="fairseq")).apply({}, length, offset).input_vector)
+    h = d // 2
+    for index in (0, 1, 17, length - 1):
+        t = index + offset + 2
+        for i in range(h):
+            angle = t * 10000.0 ** (-i / (h - 1))
+            assert vec[index, i] == pytest.approx(math.sin(angle), abs=1e-5)
+            assert vec[index, h + i] == pytest.approx(math.cos(angle), abs=1e-5)
+    assert np.abs(vec).max() == pytest.approx(1.0, abs=1e-3)           # amplitude 1, not scaled
+
+
+def test_unknown_sinusoidal_style_is_refused():
+    from tupe_jax.errors import UserError
+    from tupe_jax.positional import validate_config
+    import ml_collections
+    model = ml_collections.ConfigDict(dict(pe="sinusoidal", rope_style="half", tupe_form="bias", rope_fraction=1.0,
+                                           hidden_size=64, num_heads=4, rel_num_buckets=32, rel_max_distance=128,
+                                           sinusoidal_style="tensor2tensor"))
+    with pytest.raises(UserError, match="sinusoidal_style"):
+        validate_config(model)
+
+
 # ----------------------------------------------------------------------------------------------- RoPE
 def reference_rope(x, positions, base, style, rot):
     """Block-diagonal 2x2 rotations of RoFormer eq. (13), plane i at angle m * base^(-2i/rot)."""

@@ -266,3 +266,27 @@ def test_profile_steps_write_a_trace_tensorboard_lists(tmp_path):
     with pytest.raises(UserError, match=r"train.profile_steps = '3,2' is not START,END"):
         from tupe_jax.pretrain.validate import validate  # pylint: disable=import-outside-toplevel
         validate(_load(**{"train.profile_steps": "3,2"}), 8)
+
+
+def test_a_run_made_before_an_added_key_resumes_and_keeps_its_identity(tmp_path):
+    """model.sinusoidal_style was added after runs existed: a stored config.json without it reads as 'scaled'
+    (the behaviour those runs had), so the gate accepts the run and its identity hash is unchanged; another
+    value is still refused."""
+    import json as json_lib
+    from tupe_jax import config as config_lib
+    from tupe_jax.errors import UserError
+    from tupe_jax.workdir import check_config, differing_keys
+    from tupe_jax.workdir.meta import identity_hash
+    config = config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":pe=sinusoidal,objective=clm")
+    stored = json_lib.loads(config_lib.to_json(config))
+    del stored["model"]["sinusoidal_style"]
+    (tmp_path / "config.json").write_text(json_lib.dumps(stored))
+    assert check_config(str(tmp_path), config) == []
+    assert differing_keys(str(tmp_path), config, ("model", "data", "train")) == []
+    assert identity_hash(stored) == identity_hash(config)
+    other = config_lib.apply_overrides(
+        config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":pe=sinusoidal,objective=clm"),
+        {"model.sinusoidal_style": "fairseq"})
+    assert identity_hash(other) != identity_hash(config)
+    with pytest.raises(UserError, match="sinusoidal_style"):
+        check_config(str(tmp_path), other)

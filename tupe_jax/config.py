@@ -210,6 +210,18 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `flatten`."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
 def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], sections: tuple[str, ...]) -> list[str]:
     """Keys under `sections` whose values differ, as "key: old -> new" strings."""
     def normal(tree: Mapping[str, Any]) -> dict[str, Any]:  # JSON round trip: tuples → lists, as on disk

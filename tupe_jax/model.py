@@ -51,6 +51,7 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5
     attention_backend: str = "einsum"   # einsum | xla | cudnn (see attention.py)
     tupe_form: str = "bias"             # TUPE position term as a logit bias or as concatenated heads (tupe.py)
+    sinusoidal_style: str = "scaled"    # scaled | fairseq (positional/sinusoidal.py)
 
     @classmethod
     def from_config(cls, model_config: Any) -> "ModelConfig":
@@ -77,7 +78,7 @@ class ModelConfig:
             untie_cls=self.untie_cls and not self.causal, rope_base=self.rope_base, rope_style=self.rope_style,
             rope_fraction=self.rope_fraction, rel_num_buckets=self.rel_num_buckets,
             rel_max_distance=self.rel_max_distance, layer_norm_eps=self.layer_norm_eps, tupe_form=self.tupe_form,
-            dtype=self.compute_dtype)
+            sinusoidal_style=self.sinusoidal_style, dtype=self.compute_dtype)
 
 
 def validate_config(model: Any) -> None:

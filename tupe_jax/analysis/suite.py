@@ -1,17 +1,19 @@
 """Comparison suites (`python -m launch compare --config=configs/compare.py:suite=...`): several positional schemes
-trained with identical data, seed and compute, then the suite's analyses, then `REPORT.md` + PNGs + `report.json`
-(written by `analysis.report`).
+trained with identical data, seeds and compute, once per seed of `config.seeds`, then the suite's analyses per seed,
+the seed statistics and verdicts (`analysis.findings`), then `REPORT.md` + PNGs + `report.json` (`analysis.report`).
 
     run(config, workdir) -> dict          the whole suite (resumable: finished pretraining / fine-tuning runs are
                                           reused, so rerunning the command only does what is missing)
-    parse_schemes(config) -> [Scheme]     `config.schemes` ("tupe_a-tiedcls,nopos-mlm,...") as Schemes
-    scheme_config(config, scheme)         the pretraining config of one scheme (configs/pretrain.py's layout)
+    parse_schemes / parse_seeds / scheme_config   the (scheme, seed) grid (analysis/schemes.py)
     glue_tasks(config) -> [str]           `config.glue.tasks` resolved ('auto': what data.glue_dir holds)
 
 Layout of a compare workdir:
-    DIR/config.json, DIR/REPORT.md, DIR/report.json, DIR/*.png, DIR/*.json (the analyses' own outputs)
-    <runs_dir or DIR>/<pe>-<objective>[-tiedcls]/    one `launch pretrain` workdir per scheme
-    DIR/glue/<scheme>/<task>/                         one `launch finetune` workdir per (scheme, task)
+    DIR/config.json, DIR/REPORT.md, DIR/report.json, DIR/*.png
+    DIR/seed<k>/*.json, *.png                                  the analyses' own outputs for seed k
+    <runs_dir or DIR>/<pe>-<objective>[-tiedcls]-s<k>/         one `launch pretrain` workdir per (scheme, seed)
+    DIR/glue/<pe>-<objective>[-tiedcls]-s<k>/<task>/           one `launch finetune` workdir per (scheme, seed, task)
+A seed sets the initialisation, dropout, data order and masking of a pretraining run and the fine-tuning seed; all
+schemes of one seed see the same data in the same order (paired comparisons).
 Suites: see configs/compare.py.
 """
 from __future__ import annotations
@@ -31,76 +33,18 @@ from tupe_jax import config as config_lib
 from tupe_jax import data as data_lib
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
-from tupe_jax.analysis import extrapolate, probe, report
+from tupe_jax.analysis import extrapolate, findings, probe, report
+from tupe_jax.analysis.schemes import Scheme, parse_schemes, parse_seeds, run_name, scheme_config
 from tupe_jax.data.glue_tsv import available_splits
 from tupe_jax.errors import UserError, require
 from tupe_jax.finetune.loop import finetune
 from tupe_jax.metrics import read_metrics
-from tupe_jax.model import OBJECTIVES
-from tupe_jax.positional import ALIASES, SCHEMES
 from tupe_jax.pretrain.loop import pretrain
 from tupe_jax.pretrain.validate import validate as validate_pretrain
 
 # 'auto' fine-tunes on every GLUE task with data, bar WNLI (as the TUPE paper) and the built-in word order.
 GLUE_CANDIDATES = tuple(t for t in data_lib.GLUE_TASKS if t not in ("wnli", "wordorder"))
 SUITES = ("extrapolation", "tupe", "probe")
-_SECTIONS = ("model", "data", "train", "mesh", "checkpoint", "metrics")
-
-
-@dataclasses.dataclass(frozen=True)
-class Scheme:
-    """One positional scheme of a suite: the `pe`, the objective and (TUPE) whether [CLS] is untied."""
-    pe: str
-    objective: str
-    tied_cls: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.pe}-{self.objective}" + ("-tiedcls" if self.tied_cls else "")
-
-    @property
-    def label(self) -> str:
-        """Short name for tables: 'tupe_a (tied [CLS])', 'nopos (MLM)'."""
-        extra = [e for e, on in (("tied [CLS]", self.tied_cls),) if on]
-        return self.pe + (f" ({', '.join(extra)})" if extra else "")
-
-
-def parse_schemes(config: ml_collections.ConfigDict) -> list[Scheme]:
-    """`config.schemes` → Schemes; raises UserError naming a bad entry."""
-    where = "--config.schemes"
-    default = str(config.objective)
-    config_lib.require_one_of(default, OBJECTIVES, "objective")
-    schemes: list[Scheme] = []
-    for item in (s.strip() for s in str(config.schemes).split(",")):
-        if not item:
-            continue
-        pe, *suffixes = item.split("-")
-        pe = ALIASES.get(pe, pe)
-        require(pe in SCHEMES, f"unknown positional scheme {pe!r} in schemes", where,
-                "use <pe>[-mlm|-clm][-tiedcls] with pe one of " + "|".join(SCHEMES))
-        objective, tied = default, False
-        for suffix in suffixes:
-            require(suffix in ("mlm", "clm", "tiedcls"), f"unknown scheme suffix -{suffix} in {item!r}", where,
-                    "use -mlm, -clm or -tiedcls")
-            if suffix == "tiedcls":
-                tied = True
-            else:
-                objective = suffix
-        require(not (tied and objective == "clm"), f"{item!r}: -tiedcls needs an MLM ([CLS]) model", where,
-                "drop -tiedcls or add -mlm")
-        scheme = Scheme(pe, objective, tied)
-        require(scheme not in schemes, f"scheme {item!r} is listed twice", where, "list each scheme once")
-        schemes.append(scheme)
-    require(bool(schemes), "no schemes given", where, "write e.g. --config.schemes=bert_a,alibi")
-    return schemes
-
-
-def scheme_config(config: ml_collections.ConfigDict, scheme: Scheme) -> ml_collections.ConfigDict:
-    """The pretraining config of `scheme`: the suite's shared sections, with pe / objective / untie_cls set."""
-    sub = ml_collections.ConfigDict({s: config[s].to_dict() for s in _SECTIONS if s in config})
-    sub.model.pe, sub.model.objective = scheme.pe, scheme.objective
-    sub.model.untie_cls = scheme.objective == "mlm" and not scheme.tied_cls
-    return config_lib.lock(sub)
 
 
 def runs_root(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -111,8 +55,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Everything checkable before compute: the shared sections, each scheme's config, the suite's keys."""
     config_lib.require_finite(config)
     require(config.suite in SUITES, f"unknown suite {config.suite!r}", "--config.suite", "use one of " + "|".join(SUITES))
+    seeds = parse_seeds(config)
+    require(int(config.train.seed) == 0, "train.seed is set per run from seeds in a comparison suite",
+            "--config.train.seed", "use --config.seeds=<k>[,<k>...] instead")
     for scheme in parse_schemes(config):
-        validate_pretrain(scheme_config(config, scheme), num_devices)
+        validate_pretrain(scheme_config(config, scheme, seeds[0]), num_devices)
     require(len(config.eval.lengths) > 0 and min(config.eval.lengths) >= 2, f"eval.lengths = {config.eval.lengths} "
             "needs lengths of at least 2", "--config.eval.lengths", "write e.g. '(128,256,512,1024)'")
     for key in ("steps", "train_tokens", "eval_tokens"):
@@ -139,28 +86,32 @@ def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
                          "use a fresh workdir/runs_dir, or the same config as that run")
 
 
-def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme]) -> list[dict]:
-    """Train every scheme (skipping finished runs); [{'scheme', 'path', 'seconds', 'reused'}]."""
-    root, total, out = runs_root(config, workdir), int(config.train.steps), []
-    for i, scheme in enumerate(schemes, 1):
-        path = os.path.abspath(os.path.join(root, scheme.name))   # Orbax wants absolute paths
-        sub = scheme_config(config, scheme)
+def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
+                 seeds: list[int]) -> dict[int, list[dict]]:
+    """Train every (scheme, seed), seed by seed, skipping finished runs; {seed: [{'scheme', 'seed', 'path',
+    'seconds', 'reused'}] in scheme order}."""
+    root, total, out = runs_root(config, workdir), int(config.train.steps), {}
+    jobs = [(seed, scheme) for seed in seeds for scheme in schemes]
+    for i, (seed, scheme) in enumerate(jobs, 1):
+        path = os.path.abspath(os.path.join(root, run_name(scheme, seed)))   # Orbax wants absolute paths
+        sub = scheme_config(config, scheme, seed)
         _check_same_run(path, sub)
         done = (workdir_lib.checkpoint_steps(path) or [None])[-1]
-        head = f"[compare {config.suite}] [{i}/{len(schemes)}] {scheme.name}"
+        head = f"[compare {config.suite}] [{i}/{len(jobs)}] {run_name(scheme, seed)}"
+        info = {"scheme": scheme.name, "seed": seed, "path": path, "seconds": None, "reused": True}
         if done is not None and done >= total:
             print(f"{head}: finished run at step {done} in {path}, reusing it", flush=True)
-            out.append({"scheme": scheme.name, "path": path, "seconds": None, "reused": True})
-            continue
-        print(f"{head}: pretraining {total} steps -> {path}", flush=True)
-        start = time.time()
-        final = pretrain(sub, path)
-        seconds = time.time() - start
-        if int(final.get("step", total)) < total:     # preempted (SIGTERM): stop here, the run resumes next time
-            raise UserError(f"pretraining {scheme.name} stopped at step {final.get('step')} of {total} (preempted)",
-                            path, "rerun the same command to continue; finished runs are reused")
-        print(f"{head}: done in {seconds / 60:.1f} min", flush=True)
-        out.append({"scheme": scheme.name, "path": path, "seconds": seconds, "reused": False})
+        else:
+            print(f"{head}: pretraining {total} steps -> {path}", flush=True)
+            start = time.time()
+            final = pretrain(sub, path)
+            info.update(seconds=time.time() - start, reused=False)
+            if int(final.get("step", total)) < total:   # preempted (SIGTERM): stop here, the run resumes next time
+                raise UserError(f"pretraining {run_name(scheme, seed)} stopped at step {final.get('step')} of "
+                                f"{total} (preempted)", path, "rerun the same command to continue; finished runs "
+                                "are reused")
+            print(f"{head}: done in {info['seconds'] / 60:.1f} min", flush=True)
+        out.setdefault(seed, []).append(info)
     return out
 
 
@@ -206,16 +157,16 @@ def glue_tasks(config: ml_collections.ConfigDict) -> list[str]:
     return tasks
 
 
-def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, pretrain_path: str, task: str
+def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, seed: int, pretrain_path: str, task: str
                 ) -> ml_collections.ConfigDict:
-    """The fine-tuning config of (scheme, task): `config.finetune` (configs/glue.py's sections) with the scheme's
-    model/data/mesh and the suite's glue.* settings."""
-    sub = scheme_config(config, scheme)
+    """The fine-tuning config of (scheme, seed, task): `config.finetune` (configs/glue.py's sections) with the
+    scheme's model/data/mesh, the suite's glue.* settings and the seed."""
+    sub = scheme_config(config, scheme, seed)
     g = ml_collections.ConfigDict({**config.finetune.to_dict(), "model": sub.model.to_dict(),
                                    "data": sub.data.to_dict(), "mesh": sub.mesh.to_dict()})
     g.task, g.init_from = task, pretrain_path
     gl = config.glue
-    g.train.batch_size, g.train.learning_rate, g.train.seed = int(gl.batch_size), float(gl.learning_rate), int(gl.seed)
+    g.train.batch_size, g.train.learning_rate, g.train.seed = int(gl.batch_size), float(gl.learning_rate), int(seed)
     g.train.epochs, g.train.predict_test, g.train.log_every = int(gl.epochs), False, 50
     g.checkpoint.every = 100_000
     n_train = len(data_lib.glue_examples(g, task, "train"))
@@ -231,30 +182,37 @@ def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:
 
 
 def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
-                 runs: list[dict]) -> dict:
-    """Fine-tune every (scheme, task) not done yet; {scheme: {task: results.json dict}}."""
+                 runs: dict[int, list[dict]]) -> dict:
+    """Fine-tune every (scheme, seed, task) not done yet; {scheme: {str(seed): {task: results.json dict}}}."""
     tasks = glue_tasks(config)
     results: dict[str, dict] = {}
-    for scheme, info in zip(schemes, runs):
-        if scheme.objective != "mlm":
-            continue
-        results[scheme.name] = {}
-        for task in tasks:
-            path = os.path.join(workdir, "glue", scheme.name, task)
-            done = os.path.join(path, "results.json")
-            g = glue_config(config, scheme, info["path"], task)
-            _check_same_finetune(path, g)
-            if not os.path.isfile(done):
-                print(f"[compare {config.suite}] fine-tuning {scheme.name} on {task}: {int(g.train.steps)} steps "
-                      f"-> {path}", flush=True)
-                start = time.time()
-                out = finetune(g, path)
-                if out.get("preempted"):
-                    raise UserError("fine-tuning was preempted", path, "rerun the same command to continue")
-                out["seconds"] = time.time() - start
-                files.write_json(done, out)   # record the time too
-            results[scheme.name][task] = files.read_json(done)
+    for seed, infos in runs.items():
+        for scheme, info in zip(schemes, infos):
+            if scheme.objective == "mlm":
+                results.setdefault(scheme.name, {})[str(seed)] = _finetune_tasks(config, workdir, scheme, seed,
+                                                                                 info["path"], tasks)
     return results
+
+
+def _finetune_tasks(config: ml_collections.ConfigDict, workdir: str, scheme: Scheme, seed: int, pretrained: str,
+                    tasks: list[str]) -> dict:
+    out_by_task = {}
+    for task in tasks:
+        path = os.path.join(workdir, "glue", run_name(scheme, seed), task)
+        done = os.path.join(path, "results.json")
+        g = glue_config(config, scheme, seed, pretrained, task)
+        _check_same_finetune(path, g)
+        if not os.path.isfile(done):
+            print(f"[compare {config.suite}] fine-tuning {run_name(scheme, seed)} on {task}: "
+                  f"{int(g.train.steps)} steps -> {path}", flush=True)
+            start = time.time()
+            out = finetune(g, path)
+            if out.get("preempted"):
+                raise UserError("fine-tuning was preempted", path, "rerun the same command to continue")
+            out["seconds"] = time.time() - start
+            files.write_json(done, out)   # record the time too
+        out_by_task[task] = files.read_json(done)
+    return out_by_task
 
 
 # ================================================================================================ the suite
@@ -266,50 +224,61 @@ def _command() -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
+def _analyses(config: ml_collections.ConfigDict, schemes: list[Scheme], infos: list[dict], out: str) -> dict:
+    """The suite's analyses of one seed's runs, written into `out`; {'extrapolation': ..., 'probe': ...}."""
+    suite, result = str(config.suite), {}
+    paths = [r["path"] for r in infos]
+    if suite == "extrapolation":
+        causal = [p for s, p in zip(schemes, paths) if s.objective == "clm"]
+        print(f"[compare {suite}] extrapolation of {out}: {len(causal)} runs at lengths "
+              f"{tuple(config.eval.lengths)}", flush=True)
+        result["extrapolation"] = extrapolate.run(causal, [int(x) for x in config.eval.lengths],
+                                                  mode=str(config.eval.mode), out=out,
+                                                  max_tokens=int(config.eval.max_tokens) or None)
+    if suite == "probe":
+        settings = probe.ProbeSettings(steps=int(config.probe.steps), train_tokens=int(config.probe.train_tokens),
+                                       eval_tokens=int(config.probe.eval_tokens),
+                                       learning_rate=float(config.probe.learning_rate), seed=0)
+        print(f"[compare {suite}] probes of {out}: {len(paths)} runs, {settings.steps} steps per probe", flush=True)
+        result["probe"] = probe.run(paths, out=out, settings=settings)
+    return result
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Train the suite's schemes, run its analyses, write REPORT.md, report.json and PNGs into `workdir`."""
+    """Train the suite's (scheme, seed) runs, run its analyses per seed, compute the findings over seeds and write
+    REPORT.md, report.json and PNGs into `workdir`."""
     validate(config, jax.device_count())
-    schemes = parse_schemes(config)
+    schemes, seeds = parse_schemes(config), parse_seeds(config)
     suite = str(config.suite)
     os.makedirs(workdir, exist_ok=True)
     timings: dict[str, float] = {}
-    print(f"[compare {suite}] {len(schemes)} schemes: {', '.join(s.name for s in schemes)}; "
+    print(f"[compare {suite}] {len(schemes)} schemes x {len(seeds)} seeds: {', '.join(s.name for s in schemes)}; "
           f"{config.train.steps} steps x batch {config.train.batch_size} x {config.model.max_len} tokens each, "
-          f"seed {config.train.seed}, data {config.data.name}", flush=True)
+          f"seeds {','.join(map(str, seeds))}, data {config.data.name}", flush=True)
 
     start = time.time()
-    runs = pretrain_all(config, workdir, schemes)
+    runs = pretrain_all(config, workdir, schemes, seeds)
     timings["pretrain_s"] = time.time() - start
     result: dict[str, Any] = {
-        "suite": suite, "command": _command(), "config": json.loads(config_lib.to_json(config)), "schemes": [],
-        "timings": timings}
-    for scheme, info in zip(schemes, runs):
+        "suite": suite, "command": _command(), "config": json.loads(config_lib.to_json(config)), "seeds": seeds,
+        "schemes": [], "timings": timings}
+    for i, scheme in enumerate(schemes):
+        per_seed = {str(seed): {**runs[seed][i], **pretrain_summary(runs[seed][i]["path"])} for seed in seeds}
         result["schemes"].append({**dataclasses.asdict(scheme), "name": scheme.name, "label": scheme.label,
-                                  **info, **pretrain_summary(info["path"])})
+                                  "seeds": per_seed})
 
-    paths = [r["path"] for r in runs]
-    if suite == "extrapolation":
-        start = time.time()
-        causal = [p for s, p in zip(schemes, paths) if s.objective == "clm"]
-        print(f"[compare {suite}] extrapolation: {len(causal)} runs at lengths {tuple(config.eval.lengths)}",
-              flush=True)
-        result["extrapolation"] = extrapolate.run(causal, [int(x) for x in config.eval.lengths],
-                                                  mode=str(config.eval.mode), out=workdir,
-                                                  max_tokens=int(config.eval.max_tokens) or None)
-        timings["extrapolation_s"] = time.time() - start
-    if suite == "probe":
-        start = time.time()
-        settings = probe.ProbeSettings(steps=int(config.probe.steps), train_tokens=int(config.probe.train_tokens),
-                                       eval_tokens=int(config.probe.eval_tokens),
-                                       learning_rate=float(config.probe.learning_rate), seed=int(config.train.seed))
-        print(f"[compare {suite}] probes: {len(paths)} runs, {settings.steps} steps per probe", flush=True)
-        result["probe"] = probe.run(paths, out=workdir, settings=settings)
-        timings["probe_s"] = time.time() - start
+    start = time.time()
+    for seed in seeds:
+        for key, value in _analyses(config, schemes, runs[seed], os.path.join(workdir, f"seed{seed}")).items():
+            result.setdefault(key, {})[str(seed)] = value
+    if suite in ("extrapolation", "probe"):
+        timings[f"{suite}_s"] = time.time() - start
     if suite == "tupe" and glue_tasks(config):
         start = time.time()
         result["glue"] = finetune_all(config, workdir, schemes, runs)
         result["glue_tasks"] = glue_tasks(config)
         timings["glue_s"] = time.time() - start
+    result["findings"] = findings.evaluate(result)
 
     # report.json first, so a report can be re-rendered from it (report.render())
     files.write_json(os.path.join(workdir, "report.json"), result, indent=1)

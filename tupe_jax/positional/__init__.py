@@ -14,7 +14,7 @@ from tupe_jax.positional.base import NoPos, PositionalSettings, PositionalTerms
 from tupe_jax.positional.learned import LearnedAbsolute
 from tupe_jax.positional.relative import RelativeBias, bucket_grid, relative_position_bucket
 from tupe_jax.positional.rope import ROPE_STYLES, Rotary, apply_rope, rope_angles
-from tupe_jax.positional.sinusoidal import Sinusoidal, sinusoid_table
+from tupe_jax.positional.sinusoidal import SINUSOIDAL_STYLES, Sinusoidal, fairseq_sinusoid_table, sinusoid_table
 from tupe_jax.positional.tupe import TUPE_FORMS, DisentangledAbsolute, UntiedPositional
 
 SCHEMES = ("bert_a", "sinusoidal", "rope", "alibi", "t5", "bert_r", "nopos", "tupe_a", "tupe_r", "bert_ad")
@@ -40,6 +40,7 @@ def validate_config(model) -> None:
     _one_of(ALIASES.get(model.pe, model.pe), SCHEMES, "model.pe")
     _one_of(model.rope_style, ROPE_STYLES, "model.rope_style")
     _one_of(model.tupe_form, TUPE_FORMS, "model.tupe_form")
+    _one_of(model.get("sinusoidal_style", "scaled"), SINUSOIDAL_STYLES, "model.sinusoidal_style")
     require(0.0 < model.rope_fraction <= 1.0, f"model.rope_fraction = {model.rope_fraction} is outside (0, 1]",
             "--config.model.rope_fraction", "give a fraction in (0, 1]")
     head_dim = model.hidden_size // model.num_heads
@@ -93,5 +94,5 @@ __all__ = [
     "validate_config", "PositionalSettings",
     "PositionalTerms", "NoPos", "LearnedAbsolute", "Sinusoidal", "Rotary", "ALiBi", "RelativeBias", "BertR",
     "UntiedPositional", "DisentangledAbsolute", "alibi_slopes", "alibi_bias", "relative_position_bucket",
-    "bucket_grid", "apply_rope", "rope_angles", "sinusoid_table",
+    "bucket_grid", "apply_rope", "rope_angles", "sinusoid_table", "fairseq_sinusoid_table", "SINUSOIDAL_STYLES",
 ]

@@ -42,6 +42,7 @@ class PositionalSettings:
     rel_max_distance: int = 128
     layer_norm_eps: float = 1e-5
     tupe_form: str = "bias"          # TUPE only: position term as a logit 'bias' or as 'concat'enated heads
+    sinusoidal_style: str = "scaled"  # sinusoidal only: 'scaled' (ours) or 'fairseq' (sinusoidal.py)
     dtype: jnp.dtype = jnp.float32   # compute dtype; biases, angles and slopes stay float32
 
     @property

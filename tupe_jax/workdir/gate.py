@@ -17,7 +17,7 @@ import ml_collections
 from tupe_jax import config as config_lib
 from tupe_jax import files
 from tupe_jax.errors import UserError, require
-from tupe_jax.workdir.meta import identity_hash, latest_meta, resumable
+from tupe_jax.workdir.meta import identity_hash, latest_meta, resumable, with_added_defaults
 
 HISTORY = "config_history.jsonl"
 
@@ -78,7 +78,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
                 f"--overwrite_config would misrepresent {workdir}: its checkpoints/results were made with the "
                 "stored config.json", "--overwrite_config", "use a fresh workdir")
         return []
-    flat_old = config_lib.flatten(old)
+    flat_old = with_added_defaults(config_lib.flatten(old))
     flat_new = config_lib.flatten(new)
     changed = [k for k in sorted(set(flat_old) | set(flat_new)) if flat_old.get(k) != flat_new.get(k)]
     refused = [k for k in changed if not resumable(k)]
@@ -133,5 +133,5 @@ def differing_keys(workdir: str, config: ml_collections.ConfigDict, sections: tu
     path = config_path(workdir)
     if not files.isfile(path):
         return []
-    old = _read_stored(path)
+    old = config_lib.unflatten(with_added_defaults(config_lib.flatten(_read_stored(path))))
     return [d for d in config_lib.config_differences(old, config.to_dict(), sections) if not d.startswith(ignore)]

@@ -23,8 +23,19 @@ RESUMABLE = (
     "checkpoint.", "metrics.", "mesh.",                                 # how it is saved, measured, laid out
     "model.attention_backend",                                          # same maths, another kernel
     "data.cache_dir", "data.tfds_data_dir", "data.prefetch", "data.num_threads",   # where/how data is read
-    "sweep.", "schemes", "glue.", "eval.", "probe.",                    # a sweep's or suite's grid and analyses
+    "sweep.", "schemes", "seeds", "glue.", "eval.", "probe.",           # a sweep's or suite's grid and analyses
 )
+# Keys added after runs were already made, with the value that reproduces those runs: a stored config.json without
+# the key is read as having that value (so old runs resume, are reused and keep their identity hash).
+ADDED_DEFAULTS: dict[str, Any] = {
+    "model.sinusoidal_style": "scaled",
+}
+
+
+def with_added_defaults(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """A flattened stored config with the ADDED_DEFAULTS it lacks (only in sections it has)."""
+    sections = {k.split(".")[0] for k in flat}
+    return {**{k: v for k, v in ADDED_DEFAULTS.items() if k.split(".")[0] in sections}, **flat}
 
 
 def resumable(key: str) -> bool:
@@ -35,7 +46,8 @@ def identity_hash(config: ml_collections.ConfigDict | dict) -> str:
     """A hash of the model/data keys that define the run (the resumable ones left out)."""
     as_dict = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
     flat = config_lib.flatten({s: as_dict.get(s, {}) for s in RUN_IDENTITY_SECTIONS})
-    kept = {k: v for k, v in flat.items() if not resumable(k)}
+    kept = {k: v for k, v in flat.items() if not resumable(k)
+            and not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])}   # old runs keep their hash
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

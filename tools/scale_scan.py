@@ -1,0 +1,111 @@
+"""Scale scan (issue: seeded reproductions, step 1): how validation MLM accuracy / loss and causal perplexity grow
+with minutes of training on this machine, for two model shapes on WikiText-2.
+
+    python tools/scale_scan.py [--data=../shared/data/wikitext-2] [--runs=runs/scan] \
+        [--out=docs/experiments/scale] [--only=tiny-bert_a-mlm,...]
+
+Trains (or reuses, when finished) one long `launch pretrain` run per (shape, scheme, objective) below, then writes
+`scan.json` (every validation row with the training minutes spent to reach it) and `scan.png`. Minutes are the
+training steps' own time (`step_time_s` in metrics.jsonl: no compile, evaluation or checkpointing). One long run
+per curve: the learning rate decays over the whole run, so a point at minute t is what a longer schedule had
+reached at t — a slight underestimate of what a run with budget t would reach.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# shape -> (configs/pretrain.py size, steps, batch, learning rate, warmup, eval_every)
+SHAPES = {
+    "tiny": ("tiny", 5000, 16, 1e-3, 100, 250),      # 2 layers, d 128, 2 heads, MLP 512, vocab 2048
+    "small": ("small", 1500, 16, 5e-4, 100, 100),    # 4 layers, d 256, 4 heads, MLP 1024, vocab 8192
+}
+RUNS = ("tiny-bert_a-mlm", "tiny-nopos-mlm", "tiny-bert_a-clm", "small-bert_a-mlm", "small-nopos-mlm")
+
+
+def command(name: str, data: str, runs: str) -> list[str]:
+    shape, pe, objective = name.split("-")
+    size, steps, batch, lr, warmup, every = SHAPES[shape]
+    return [sys.executable, "-m", "launch", "pretrain", f"--config=configs/pretrain.py:pe={pe},size={size},"
+            f"objective={objective}", f"--workdir={os.path.join(runs, name)}", "--config.data.name=wikitext",
+            f"--config.data.path={data}", f"--config.train.steps={steps}", f"--config.train.batch_size={batch}",
+            f"--config.train.learning_rate={lr}", f"--config.train.warmup_steps={warmup}",
+            f"--config.train.eval_every={every}", "--config.train.eval_steps=20", "--config.train.log_every=25",
+            f"--config.checkpoint.every={steps}"]
+
+
+def curve(path: str) -> list[dict]:
+    """Validation rows of one run, each with `minutes`: the training time spent up to that step."""
+    rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl")) if line.strip()]
+    seconds, prev, at = 0.0, 0, {}
+    for r in rows:
+        if "step_time_s" in r and int(r["step"]) > prev:
+            seconds += float(r["step_time_s"]) * (int(r["step"]) - prev)
+            prev = int(r["step"])
+        at[int(r["step"])] = seconds
+    out = []
+    for r in rows:
+        if "eval_loss" in r:
+            step = int(r["step"])
+            known = [s for s in at if s <= step]
+            row = {"step": step, "minutes": (at[max(known)] if known else 0.0) / 60}
+            row.update({k: v for k, v in r.items() if k.startswith("eval_")})
+            out.append(row)
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, run in result["runs"].items():
+        xs = [r["minutes"] for r in run["curve"]]
+        if name.endswith("-mlm"):
+            axes[0].plot(xs, [r["eval_mlm_accuracy"] for r in run["curve"]], label=name)
+            axes[1].plot(xs, [r["eval_loss"] for r in run["curve"]], label=name)
+        else:
+            axes[2].plot(xs, [r["eval_perplexity"] if "eval_perplexity" in r else 2.718281828 ** r["eval_loss"]
+                              for r in run["curve"]], label=name)
+    for ax, title in zip(axes, ("validation MLM accuracy", "validation MLM loss", "validation perplexity (causal)")):
+        ax.set_xlabel("training minutes (this machine)")
+        ax.set_title(title)
+        ax.legend()
+    axes[2].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default="../shared/data/wikitext-2")
+    p.add_argument("--runs", default="runs/scan")
+    p.add_argument("--out", default="docs/experiments/scale")
+    p.add_argument("--only", default="", help="comma-separated subset of " + ",".join(RUNS))
+    args = p.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(RUNS)
+    for n in names:
+        if n not in RUNS:
+            sys.exit(f"error: unknown run {n!r}, --only, use some of {','.join(RUNS)}")
+    for i, name in enumerate(names, 1):
+        cmd = command(name, args.data, args.runs)
+        print(f"[scan {i}/{len(names)}] {name}: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+    result = {"command": "python tools/scale_scan.py " + " ".join(sys.argv[1:]), "shapes": SHAPES,
+              "runs": {n: {"command": "python " + " ".join(command(n, args.data, args.runs)[1:]),
+                           "curve": curve(os.path.join(ROOT, args.runs, n))}
+                       for n in RUNS if os.path.isfile(os.path.join(ROOT, args.runs, n, "metrics.jsonl"))}}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "scan.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(args.out, "scan.png"))
+    print(f"wrote {args.out}/scan.json and scan.png", flush=True)
+
+
+if __name__ == "__main__":
+    main()

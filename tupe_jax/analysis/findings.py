@@ -1,0 +1,201 @@
+"""Seed statistics and the verdict rule for the papers' findings, computed from a comparison suite's report dict.
+
+Every finding is a predicted inequality `x > 0` on a per-seed quantity x_s, where x_s is a PAIRED difference: two
+schemes trained with the same seed (same initialisation stream, data order and masking), or one scheme against a
+fixed threshold. With n seeds, m = mean(x_s) and s = std(x_s) (sample, n − 1):
+
+    reproduced     n ≥ 3, every x_s > 0 and m > s        (the difference exceeds the seed spread, in the paper's way)
+    contradicted   n ≥ 3, every x_s < 0 and −m > s       (the same, the other way)
+    no evidence    otherwise (at this scale; with n < 3 seeds: no verdict at all)
+
+A claim made of several pairwise comparisons (e.g. "ALiBi extrapolates best" = ALiBi flatter than each other
+scheme) is reproduced when every part is, contradicted when any part is, no evidence otherwise.
+
+    mean_std(values) -> (mean, std)
+    verdict(xs) -> str
+    evaluate(report) -> [finding dict]   what the suite in `report` can say (empty list when nothing applies)
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+REPRODUCED, CONTRADICTED, NO_EVIDENCE, TOO_FEW = ("reproduced", "contradicted", "no evidence at this scale",
+                                                  "no verdict (fewer than 3 seeds)")
+MIN_SEEDS = 3
+# NoPos Table 2's smallest model: NoPos 22.15 vs the best positional model (ALiBi) 19.94 perplexity, x1.11.
+CLOSE_PPL_RATIO = 22.15 / 19.94
+PROBE_FRACTION = 0.5          # "far below chance": probe MAD under half the chance MAD
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    n = len(values)
+    m = sum(values) / n
+    return m, (math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0)
+
+
+def verdict(xs: list[float]) -> str:
+    """The rule in the module docstring for per-seed paired differences `xs` predicted positive."""
+    if len(xs) < MIN_SEEDS:
+        return TOO_FEW
+    m, s = mean_std(xs)
+    if all(x > 0 for x in xs) and m > s:
+        return REPRODUCED
+    if all(x < 0 for x in xs) and -m > s:
+        return CONTRADICTED
+    return NO_EVIDENCE
+
+
+def combine(verdicts: list[str]) -> str:
+    if not verdicts or TOO_FEW in verdicts:
+        return TOO_FEW
+    if CONTRADICTED in verdicts:
+        return CONTRADICTED
+    return REPRODUCED if all(v == REPRODUCED for v in verdicts) else NO_EVIDENCE
+
+
+def _part(label: str, xs: dict[str, float], unit: str) -> dict:
+    values = list(xs.values())
+    m, s = mean_std(values) if values else (float("nan"), float("nan"))
+    return {"comparison": label, "per_seed": xs, "mean": m, "std": s, "unit": unit, "verdict": verdict(values)}
+
+
+def _finding(claim: str, paper: str, parts: list[dict], note: str = "") -> dict:
+    return {"claim": claim, "paper": paper, "parts": parts, "verdict": combine([p["verdict"] for p in parts]),
+            "note": note}
+
+
+# ------------------------------------------------------------------------------------------------ per-seed values
+def final(report: dict, name: str, key: str) -> dict[str, float]:
+    """{seed: final validation `key`} of scheme `name` (seeds where it is missing are left out)."""
+    for s in report["schemes"]:
+        if s["name"] == name:
+            return {seed: r["final_eval"][key] for seed, r in s["seeds"].items() if key in r["final_eval"]}
+    return {}
+
+
+def _paired(a: dict[str, float], b: dict[str, float], fn) -> dict[str, float]:
+    return {seed: fn(a[seed], b[seed]) for seed in a if seed in b}
+
+
+def _names(report: dict, objective: str) -> list[str]:
+    return [s["name"] for s in report["schemes"] if s["objective"] == objective]
+
+
+def _scheme_of_path(report: dict) -> dict[str, str]:
+    return {r["path"]: s["name"] for s in report["schemes"] for r in s["seeds"].values()}
+
+
+def growth(report: dict) -> dict[str, dict[str, Optional[float]]]:
+    """{scheme: {seed: ln ppl(longest) − ln ppl(training length)}}, None where the longest length is not defined."""
+    out: dict[str, dict] = {}
+    train_len = int(report["config"]["model"]["max_len"])
+    where = _scheme_of_path(report)
+    for seed, ex in report.get("extrapolation", {}).items():
+        for run in ex["runs"]:
+            at = {x["length"]: x for x in run["results"]}
+            longest = max(at)
+            if train_len not in at:
+                continue
+            value = (math.log(at[longest]["perplexity"]) - math.log(at[train_len]["perplexity"])
+                     if at[longest]["defined"] else None)
+            out.setdefault(where.get(run["workdir"], run["name"]), {})[seed] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the findings
+def _nopos_findings(report: dict) -> list[dict]:
+    out = []
+    mlm = _names(report, "mlm")
+    if "nopos-mlm" in mlm and "bert_a-mlm" in mlm:
+        x = _paired(final(report, "nopos-mlm", "eval_loss"), final(report, "bert_a-mlm", "eval_loss"),
+                    lambda a, b: a - b)
+        out.append(_finding("Bidirectional NoPos (MLM) falls behind BERT-A", "NoPos Table 4",
+                            [_part("val MLM loss, nopos − bert_a", x, "nats")]))
+    clm = _names(report, "clm")
+    if "nopos-clm" in clm and len(clm) > 1:
+        nopos = final(report, "nopos-clm", "eval_loss")
+        others = {n: final(report, n, "eval_loss") for n in clm if n != "nopos-clm"}
+        best = {seed: min(v[seed] for v in others.values() if seed in v) for seed in nopos
+                if any(seed in v for v in others.values())}
+        x = _paired(nopos, best, lambda a, b: math.log(CLOSE_PPL_RATIO) - (a - b))
+        out.append(_finding("Causal NoPos perplexity close to the positional models", "NoPos Table 1",
+                            [_part(f"ln {CLOSE_PPL_RATIO:.2f} − (ln ppl nopos − ln ppl best of "
+                                   f"{', '.join(others)})", x, "nats")],
+                            f"'close' = within x{CLOSE_PPL_RATIO:.2f} of the best, NoPos Table 2's smallest gap"))
+    if "probe" in report:
+        x, where = {}, _scheme_of_path(report)
+        for seed, pr in report["probe"].items():
+            for run in pr["runs"]:
+                if where.get(run["workdir"]) == "nopos-clm":
+                    mads = [layer["mad"] for layer in run["layers"]]
+                    x[seed] = PROBE_FRACTION - mads[len(mads) // 2] / run["chance_mad"]
+        if x:
+            out.append(_finding("Causal NoPos hidden states encode absolute position (middle layer)",
+                                "NoPos Fig. 2", [_part(f"{PROBE_FRACTION} − MAD / chance MAD", x, "fraction")],
+                                "'well below chance' = probe MAD under half the chance MAD"))
+    return out
+
+
+def _extrapolation_findings(report: dict) -> list[dict]:
+    g = growth(report)
+    if not g:
+        return []
+    defined = {n: v for n, v in g.items() if all(x is not None for x in v.values())}
+    out = []
+    if "alibi-clm" in defined:
+        parts = [_part(f"growth {n} − growth alibi", _paired(v, defined["alibi-clm"], lambda a, b: a - b), "nats")
+                 for n, v in defined.items() if n != "alibi-clm"]
+        out.append(_finding("ALiBi degrades least past the training length", "ALiBi Table 2 / Fig. 1", parts,
+                            "growth = ln ppl(longest) − ln ppl(training length), paired by seed"))
+    for sin, label in (("sinusoidal-clm", "our scaled table"), ("sinusoidal-clm-fairseq", "fairseq's table")):
+        if sin in defined:
+            parts = [_part(f"growth {sin} − growth {n}", _paired(defined[sin], v, lambda a, b: a - b), "nats")
+                     for n, v in defined.items() if not n.startswith("sinusoidal")]
+            out.append(_finding(f"Sinusoidal ({label}) degrades most past the training length", "ALiBi Fig. 1",
+                                parts))
+    clm = _names(report, "clm")
+    if "sinusoidal-clm" in clm and "sinusoidal-clm-fairseq" in clm:
+        x = _paired(final(report, "sinusoidal-clm-fairseq", "eval_loss"), final(report, "sinusoidal-clm", "eval_loss"),
+                    lambda a, b: a - b)
+        out.append(_finding("Our scaled sinusoidal table trains better here than fairseq's (design check, not a "
+                            "paper claim)", "positional/sinusoidal.py", [_part("val loss fairseq − scaled", x, "nats")]))
+    return out
+
+
+def _glue_average(report: dict, name: str) -> dict[str, float]:
+    out = {}
+    for seed, by_task in report.get("glue", {}).get(name, {}).items():
+        real = [v["score"] for t, v in by_task.items() if t != "wordorder" and v.get("score") is not None]
+        if real:
+            out[seed] = 100 * sum(real) / len(real)
+    return out
+
+
+def _tupe_findings(report: dict) -> list[dict]:
+    mlm, out = set(_names(report, "mlm")), []
+    loss = {n: final(report, n, "eval_loss") for n in mlm}
+    order = [("bert_a-mlm", "tupe_a-mlm"), ("bert_r-mlm", "tupe_r-mlm"), ("bert_a-mlm", "bert_r-mlm"),
+             ("tupe_a-mlm", "tupe_r-mlm")]
+    parts = [_part(f"val MLM loss {worse} − {better}", _paired(loss[worse], loss[better], lambda a, b: a - b), "nats")
+             for worse, better in order if worse in mlm and better in mlm]
+    if parts:
+        out.append(_finding("Validation MLM loss order TUPE-R < TUPE-A, BERT-R < BERT-A (each pair)", "TUPE Fig. 5a",
+                            parts))
+    if "glue" in report:
+        avg = {n: _glue_average(report, n) for n in report["glue"]}
+        parts = [_part(f"GLUE avg {a} − {b}", _paired(avg[a], avg[b], lambda x, y: x - y), "points")
+                 for a, b in (("tupe_a-mlm", "bert_a-mlm"), ("tupe_r-mlm", "bert_r-mlm")) if a in avg and b in avg]
+        if parts:
+            out.append(_finding("TUPE fine-tunes better than BERT (GLUE dev average)", "TUPE Table 1", parts))
+        if "tupe_a-mlm" in avg and "tupe_a-mlm-tiedcls" in avg:
+            x = _paired(avg["tupe_a-mlm"], avg["tupe_a-mlm-tiedcls"], lambda a, b: a - b)
+            out.append(_finding("Untying [CLS] helps fine-tuning", "TUPE Table 2 (ablation)",
+                                [_part("GLUE avg tupe_a − tupe_a (tied [CLS])", x, "points")]))
+    return out
+
+
+def evaluate(report: dict) -> list[dict]:
+    """The findings the suite in `report` can speak to, each with its parts, per-seed values and verdict."""
+    return _nopos_findings(report) + _extrapolation_findings(report) + _tupe_findings(report)
