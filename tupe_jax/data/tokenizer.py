@@ -112,6 +112,10 @@ class Tokenizer:
         if not files.isfile(path):
             raise UserError(f"vocab file {path!r} not found", "config.data.vocab_file",
                             "point data.vocab_file at a vocab.txt, or leave it empty to train one")
+        folder = path.rsplit("/", 1)[0] if "/" in path else "."
+        if read_kind(files.join(folder, CONFIG_NAME)) == "fairseq_bpe":   # an import-fairseq run (fairseq_bpe.py)
+            from tupe_jax.data.fairseq_bpe import FairseqBpeTokenizer
+            return FairseqBpeTokenizer.from_folder(folder)  # type: ignore[return-value]
         try:
             lines = files.read_text(path).splitlines()
         except UnicodeDecodeError:
@@ -136,6 +140,16 @@ class Tokenizer:
         if len(vocab) < vocab_size:
             log.warning("tokenizer: corpus supports only %d of the requested %d word pieces", len(vocab), vocab_size)
         return cls(vocab)
+
+
+def read_kind(path: str | Path) -> str:
+    """`tokenizer_class` of a `tokenizer_config.json` ('' if there is none or it does not say)."""
+    if not files.isfile(path):
+        return ""
+    try:
+        return str(json.loads(files.read_text(path)).get("tokenizer_class", ""))
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return ""
 
 
 def read_casing(path: str | Path) -> dict:
