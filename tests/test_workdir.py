@@ -288,5 +288,10 @@ def test_a_run_made_before_an_added_key_resumes_and_keeps_its_identity(tmp_path)
         config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":pe=sinusoidal,objective=clm"),
         {"model.sinusoidal_style": "fairseq"})
     assert identity_hash(other) != identity_hash(config)
+    # a checkpoint whose meta hashed the key at its default (made between the key's addition and this rule) matches
+    from tupe_jax.workdir.meta import same_identity
+    assert identity_hash(config, keep_added=True) != identity_hash(config)
+    assert same_identity(identity_hash(config, keep_added=True), config)
+    assert not same_identity(identity_hash(other, keep_added=True), config)
     with pytest.raises(UserError, match="sinusoidal_style"):
         check_config(str(tmp_path), other)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The seeded comparison runs behind docs/experiments/ and the README's findings table (issue: reproduce the seed
 # findings with seeds). Each step reuses finished runs, so rerunning only does what is missing; on a fresh clone
-# the whole script is ~2 hours on 2 CPU cores. Usage: tools/run_experiments.sh [extrapolation|probe|tupe|publish]...
+# the whole script is ~2 hours on 2 quiet CPU cores. Usage:
+#   tools/run_experiments.sh [extrapolation|probe|sinusoidal|tupe|nopos-mlm|publish]...   (no argument: all, in that order)
+# extrapolation -> probe and tupe -> nopos-mlm depend on each other's runs; the two chains may run in parallel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -12,28 +14,33 @@ MLM="--config.train.steps=${MLM_STEPS:-1500} --config.train.eval_every=250 --con
 
 step() {
   case "$1" in
-    extrapolation)   # causal LMs at 128 tokens, evaluated to 1024; + fairseq's sinusoidal table (design check)
+    extrapolation)   # causal LMs at 128 tokens, evaluated to 1024
       $PY -m launch compare --config=configs/compare.py:suite=extrapolation --workdir=runs/cmp/extrapolation $DATA \
-        --config.runs_dir=$RUNS $CLM --config.schemes=bert_a,sinusoidal,rope,alibi,nopos,sinusoidal-fairseq ;;
-    probe)           # NoPos: causal probes + bidirectional NoPos vs BERT-A (MLM runs shared with the tupe suite)
+        --config.runs_dir=$RUNS $CLM --config.schemes=bert_a,sinusoidal,rope,alibi,nopos ;;
+    sinusoidal)      # design check: our scaled sinusoidal table vs fairseq's (seed 0 only: the time ran out)
+      $PY -m launch compare --config=configs/compare.py:suite=extrapolation --workdir=runs/cmp/sinusoidal $DATA \
+        --config.runs_dir=$RUNS ${CLM/seeds=0,1,2/seeds=0} --config.schemes=sinusoidal,sinusoidal-fairseq ;;
+    probe)           # NoPos: absolute-position probes of the causal runs above
       $PY -m launch compare --config=configs/compare.py:suite=probe --workdir=runs/cmp/probe $DATA \
-        --config.runs_dir=$RUNS $CLM --config.schemes=nopos,bert_a,sinusoidal,alibi ;
+        --config.runs_dir=$RUNS $CLM --config.schemes=nopos,bert_a,sinusoidal,alibi ;;
+    nopos-mlm)       # NoPos: bidirectional NoPos vs BERT-A (reuses the tupe suite's bert_a MLMs)
       $PY -m launch compare --config=configs/compare.py:suite=tupe --workdir=runs/cmp/nopos-mlm $DATA \
         --config.runs_dir=$RUNS $MLM --config.schemes=bert_a,nopos --config.glue.tasks= ;;
     tupe)            # TUPE: MLM curves of the four schemes + tied [CLS], then GLUE dev fine-tunes
       $PY -m launch compare --config=configs/compare.py:suite=tupe --workdir=runs/cmp/tupe $DATA \
         --config.runs_dir=$RUNS $MLM --config.schemes=bert_a,bert_r,tupe_a,tupe_r,tupe_a-tiedcls \
-        --config.data.glue_dir=../shared/data/glue --config.glue.tasks=sst2,mrpc,stsb,cola \
+        --config.data.glue_dir=../shared/data/glue --config.glue.tasks=sst2,mrpc,stsb \
         --config.glue.max_steps=150 --config.glue.learning_rate=3e-4 ;;
     publish)         # copy the reports (not the checkpoints) into docs/experiments/
-      for s in extrapolation probe nopos-mlm tupe; do
+      for s in extrapolation probe sinusoidal nopos-mlm tupe; do
         [ -f runs/cmp/$s/report.json ] || continue
         mkdir -p docs/experiments/$s
         (cd runs/cmp/$s && find . -maxdepth 2 \( -name '*.md' -o -name '*.json' -o -name '*.png' \) \
           -not -name config.json -not -path './glue/*' | while read -r f; do
             mkdir -p "../../../docs/experiments/$s/$(dirname "$f")"; cp "$f" "../../../docs/experiments/$s/$f"; done)
       done ;;
-    *) echo "error: unknown step $1, tools/run_experiments.sh, use extrapolation|probe|tupe|publish" >&2; exit 2 ;;
+    *) echo "error: unknown step $1, tools/run_experiments.sh, use extrapolation|probe|sinusoidal|tupe|nopos-mlm|publish" >&2
+       exit 2 ;;
   esac
 }
-for s in "${@:-extrapolation probe tupe publish}"; do for t in $s; do step "$t"; done; done
+for s in "${@:-extrapolation probe sinusoidal tupe nopos-mlm publish}"; do for t in $s; do step "$t"; done; done

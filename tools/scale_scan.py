@@ -20,17 +20,20 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# shape -> (configs/pretrain.py size, steps, batch, learning rate, warmup, eval_every)
+# shape -> (configs/pretrain.py size, batch, learning rate, warmup, eval_every)
 SHAPES = {
-    "tiny": ("tiny", 5000, 16, 1e-3, 100, 250),      # 2 layers, d 128, 2 heads, MLP 512, vocab 2048
-    "small": ("small", 1500, 16, 5e-4, 100, 100),    # 4 layers, d 256, 4 heads, MLP 1024, vocab 8192
+    "tiny": ("tiny", 16, 1e-3, 100, 250),      # 2 layers, d 128, 2 heads, MLP 512, vocab 2048
+    "small": ("small", 16, 5e-4, 100, 100),    # 4 layers, d 256, 4 heads, MLP 1024, vocab 8192
 }
-RUNS = ("tiny-bert_a-mlm", "tiny-nopos-mlm", "tiny-bert_a-clm", "small-bert_a-mlm", "small-nopos-mlm")
+# run -> steps (batch 16 x 128 tokens: 1000 steps = 2.05M tokens); the small shape is ~4x the compute per token
+RUNS = {"tiny-bert_a-mlm": 5000, "tiny-nopos-mlm": 5000, "tiny-bert_a-clm": 3000, "small-bert_a-mlm": 600,
+        "small-nopos-mlm": 600}
 
 
 def command(name: str, data: str, runs: str) -> list[str]:
     shape, pe, objective = name.split("-")
-    size, steps, batch, lr, warmup, every = SHAPES[shape]
+    size, batch, lr, warmup, every = SHAPES[shape]
+    steps = RUNS[name]
     return [sys.executable, "-m", "launch", "pretrain", f"--config=configs/pretrain.py:pe={pe},size={size},"
             f"objective={objective}", f"--workdir={os.path.join(runs, name)}", "--config.data.name=wikitext",
             f"--config.data.path={data}", f"--config.train.steps={steps}", f"--config.train.batch_size={batch}",
@@ -81,18 +84,47 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def markdown(result: dict) -> str:
+    """REPORT.md: each curve at a few points, and BERT-A vs NoPos (MLM) at equal steps for each shape."""
+    lines = ["# Scale scan", "", f"Command: `{result['command']}` (each run's own command is in scan.json). "
+             "Minutes: the training steps' own time on this machine (2 CPU cores, shared with other jobs while "
+             "these ran, so minutes overstate the compute; tokens do not). ![scan](scan.png)", "",
+             "| run | step | M tokens | minutes | val loss | MLM acc / ppl |", "|---|---|---|---|---|---|"]
+    for name, run in result["runs"].items():
+        curve_rows = run["curve"]
+        picks = sorted({curve_rows[int(f * (len(curve_rows) - 1))]["step"] for f in (0, 0.25, 0.5, 0.75, 1.0)}) \
+            if curve_rows else []
+        for r in (r for r in curve_rows if r["step"] in picks):
+            extra = (f"acc {r['eval_mlm_accuracy']:.3f}" if "eval_mlm_accuracy" in r
+                     else f"ppl {r.get('eval_perplexity', 2.718281828 ** r['eval_loss']):.1f}")
+            lines.append(f"| {name} | {r['step']} | {r['step'] * 16 * 128 / 1e6:.1f} | {r['minutes']:.1f} | "
+                         f"{r['eval_loss']:.3f} | {extra} |")
+    for shape in SHAPES:
+        a, b = result["runs"].get(f"{shape}-bert_a-mlm"), result["runs"].get(f"{shape}-nopos-mlm")
+        if not (a and b):
+            continue
+        nopos = {r["step"]: r["eval_loss"] for r in b["curve"]}
+        both = [(r["step"], nopos[r["step"]] - r["eval_loss"]) for r in a["curve"] if r["step"] in nopos]
+        if both:
+            lines += ["", f"{shape}: validation MLM loss NoPos − BERT-A at equal steps (positive = BERT-A ahead, "
+                      "i.e. the model uses word order; one seed):", "",
+                      " | ".join(f"{st}: {d:+.3f}" for st, d in both)]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="../shared/data/wikitext-2")
     p.add_argument("--runs", default="runs/scan")
     p.add_argument("--out", default="docs/experiments/scale")
     p.add_argument("--only", default="", help="comma-separated subset of " + ",".join(RUNS))
+    p.add_argument("--report_only", action="store_true", help="train nothing; write the files from what exists")
     args = p.parse_args()
     names = [n for n in args.only.split(",") if n] or list(RUNS)
     for n in names:
         if n not in RUNS:
             sys.exit(f"error: unknown run {n!r}, --only, use some of {','.join(RUNS)}")
-    for i, name in enumerate(names, 1):
+    for i, name in enumerate([] if args.report_only else names, 1):
         cmd = command(name, args.data, args.runs)
         print(f"[scan {i}/{len(names)}] {name}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
@@ -104,7 +136,9 @@ def main() -> None:
     with open(os.path.join(args.out, "scan.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, "scan.png"))
-    print(f"wrote {args.out}/scan.json and scan.png", flush=True)
+    with open(os.path.join(args.out, "REPORT.md"), "w") as f:
+        f.write(markdown(result))
+    print(f"wrote {args.out}/scan.json, scan.png and REPORT.md", flush=True)
 
 
 if __name__ == "__main__":

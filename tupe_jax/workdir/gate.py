@@ -17,7 +17,7 @@ import ml_collections
 from tupe_jax import config as config_lib
 from tupe_jax import files
 from tupe_jax.errors import UserError, require
-from tupe_jax.workdir.meta import identity_hash, latest_meta, resumable, with_added_defaults
+from tupe_jax.workdir.meta import latest_meta, resumable, same_identity, with_added_defaults
 
 HISTORY = "config_history.jsonl"
 
@@ -63,7 +63,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
     step, meta = latest_meta(workdir)
     new = json.loads(config_lib.to_json(config))
     if not files.isfile(path):
-        require(step is None or not meta.get("identity") or meta["identity"] == identity_hash(new),
+        require(step is None or not meta.get("identity") or same_identity(meta["identity"], new),
                 f"{workdir}/checkpoints (step {step}) were trained with other model/data settings and the folder has "
                 "no config.json", "--workdir", "use a fresh workdir")
         return []
@@ -95,7 +95,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
     if step is not None and isinstance(steps, int) and 0 < steps < step:
         raise UserError(f"{workdir} is at step {step}; train.steps={steps} would end before it", "--config.train.steps",
                         f"give train.steps >= {step} to continue, or evaluate the run as it is")
-    if step is not None and meta.get("identity") and meta["identity"] != identity_hash(new):
+    if step is not None and meta.get("identity") and not same_identity(meta["identity"], new):
         raise UserError(f"{path} does not match its checkpoint step {step} (model/data settings differ: was "
                         "config.json edited by hand?)", "--workdir", "restore the run's config.json or use a fresh "
                         "workdir")

@@ -42,13 +42,20 @@ def resumable(key: str) -> bool:
     return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
 
 
-def identity_hash(config: ml_collections.ConfigDict | dict) -> str:
-    """A hash of the model/data keys that define the run (the resumable ones left out)."""
+def identity_hash(config: ml_collections.ConfigDict | dict, *, keep_added: bool = False) -> str:
+    """A hash of the model/data keys that define the run (the resumable ones left out; an ADDED_DEFAULTS key at its
+    default value too, unless `keep_added`: so runs from before the key existed keep their hash)."""
     as_dict = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
     flat = config_lib.flatten({s: as_dict.get(s, {}) for s in RUN_IDENTITY_SECTIONS})
     kept = {k: v for k, v in flat.items() if not resumable(k)
-            and not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])}   # old runs keep their hash
+            and (keep_added or not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k]))}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def same_identity(stored: str, config: ml_collections.ConfigDict | dict) -> bool:
+    """Whether a checkpoint's stored identity is `config`'s, as hashed now or as hashed by a version that kept
+    ADDED_DEFAULTS keys at their default in the hash (a run made while the key existed but before that rule)."""
+    return stored in (identity_hash(config), identity_hash(config, keep_added=True))
 
 
 def make_meta(config: Any, params: Any, tokenizer_fingerprint: str = "") -> dict[str, Any]:
