@@ -1,24 +1,27 @@
-"""Side-by-side MLM training-step throughput: tupe-jax (every scheme) vs HF BertForMaskedLM (PyTorch) and HF
-FlaxBertForMaskedLM, same shapes, same dtype, same optimizer family, in one run; not a test.
+"""Side-by-side MLM training-step throughput: tupe-jax vs HF BertForMaskedLM (PyTorch) and HF FlaxBertForMaskedLM,
+same shapes, same dtype, same optimizer family, in one run; plus the real `launch pretrain` loop. Not a test.
 
     pip install -e ".[bench]"            # torch (CPU wheel) + transformers<5 (the last with Flax BERT)
-    python benchmarks/bench_train.py --shape small                      # reference shape, every scheme
-    python benchmarks/bench_train.py --shape base --batch 4 --steps 5 --schemes bert_a,tupe_a,tupe_r
+    python benchmarks/bench_train.py --rounds 3 --json benchmarks/results_small_rounds.json
+    python benchmarks/bench_train.py --shape base --batch 4 --steps 5 --peers "" --loop_steps 0
 
-Every implementation runs in its own subprocess (clean thread pools: torch's OpenMP workers cannot spin on the
-cores while XLA runs, and vice versa), one after the other, on the same synthetic batches. Each step is the full
-train step: forward + backward + global-norm clip + AdamW update, dropout 0.1 (hidden and attention) in all three.
-Warm-up steps (incl. compilation) are excluded; the step time is the median of `--steps` timed steps, each timed
-to completion (the loss is read back). The fp32 matmul peak of this machine is measured in the same run
-(torch 2048³ float32 matmul, best of several, before every round) and MFU = model FLOP/s ÷ that peak.
-On a shared 2-core machine other processes inflate wall times: `--rounds R` repeats all jobs interleaved and keeps,
-per job, the round with the lowest median; the load average is printed with the table.
+Jobs (each in its own subprocess: clean thread pools, torch's OpenMP workers cannot spin while XLA runs):
+ours for each `--schemes` entry (default head: the MLM head on the ceil(0.15·seq) masked positions, gathered);
+`bert_a@all` (equal work: `data.max_predictions = seq`, the head on every slot as HF runs it, padding slots
+weighted 0); the HF peers; `loop` = `python -m launch pretrain` (bert_a, same shape, embedded corpus), its
+steady-state tokens/s from metrics.jsonl. Each step is the full train step: forward + backward + global-norm clip +
+AdamW, dropout 0.1 (hidden and attention) in all. Warm-up steps (incl. compilation) are excluded; a job's step
+time is the median of `--steps` timed steps, each timed to completion (the loss is read back).
 
-Model FLOPs (`tupe_jax.metrics.transformer_training_flops`, 3 × forward matmul FLOPs): ours runs the MLM head on
-the P masked positions only (the gather form), HF runs it on every position; each row counts the head it runs.
-tokens/s = batch × seq_len ÷ step time (all input tokens, the same for all three).
+Noise: the machine may be shared. `--rounds R` runs every job once per round (order rotated each round) and each
+ratio is computed WITHIN a round, then reported as the median over rounds with its min–max spread; nothing keeps
+a job's best round. `os.getloadavg()` before and after every job is in the JSON. The torch 2048³ fp32 matmul
+rate is measured at the start of every round (recorded, for reference only).
 
-Prints a Markdown table and writes `--json` (default benchmarks/results_<shape>.json).
+Model FLOPs (`tupe_jax.metrics.transformer_training_flops`, 3 × forward matmul FLOPs) count the head each job
+runs. tokens/s = batch × seq_len ÷ step time (all input tokens, the same for every job).
+
+Prints Markdown tables and writes `--json` (default benchmarks/results_<shape>.json).
 """
 from __future__ import annotations
 
@@ -26,9 +29,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,20 +55,25 @@ def shape_args(args) -> dict:
 
 
 def synthetic_batches(s: dict, count: int, predictions: int, seed: int = 0):
-    """MLM batches in the format of `tupe_jax.data.pretrain_iterator` (gather form), NumPy."""
+    """MLM batches in the format of `tupe_jax.data.pretrain_iterator` (gather form), NumPy: ceil(0.15·seq) masked
+    positions per row in `predictions` slots (more slots than that: padding slots at position 0 with weight 0, as
+    `data.masking` pads them — the `--predictions 128` equal-work row runs the head on every slot)."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(seed)
+    masked = min(-(-15 * s["seq"] // 100), predictions)
     out = []
     for _ in range(count):
         tokens = rng.integers(5, s["vocab"], (s["batch"], s["seq"])).astype(np.int32)
         tokens[:, 0] = 2  # [CLS]
-        positions = np.sort(np.stack([rng.choice(np.arange(1, s["seq"]), predictions, replace=False)
+        positions = np.sort(np.stack([rng.choice(np.arange(1, s["seq"]), masked, replace=False)
                                       for _ in range(s["batch"])]), axis=1).astype(np.int32)
         labels = np.take_along_axis(tokens, positions, axis=1).copy()
         inputs = tokens.copy()
         np.put_along_axis(inputs, positions, 4, axis=1)  # [MASK]
-        out.append({"inputs": inputs, "input_mask": np.ones_like(inputs), "mlm_positions": positions,
-                    "mlm_labels": labels, "mlm_weights": np.ones(positions.shape, np.float32)})
+        pad = ((0, 0), (0, predictions - masked))
+        weights = np.pad(np.ones(positions.shape, np.float32), pad)
+        out.append({"inputs": inputs, "input_mask": np.ones_like(inputs), "mlm_positions": np.pad(positions, pad),
+                    "mlm_labels": np.pad(labels, pad), "mlm_weights": weights})
     return out
 
 
@@ -71,7 +81,9 @@ def dense_labels(batch: dict, ignore: int):
     """(B, L) labels with `ignore` where no prediction is asked for (HF convention)."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     labels = np.full(batch["inputs"].shape, ignore, np.int32)
-    np.put_along_axis(labels, batch["mlm_positions"], batch["mlm_labels"], axis=1)
+    real = batch["mlm_weights"] > 0
+    rows = np.nonzero(real)[0]
+    labels[rows, batch["mlm_positions"][real]] = batch["mlm_labels"][real]
     return labels
 
 
@@ -155,6 +167,8 @@ def worker_torch(args, s: dict) -> dict:
     from transformers import BertForMaskedLM  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
     torch.manual_seed(0)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     model = BertForMaskedLM(hf_config(s, args.dropout))
     model.train()
     decay = [p for n, p in model.named_parameters() if not ("bias" in n or "LayerNorm" in n)]
@@ -258,19 +272,70 @@ def model_flops(s: dict, predictions) -> float:
                                       causal=False, mlm_predictions=predictions)
 
 
-def run_worker(args, kind: str, arg: str) -> dict:
+def run_worker(args, kind: str, arg: str, predictions: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker_arg", arg]
     for key in ("shape", "layers", "hidden", "heads", "mlp", "vocab", "seq", "batch", "steps", "warmup",
-                "predictions", "dropout", "backend", "profile_dir"):
+                "dropout", "backend", "profile_dir", "torch_threads"):
         value = getattr(args, key)
         if value not in (None, ""):
             cmd += [f"--{key}", str(value)]
+    cmd += ["--predictions", str(predictions)]
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_loop(args, s: dict, cache_dir: str) -> dict:
+    """The real `python -m launch pretrain` (bert_a, the benchmark's shape, embedded corpus) for `--loop_steps`;
+    steady-state tokens/s = median of its metrics.jsonl windows (`log_every` 5) without the first (compilation)
+    and the last (end of run)."""
+    workdir = tempfile.mkdtemp(prefix="bench_loop_")
+    over = {"model.num_layers": s["layers"], "model.hidden_size": s["hidden"], "model.num_heads": s["heads"],
+            "model.mlp_dim": s["mlp"], "model.vocab_size": s["vocab"], "model.max_len": s["seq"],
+            "model.dtype": "float32", "model.dropout_rate": args.dropout, "model.attention_dropout_rate": args.dropout,
+            "model.attention_backend": args.backend, "train.batch_size": s["batch"], "train.steps": args.loop_steps,
+            "train.log_every": 5, "train.eval_every": 10 ** 9, "checkpoint.every": 10 ** 9,
+            "data.name": "embedded", "data.max_predictions": args.predictions, "data.cache_dir": cache_dir}
+    cmd = [sys.executable, "-m", "launch", "pretrain", f"--config=configs/pretrain.py:pe=bert_a,size={args.shape}",
+           f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in over.items()]
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+        if proc.returncode != 0:
+            return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+        with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    windows = [r for r in rows if "tokens_per_sec" in r]
+    steady = windows[1:-1]
+    if not steady:
+        return {"error": [f"only {len(windows)} metrics windows; raise --loop_steps"]}
+    tokens_per_s = statistics.median(r["tokens_per_sec"] for r in steady)
+    return {"tokens_per_s_windows": [r["tokens_per_sec"] for r in windows], "steady_windows": len(steady),
+            "loop_tokens_per_s": tokens_per_s, "step_ms": 1e3 * s["batch"] * s["seq"] / tokens_per_s,
+            "command": " ".join(cmd[1:])}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_round": values}
+
+
+# ratio name -> (job whose step time is divided, job it is divided by): a step-time ratio, i.e. the tokens/s
+# ratio of the second job over the first
+RATIOS = {
+    "default: bert_a tokens/s / HF torch": ("torch", "bert_a"),
+    "default: bert_a tokens/s / HF Flax": ("flax", "bert_a"),
+    "equal work: bert_a@all tokens/s / HF torch": ("torch", "bert_a@all"),
+    "equal work: bert_a@all tokens/s / HF Flax": ("flax", "bert_a@all"),
+    "tupe_a step / bert_a step": ("tupe_a", "bert_a"),
+    "tupe_r step / bert_a step": ("tupe_r", "bert_a"),
+    "loop tokens/s / benchmark bert_a tokens/s": ("bert_a", "loop"),
+}
 
 
 def main() -> None:
@@ -282,88 +347,111 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--predictions", type=int, default=0, help="MLM slots per sequence (0: ceil(0.15·seq))")
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--rounds", type=int, default=1, help="repeat all jobs, interleaved; keep each job's best round")
+    ap.add_argument("--rounds", type=int, default=3, help="repeat all jobs, interleaved (order rotated per round)")
     ap.add_argument("--backend", default="einsum", help="ours: model.attention_backend (einsum|xla)")
-    ap.add_argument("--schemes", default=",".join(ALL_SCHEMES), help="ours; 'scheme:concat' = TUPE concat form")
+    ap.add_argument("--schemes", default="bert_a,tupe_a,tupe_r", help="ours (" + ",".join(ALL_SCHEMES) + "); "
+                    "'scheme:concat' = TUPE concat form")
+    ap.add_argument("--equal_work", type=int, default=1, help="also bert_a with the head on every position")
     ap.add_argument("--peers", default="torch,flax", help="HF peers to run: torch,flax (or empty)")
+    ap.add_argument("--torch_threads", type=int, default=0, help="HF torch: torch.set_num_threads (0: its default)")
+    ap.add_argument("--loop_steps", type=int, default=40, help="also the real `launch pretrain` loop (0: off)")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile_dir", default="", help="ours: also write a jax.profiler trace of 3 steps here")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--worker_arg", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     s = shape_args(args)
-    args.predictions = args.predictions or -(-15 * s["seq"] // 100)
+    args.default_predictions = -(-15 * s["seq"] // 100)
+    args.predictions = args.predictions or args.default_predictions
 
     if args.worker:
         print(json.dumps(WORKERS[args.worker](args, s)))
         return
 
     load_before = os.getloadavg()
-    jobs = [("ours", x) for x in args.schemes.split(",") if x] + [(p, "") for p in args.peers.split(",") if p]
-    peaks, best = [], {}
-    for round_index in range(args.rounds):  # rounds interleave the jobs; per job the round with the lowest median
-        peak, torch_threads = matmul_peak()
-        peaks.append(peak)
-        for kind, arg in jobs:
-            t0 = time.perf_counter()
-            result = run_worker(args, kind, arg)
-            result.update(kind=kind, scheme=arg, wall_s=round(time.perf_counter() - t0, 1), round=round_index,
-                          loadavg_1m=os.getloadavg()[0])
-            old = best.get((kind, arg))
-            if old is None or ("times" in result and ("times" not in old or
-                                                      statistics.median(result["times"]) <
-                                                      statistics.median(old["times"]))):
-                best[(kind, arg)] = result
-            print(f"# round {round_index} {kind} {arg}: " + (f"{1e3 * statistics.median(result['times']):.1f} ms"
-                  if "times" in result else str(result)), file=sys.stderr, flush=True)
-    peak = max(peaks)
-    rows = []
-    for kind, arg in jobs:
-        result = best[(kind, arg)]
-        if "times" in result:
-            step_s = statistics.median(result["times"])
-            result["min_step_ms"] = 1e3 * min(result["times"])
-            flops = model_flops(s, result["predictions"])
-            result.update(step_ms=1e3 * step_s, tokens_per_s=s["batch"] * s["seq"] / step_s,
-                          model_flops_per_step=flops, model_flops_per_s=flops / step_s,
-                          mfu=flops / step_s / peak)
-        rows.append(result)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    jobs = [(x, "ours", x, args.predictions) for x in args.schemes.split(",") if x]
+    if args.equal_work:
+        jobs.append(("bert_a@all", "ours", "bert_a", s["seq"]))
+    jobs += [(p, p, "", args.predictions) for p in args.peers.split(",") if p]
+    if args.loop_steps:
+        jobs.append(("loop", "loop", "bert_a", args.predictions))
+    cache_dir = tempfile.mkdtemp(prefix="bench_cache_")
+    peaks, results = [], {name: [] for name, *_ in jobs}
+    try:
+        for round_index in range(args.rounds):
+            peak, torch_threads = matmul_peak()
+            peaks.append(peak)
+            shift = round_index % len(jobs)      # rotate the order: no job always runs first or after the same one
+            for name, kind, arg, predictions in jobs[shift:] + jobs[:shift]:
+                load = os.getloadavg()[0]
+                t0 = time.perf_counter()
+                result = (run_loop(args, s, cache_dir) if kind == "loop"
+                          else run_worker(args, kind, arg, predictions))
+                result.update(job=name, kind=kind, scheme=arg, round=round_index, predictions_slots=predictions,
+                              wall_s=round(time.perf_counter() - t0, 1), loadavg_1m_before=load,
+                              loadavg_1m_after=os.getloadavg()[0])
+                if "times" in result:
+                    result["step_ms"] = 1e3 * statistics.median(result["times"])
+                results[name].append(result)
+                print(f"# round {round_index} {name}: " + (f"{result['step_ms']:.1f} ms" if "step_ms" in result
+                      else str(result.get("error"))), file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
 
-    names = {"ours": "tupe-jax", "torch": "HF BertForMaskedLM (PyTorch)", "flax": "HF FlaxBertForMaskedLM"}
-    bert = next((r for r in rows if r["kind"] == "ours" and r["scheme"] == "bert_a" and "step_ms" in r), None)
-    print(f"\nshape={args.shape} {s} dropout={args.dropout} backend={args.backend} predictions/seq="
-          f"{args.predictions} steps={args.steps} (median) warmup={args.warmup}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; fp32 matmul peak "
-          f"(torch 2048³, best of 7, {torch_threads} threads, max over {len(peaks)} rounds: "
-          f"{', '.join(f'{p / 1e9:.1f}' for p in peaks)}) = {peak / 1e9:.1f} GFLOP/s; load average before "
-          f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; rounds={args.rounds}\n")
-    print("| implementation | scheme | step ms (median) | step ms (min) | tokens/s | model GFLOP/step | "
-          "model GFLOP/s | MFU | vs BERT-A step |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        if "step_ms" not in r:
-            print(f"| {names[r['kind']]} | {r['scheme'] or 'bert'} | error: {r.get('error')} | | | | | | |")
+    def round_step(name: str, r: int):
+        rows = [x for x in results.get(name, []) if x["round"] == r and "step_ms" in x]
+        return rows[0]["step_ms"] if rows else None
+
+    ratios = {}
+    for label, (num, den) in RATIOS.items():
+        per_round = [round_step(num, r) / round_step(den, r) for r in range(args.rounds)
+                     if round_step(num, r) and round_step(den, r)]
+        if per_round:
+            ratios[label] = spread(per_round)
+    jobs_out = {}
+    for name, kind, arg, predictions in jobs:
+        steps_ms = [x["step_ms"] for x in results[name] if "step_ms" in x]
+        if not steps_ms:
+            jobs_out[name] = {"error": [x.get("error") for x in results[name]]}
             continue
-        rel = f"{r['step_ms'] / bert['step_ms']:.3f}×" if bert else ""
-        print(f"| {names[r['kind']]} | {r['scheme'] or 'BERT (learned abs.)'} | {r['step_ms']:.1f} | "
-              f"{r['min_step_ms']:.1f} | "
-              f"{r['tokens_per_s']:,.0f} | {r['model_flops_per_step'] / 1e9:.1f} | "
-              f"{r['model_flops_per_s'] / 1e9:.1f} | {100 * r['mfu']:.1f}% | {rel} |")
-    if bert:
-        for kind in ("torch", "flax"):
-            peer = next((r for r in rows if r["kind"] == kind and "step_ms" in r), None)
-            if peer:
-                print(f"\nBERT-A tokens/s ÷ {names[kind]} = {bert['tokens_per_s'] / peer['tokens_per_s']:.2f}×")
-    for r in rows:
-        if "threads" in r:
-            print(f"- {names[r['kind']]} {r['scheme']}: {r['version']}; {r['threads']}; final loss "
-                  f"{r['final_loss']:.3f}" + (f"; pipelined (one sync) {1e3 * r['pipelined_s']:.1f} ms/step"
-                                              if "pipelined_s" in r else ""))
+        flops = model_flops(s, predictions if kind in ("ours", "loop") else None)
+        median_s = statistics.median(steps_ms) / 1e3
+        jobs_out[name] = {"kind": kind, "scheme": arg, "predictions_slots": predictions if kind != "torch" and
+                          kind != "flax" else None, "step_ms": spread(steps_ms),
+                          "tokens_per_s": s["batch"] * s["seq"] / median_s, "model_flops_per_step": flops,
+                          "model_flops_per_s": flops / median_s}
+
+    names = {"ours": "tupe-jax", "torch": "HF BertForMaskedLM (PyTorch)", "flax": "HF FlaxBertForMaskedLM",
+             "loop": "tupe-jax `launch pretrain` loop"}
+    print(f"\nshape={args.shape} {s} dropout={args.dropout} backend={args.backend} masked/seq="
+          f"{args.default_predictions} steps={args.steps} (median per job and round) warmup={args.warmup} "
+          f"rounds={args.rounds}; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}\n")
+    print("| job | implementation | head slots | step ms, median of rounds (min–max) | tokens/s | model GFLOP/step |"
+          " model GFLOP/s |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    for name, kind, _, predictions in jobs:
+        j = jobs_out[name]
+        if "error" in j:
+            print(f"| {name} | {names[kind]} | | error: {j['error']} | | | |")
+            continue
+        st = j["step_ms"]
+        print(f"| {name} | {names[kind]} | {j['predictions_slots'] or s['seq']} | {st['median']:.1f} "
+              f"({st['min']:.1f}–{st['max']:.1f}) | {j['tokens_per_s']:,.0f} | "
+              f"{j['model_flops_per_step'] / 1e9:.1f} | {j['model_flops_per_s'] / 1e9:.1f} |")
+    print("\n| ratio (per round, then median) | median | min–max | per round |\n|---|---:|---|---|")
+    for label, r in ratios.items():
+        print(f"| {label} | {r['median']:.3f}× | {r['min']:.3f}–{r['max']:.3f} | "
+              f"{', '.join(f'{x:.3f}' for x in r['per_round'])} |")
     out = args.json or os.path.join(HERE, f"results_{args.shape}.json")
     with open(out, "w", encoding="utf-8") as f:
-        json.dump({"shape": s, "args": vars(args), "peak_flops": peak, "peaks": peaks, "torch_threads": torch_threads,
-                   "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                   "rows": rows}, f, indent=1)
+        json.dump({"command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]), "started": started,
+                   "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "shape": s,
+                   "args": vars(args), "machine": f"{platform.processor() or platform.machine()}, "
+                   f"{os.cpu_count()} cores", "peaks_flops": peaks, "torch_threads": torch_threads,
+                   "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "ratios": ratios,
+                   "jobs": jobs_out, "runs": results}, f, indent=1)
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

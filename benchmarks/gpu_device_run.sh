@@ -3,7 +3,8 @@
 # has jax (CUDA) and flax; missing pure-Python packages come as wheels in .whl/ (ml_collections, grain,
 # array-record, portpicker; .whl/opt/ holds a flax 0.12.8 fallback used only if the machine's flax fails the smoke).
 # Writes gpu_mfu.json and gpu_mfu.log to $OUT (or benchmarks/). Env: GPU_BENCH_CONFIGS (gpu_mfu.py --configs),
-# GPU_BENCH_BUDGET / GPU_BENCH_TIMEOUT (seconds), GPU_SKIP_SMOKE=1 (skip the 30 s script check), GPU_BENCH_PROFILE=1 (3-step traces).
+# GPU_BENCH_BUDGET / GPU_BENCH_TIMEOUT (seconds), GPU_SKIP_SMOKE=1 (skip the 30 s script check), GPU_BENCH_PROFILE=1 (3-step traces),
+# GPU_ATTN_DROPOUT (gpu_mfu.py --attention_dropout; 0.1 = the paper's recipe), GPU_BENCH_TAG (suffix of the output names).
 set -u
 OUT=${OUT:-benchmarks}
 export PYTHONUNBUFFERED=1
@@ -19,4 +20,6 @@ elif ! timeout 120 python3 benchmarks/gpu_mfu.py --smoke --configs bert_a:bias:x
   timeout 120 python3 benchmarks/gpu_mfu.py --smoke --configs bert_a:bias:xla --json /tmp/smoke.json || exit 1
 fi
 timeout "${GPU_BENCH_TIMEOUT:-360}" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s "${GPU_BENCH_BUDGET:-270}" \
-  --configs "${GPU_BENCH_CONFIGS:-}" ${GPU_BENCH_PROFILE:+--profile_dir "$OUT"} --json "$OUT/gpu_mfu.json" 2>&1 | tee "$OUT/gpu_mfu.log"
+  --configs "${GPU_BENCH_CONFIGS:-}" ${GPU_BENCH_PROFILE:+--profile_dir "$OUT"} \
+  ${GPU_ATTN_DROPOUT:+--attention_dropout "$GPU_ATTN_DROPOUT"} \
+  --json "$OUT/gpu_mfu${GPU_BENCH_TAG:-}.json" 2>&1 | tee "$OUT/gpu_mfu${GPU_BENCH_TAG:-}.log"

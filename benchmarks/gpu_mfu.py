@@ -6,8 +6,9 @@ XLA vs cuDNN attention. Prepared to finish in under 5 minutes on an H100/H200; n
     python benchmarks/gpu_mfu.py --smoke         # 2-layer d128 seq 128 on any backend (checks the script itself)
 
 Per configuration: `configs/pretrain.py:pe=<scheme>,size=base` (12 layers, d 768, 12 heads, MLP 3072, vocab 30522),
-max_len 512, dtype bfloat16 (params float32), attention-probability dropout 0 (the fused kernels have no dropout;
-hidden dropout stays 0.1), no padding (input_mask None, so no mask reaches the kernel), MLM head on the P = 77
+max_len 512, dtype bfloat16 (params float32), attention-probability dropout `--attention_dropout` (default 0: the
+fused paths run only without it; 0.1 = the paper's recipe, which then trains through the einsum path; hidden dropout
+stays 0.1), no padding (input_mask None, so no mask reaches the kernel), MLM head on the P = 77
 masked positions. The full jitted train step (forward + backward + clip + AdamW, donated state, batches already
 on the device) is timed over `--steps` steps after `--warmup` steps; step time = median, each step synced.
 Model FLOPs from `tupe_jax.metrics.transformer_training_flops`; MFU against (a) the device's dense bf16 peak from
@@ -66,7 +67,7 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
     with config.unlocked():
         m = config.model
         m.max_len, m.dtype = args.seq, args.dtype
-        m.attention_dropout_rate = 0.0
+        m.attention_dropout_rate = args.attention_dropout
         m.tupe_form, m.attention_backend = form, backend
         config.train.batch_size, config.train.steps, config.train.warmup_steps = args.batch, 10_000, 100
     cfg = ModelConfig.from_config(config.model)
@@ -109,7 +110,9 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
             shutil.copy(path, os.path.join(args.profile_dir, f"trace_{scheme}_{form}_{backend}_{rng_impl}.json.gz"))
     flops = transformer_training_flops(cfg.num_layers, cfg.hidden_size, cfg.mlp_dim, cfg.vocab_size, args.seq,
                                        args.batch, causal=False, mlm_predictions=predictions)
-    return {"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl, "step_ms": 1e3 * step_s,
+    return {"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl,
+            "attention_dropout": args.attention_dropout,
+            "fused_attention_ran": backend != "einsum" and args.attention_dropout == 0.0, "step_ms": 1e3 * step_s,
             "min_step_ms": 1e3 * min(times), "tokens_per_s": args.batch * args.seq / step_s,
             "model_tflops_per_s": flops / step_s / 1e12, "model_tflop_per_step": flops / 1e12,
             "loss_after_warmup": loss0, "final_loss": float(metrics["loss"]),
@@ -126,6 +129,8 @@ def main() -> None:
     ap.add_argument("--budget_s", type=float, default=270.0, help="stop starting new configurations after this")
     ap.add_argument("--configs", default="", help="subset, e.g. 'bert_a:bias:cudnn,tupe_a:concat:cudnn:rbg' "
                     "(scheme:tupe_form:attention_backend[:dropout_rng])")
+    ap.add_argument("--attention_dropout", type=float, default=0.0,
+                    help="0.1 = the paper's recipe (the fused backends then fall back to the einsum path in training)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, seq 128, batch 4, float32, 2 steps")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile_dir", default="", help="also write a 3-step jax.profiler trace per configuration")

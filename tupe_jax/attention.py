@@ -11,6 +11,14 @@ Backends: `einsum` (explicit logits; can return attention probabilities; attenti
 for and attention dropout is off or the pass is deterministic — otherwise the einsum path runs). A q/k transform
 may widen the head dim of q and k (TUPE's concat form); the fused path then pads v with zeros to match and slices
 the output back.
+
+Bias precision on the fused paths (`fused_bias`): `xla` gets the float32 bias as is — its kernel adds it to float32
+logits (bf16 q·k accumulate in float32), so nothing is rounded. cuDNN's kernel takes the bias only in q's dtype
+(bf16: unit roundoff u = 2⁻⁸, an ALiBi entry −m·|i−j| ≈ −128 is off by up to 0.5): there the bias is first shifted
+by its row maximum (in float32; softmax is shift-invariant per row, so the maths and gradients are unchanged),
+which makes the entries that carry the softmax mass the smallest in magnitude. Rounding error of an entry
+≤ u·(its distance below the row's top bias), so where the error is large the entry's weight is already
+≤ e^(−distance); for bits that match float32 use `xla` or `einsum`.
 """
 from __future__ import annotations
 
@@ -42,7 +50,7 @@ def add_shared_bias(logits: jax.Array, bias: jax.Array) -> jax.Array:
 
     Same value and gradients as `logits + bias`; the bias cotangent Σ_b g_b is written as a contraction with a
     ones vector, 1ᵀ·g. XLA:CPU (jaxlib 0.10) lowers the plain reduce over the leading batch axis ~50× slower
-    than that dot (11 ms vs 0.2 ms for 4 layers of (16, 4, 128, 128) — benchmarks/RESULTS.md), which was most
+    than that dot (11 ms vs 0.2 ms for 4 layers of (16, 4, 128, 128), profiled in issue #7), which was most
     of TUPE's step-time overhead over BERT-A.
     """
     return logits + bias
@@ -60,6 +68,18 @@ def _add_shared_bias_bwd(_, g):
 add_shared_bias.defvjp(_add_shared_bias_fwd, _add_shared_bias_bwd)
 
 
+def fused_bias(bias: Optional[jax.Array], backend: str, dtype: jnp.dtype) -> Optional[jax.Array]:
+    """The positional bias handed to `jax.nn.dot_product_attention` (module docstring: bias precision).
+
+    `xla`: float32 unchanged (added to float32 logits, no rounding). `cudnn`: b − max_k b (row-wise, float32,
+    stop-gradient on the max; same softmax and gradients), then cast to the compute dtype, as the kernel requires.
+    """
+    if bias is None or backend == "xla" or bias.dtype == dtype:
+        return bias
+    bias = bias.astype(jnp.float32)
+    return (bias - jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True))).astype(dtype)
+
+
 def attention_logits(q: jax.Array, k: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array]) -> jax.Array:
     """(B, L, H, d) x2 -> float32 logits (B, H, L, L) with scale, bias and mask applied."""
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * terms.logit_scale
@@ -70,6 +90,17 @@ def attention_logits(q: jax.Array, k: jax.Array, terms: PositionalTerms, mask: O
     if mask is not None:
         logits = jnp.where(mask, logits, NEG_INF)
     return logits
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array],
+                    backend: str) -> jax.Array:
+    """(B, L, H, d) q/k/v -> (B, L, H, d_v) through `jax.nn.dot_product_attention(implementation=backend)`, the
+    bias from `fused_bias`; a widened q/k head dim (TUPE concat form) pads v with zeros and slices the output."""
+    value_dim = v.shape[-1]
+    if q.shape[-1] != value_dim:  # concatenated heads (TUPE concat form): the kernel wants one head dim
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - value_dim)))
+    return jax.nn.dot_product_attention(q, k, v, bias=fused_bias(terms.logit_bias, backend, q.dtype), mask=mask,
+                                        scale=terms.logit_scale, implementation=backend)[..., :value_dim]
 
 
 # `model.attention_backend`: the einsum path (any scheme, dropout, probabilities) or jax.nn.dot_product_attention's
@@ -97,12 +128,7 @@ class SelfAttention(nn.Module):
         probs = None
         use_fused = self.backend != "einsum" and not return_probs and (deterministic or self.dropout_rate == 0.0)
         if use_fused:
-            bias = None if terms.logit_bias is None else terms.logit_bias.astype(q.dtype)
-            value_dim = v.shape[-1]
-            if q.shape[-1] != value_dim:  # concatenated heads (TUPE concat form): the kernel wants one head dim
-                v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - value_dim)))
-            out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=terms.logit_scale,
-                                               implementation=self.backend)[..., :value_dim]
+            out = fused_attention(q, k, v, terms, mask, self.backend)
         else:
             probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
             dropped = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)

@@ -135,8 +135,8 @@ def dropout_key(rng: jax.Array, impl: str) -> jax.Array:
 
     The train state keeps a raw threefry key whatever `impl` is (checkpoints do not depend on it); 'rbg' and
     'unsafe_rbg' re-key from 4 threefry words. They draw the masks with XLA's RngBitGenerator instead of threefry
-    hashing: BERT-base step on an H200 −4 %, no gain on CPU (benchmarks/RESULTS.md). Different bits, so a run's
-    dropout masks (not its statistics) depend on the choice.
+    hashing: BERT-base step on an H200 −4 %, +5 % on the CPU reference step (benchmarks/RESULTS.md). Different
+    bits, so a run's dropout masks (not its statistics) depend on the choice.
     """
     if impl == "threefry2x32":
         return rng

@@ -24,6 +24,23 @@ from tupe_jax.data.pipeline import resolve_max_predictions
 from tupe_jax.model import TransformerLM
 
 
+def argmax_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """float32 (argmax(logits, -1) == labels), first index winning ties, as `jnp.argmax`.
+
+    label = argmax  ⇔  logits[label] = max(logits)  and  no j < label has logits[j] = max(logits).
+    Same values as the argmax form (NaN rows aside: a non-finite loss stops the run anyway), but XLA:CPU lowers
+    argmax to a variadic (value, index) reduce several times slower than these plain reduces: the step with the
+    head on all 128 positions ran 1.074× longer with argmax (benchmarks/results_levers_cpu.json). `batch_loss`
+    passes the logits through an optimization barrier first: without it XLA shares this max with the loss's
+    log-softmax and re-fuses the loss, whose float32 value then moves by an ulp (tests/test_behaviour.py).
+    """
+    top = jnp.max(logits, axis=-1)
+    at_label = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    earlier = jnp.arange(logits.shape[-1], dtype=jnp.int32) < labels[..., None].astype(jnp.int32)
+    tie_before = jnp.any((logits == top[..., None]) & earlier, axis=-1)
+    return ((at_label == top) & ~tie_before).astype(jnp.float32)
+
+
 def batch_loss(model: TransformerLM, params: Any, batch: LMBatch, rng: jax.Array, deterministic: bool):
     """(Σ token NLL, {'weight': Σ weights, 'correct': Σ weighted hits}) for an MLM or CLM batch. MLM scores the
     gathered prediction slots (`mlm_positions`), CLM every next token."""
@@ -37,7 +54,7 @@ def batch_loss(model: TransformerLM, params: Any, batch: LMBatch, rng: jax.Array
                              rngs={"dropout": rng})["logits"]
         labels, weights = batch.mlm_labels, batch.mlm_weights
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    correct = argmax_hits(jax.lax.optimization_barrier(logits), labels)   # the loss fuses as before
     return jnp.sum(nll * weights), {"weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
 
 

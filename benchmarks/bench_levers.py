@@ -1,0 +1,104 @@
+"""In-process A/B of train-step variants (speed levers) at the benchmark's reference shape; not a test.
+
+    python benchmarks/bench_levers.py --slots 128 --rounds 5 --json benchmarks/results_levers_cpu.json
+
+One process builds every variant (bert_a, `size=small`: 4 layers, d 256, 4 heads, MLP 1024, vocab 8192, batch
+16 × 128, float32, dropout 0.1), compiles each, then runs `--steps` synced steps of each variant in turn, `--rounds`
+times. A variant's ratio to the first one ("current") is computed within each round; reported: the median over
+rounds with its min–max (the machine may be shared: the spread is the noise). `--slots`: MLM head slots per row
+(20 = the default head on the masked positions, 128 = equal work with HF). Variants:
+- current: the code as it is;
+- argmax (before): the accuracy metric via `jnp.argmax` instead of `pretrain.steps.argmax_hits`;
+- rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
+- no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1) -> dict:
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from bench_train import SHAPES, synthetic_batches  # pylint: disable=import-outside-toplevel
+    from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax.data.batch import LMBatch  # pylint: disable=import-outside-toplevel
+    from tupe_jax.model import ModelConfig, TransformerLM  # pylint: disable=import-outside-toplevel
+    from tupe_jax.optim import make_optimizer  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain import steps  # pylint: disable=import-outside-toplevel
+    from tupe_jax.trainer import init_state_fn  # pylint: disable=import-outside-toplevel
+
+    shape = dict(zip(("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"), SHAPES["small"]))
+    config = get_config("pe=bert_a,size=small")
+    with config.unlocked():
+        config.model.dropout_rate = config.model.attention_dropout_rate = dropout
+        config.train.batch_size, config.train.steps, config.train.warmup_steps = shape["batch"], 1000, 10
+    model = TransformerLM(ModelConfig.from_config(config.model))
+    tx, schedule = make_optimizer(config.train)
+    state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, shape["seq"])(r)))(jax.random.PRNGKey(0))
+    kept = steps.argmax_hits
+    if plain_argmax:
+        steps.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    try:
+        step = jax.jit(steps.make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
+        batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))
+                   for b in synthetic_batches(shape, 4, slots)]
+        variant = {"state": state, "step": step, "batches": batches, "i": 0}
+        run(variant, 2)   # compile (traced while the patch is in place) + one warm step
+    finally:
+        steps.argmax_hits = kept
+    return variant
+
+
+def run(variant: dict, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        variant["state"], metrics = variant["step"](variant["state"], variant["batches"][variant["i"] % 4])
+        variant["i"] += 1
+        float(metrics["loss"])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slots", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    variants = {"current": build(args.slots), "argmax (before)": build(args.slots, plain_argmax=True),
+                "rbg": build(args.slots, "rbg"), "unsafe_rbg": build(args.slots, "unsafe_rbg"),
+                "no dropout": build(args.slots, dropout=0.0)}
+    per = {name: [] for name in variants}
+    loads = []
+    for _ in range(args.rounds):
+        for name, variant in variants.items():
+            per[name].append(1e3 * run(variant, args.steps))
+        loads.append(os.getloadavg()[0])
+    out = {"command": "python benchmarks/bench_levers.py " + " ".join(sys.argv[1:]), "slots": args.slots,
+           "loadavg_before": load_before, "loadavg_per_round": loads, "step_ms_per_round": per, "ratios": {}}
+    for name, values in per.items():
+        ratios = [a / b for a, b in zip(values, per["current"])]
+        out["ratios"][name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        print(f"{name}: {statistics.median(values):.1f} ms; vs current {statistics.median(ratios):.3f}× "
+              f"({min(ratios):.3f}–{max(ratios):.3f})", flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
