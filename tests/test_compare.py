@@ -138,3 +138,17 @@ def test_tiny_tupe_suite_fine_tunes_and_tabulates(tmp_path):
     assert report["glue"]["tupe_a-mlm"]["0"]["wordorder"]["steps"] == 3
     assert (workdir / "glue" / "tupe_a-mlm-s0" / "wordorder" / "results.json").is_file()
     assert (workdir / "glue.png").is_file() and "## Fine-tuning" in (workdir / "REPORT.md").read_text()
+
+
+def test_a_finished_run_is_shared_by_suites_with_and_without_glue(tmp_path):
+    """data.glue_dir is read only by fine-tuning: a pretraining run made by a suite with GLUE is reused by one
+    without; a key that changes the training is still refused."""
+    config = load("suite=tupe", **{"data.glue_dir": tmp_path / "glue"})
+    scheme = suite_lib.parse_schemes(config)[0]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(config_lib.to_json(suite_lib.scheme_config(config, scheme, 0)))
+    suite_lib._check_same_run(str(run), suite_lib.scheme_config(load("suite=tupe"), scheme, 0))
+    with pytest.raises(UserError, match="learning_rate"):
+        suite_lib._check_same_run(str(run), suite_lib.scheme_config(
+            load("suite=tupe", **{"train.learning_rate": 0.5}), scheme, 0))

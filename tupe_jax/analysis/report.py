@@ -14,6 +14,7 @@ import os
 from typing import Any, Optional
 
 from tupe_jax import files, plots
+from tupe_jax.analysis import findings
 from tupe_jax.analysis.findings import mean_std
 
 GLUE_NAMES = {"cola": "CoLA (MCC)", "sst2": "SST-2 (acc)", "mrpc": "MRPC (acc)", "stsb": "STS-B (Pearson)",
@@ -270,5 +271,12 @@ def write(report: dict, workdir: str) -> list[str]:
 
 
 def render(workdir: str) -> list[str]:
-    """Re-render REPORT.md and the PNGs from workdir/report.json."""
-    return write(files.read_json(os.path.join(workdir, "report.json")), workdir)
+    """Re-render REPORT.md and the PNGs from workdir/report.json, with the findings recomputed from its data
+    (report.json is rewritten when they changed)."""
+    path = os.path.join(workdir, "report.json")
+    report = files.read_json(path)
+    fresh = findings.evaluate(report)
+    if fresh != report.get("findings"):
+        report["findings"] = fresh
+        files.write_json(path, report, indent=1)
+    return write(report, workdir)

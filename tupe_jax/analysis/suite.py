@@ -80,9 +80,11 @@ def _refuse_other_config(path: str, new: ml_collections.ConfigDict, sections: tu
 
 
 def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
-    """Refuse to reuse a run trained with other model/data/train keys (not identical compute)."""
+    """Refuse to reuse a run trained with other model/data/train keys (not identical compute; data.glue_dir is read
+    only by fine-tuning, so suites with and without GLUE share pretraining runs)."""
     _refuse_other_config(path, sub, ("model", "data", "train"),
-                         ("train.log_every", "train.eval_every", "train.eval_steps"), "trained", "--config.runs_dir",
+                         ("train.log_every", "train.eval_every", "train.eval_steps", "data.glue_dir"), "trained",
+                         "--config.runs_dir",
                          "use a fresh workdir/runs_dir, or the same config as that run")
 
 
