@@ -99,6 +99,10 @@ def markdown(result: dict) -> str:
                      else f"ppl {r.get('eval_perplexity', 2.718281828 ** r['eval_loss']):.1f}")
             lines.append(f"| {name} | {r['step']} | {r['step'] * 16 * 128 / 1e6:.1f} | {r['minutes']:.1f} | "
                          f"{r['eval_loss']:.3f} | {extra} |")
+    done = {n: (r["curve"][-1]["step"] if r["curve"] else 0) for n, r in result["runs"].items()}
+    lines += ["", "Status: " + "; ".join(
+        f"{n} {'complete' if done.get(n, 0) >= steps else (f'stopped at step {done[n]} of {steps}' if n in done else 'not run')}"
+        for n, steps in RUNS.items()) + " (rerun the command to continue: finished runs are reused)."]
     for shape in SHAPES:
         a, b = result["runs"].get(f"{shape}-bert_a-mlm"), result["runs"].get(f"{shape}-nopos-mlm")
         if not (a and b):

@@ -239,9 +239,9 @@ def _findings(report: dict) -> list[str]:
     rows = []
     for f in report["findings"]:
         for i, p in enumerate(f["parts"]):
-            per_seed = ", ".join(f"{_f(v)}" for _, v in sorted(p["per_seed"].items(), key=lambda kv: int(kv[0])))
+            per_seed = ", ".join(f"{_f(v, 4)}" for _, v in sorted(p["per_seed"].items(), key=lambda kv: int(kv[0])))
             rows.append([f"{f['claim']} ({f['paper']})" if i == 0 else "", p["comparison"], per_seed,
-                         f"{_f(p['mean'])} ± {_f(p['std'])} {p['unit']}", p["verdict"],
+                         f"{_f(p['mean'], 4)} ± {_f(p['std'], 4)} {p['unit']}", p['verdict'],
                          f"**{f['verdict']}**" if i == 0 else ""])
     notes = [f"- {f['claim']}: {f['note']}" for f in report["findings"] if f.get("note")]
     return (["## Findings", "", "Each comparison is a per-seed paired difference predicted positive by the paper. "

@@ -1,0 +1,36 @@
+"""Documents that are generated from data: the README's findings table equals what tools/findings_table.py builds
+from the committed docs/experiments/*/report.json, and every report it cites exists."""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import findings_table  # noqa: E402
+
+
+def test_readme_findings_table_is_generated_from_the_reports():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    block = text.split(findings_table.BEGIN, 1)[1].split(findings_table.END, 1)[0]
+    assert block.strip() == findings_table.table().strip(), "run: python tools/findings_table.py --write"
+    for link in re.findall(r"\]\((docs/experiments/[^)]+)\)", block):
+        assert os.path.isfile(os.path.join(ROOT, link)), link
+
+
+def test_replace_block_refuses_a_readme_without_markers():
+    try:
+        findings_table.replace_block("no markers here", "x")
+    except SystemExit as err:
+        assert str(err).startswith("error: no <!-- findings:begin -->")
+    else:
+        raise AssertionError("expected SystemExit")
+    assert findings_table.replace_block(f"a {findings_table.BEGIN}\nold\n{findings_table.END} b", "new\n") == \
+        f"a {findings_table.BEGIN}\nnew\n{findings_table.END} b"
+
+
+def test_the_script_prints_the_table():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "findings_table.py")], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.startswith("Scale of every run in the table:") and "| finding (paper) |" in out
