@@ -97,8 +97,9 @@ def test_the_parallel_learner_gives_the_vocabulary_of_tokenizer_train(made):
 def test_rerun_of_a_finished_directory_changes_nothing(made, capsys):
     corpus, out = made
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*.array_record")}
-    rc, _ = run_launch(prepare_args(corpus, out), capsys)
-    assert rc == 0 and before == {p: p.stat().st_mtime_ns for p in out.rglob("*.array_record")}
+    rc, err = run_launch(prepare_args(corpus, out), capsys)
+    assert rc == 0, err
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*.array_record")}
 
 
 def test_resume_writes_only_missing_shards(made, tmp_path, capsys):

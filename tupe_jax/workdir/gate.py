@@ -78,8 +78,8 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
                 f"--overwrite_config would misrepresent {workdir}: its checkpoints/results were made with the "
                 "stored config.json", "--overwrite_config", "use a fresh workdir")
         return []
-    flat_old = with_added_defaults(config_lib.flatten(old))
-    flat_new = config_lib.flatten(new)
+    flat_old = with_added_defaults(config_lib.flatten(old))      # both sides: a config section without the key
+    flat_new = with_added_defaults(config_lib.flatten(new))      # (e.g. prepare's small `model`) reads the same
     changed = [k for k in sorted(set(flat_old) | set(flat_new)) if flat_old.get(k) != flat_new.get(k)]
     refused = [k for k in changed if not resumable(k)]
     if refused:
@@ -134,4 +134,5 @@ def differing_keys(workdir: str, config: ml_collections.ConfigDict, sections: tu
     if not files.isfile(path):
         return []
     old = config_lib.unflatten(with_added_defaults(config_lib.flatten(_read_stored(path))))
-    return [d for d in config_lib.config_differences(old, config.to_dict(), sections) if not d.startswith(ignore)]
+    new = config_lib.unflatten(with_added_defaults(config_lib.flatten(config.to_dict())))
+    return [d for d in config_lib.config_differences(old, new, sections) if not d.startswith(ignore)]
