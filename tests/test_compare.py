@@ -114,10 +114,10 @@ def test_tiny_extrapolation_suite_end_to_end_and_resume(tmp_path, capsys):
     # the two seeds are different runs: different initialisation and data order give different losses
     alibi = report["schemes"][0]["seeds"]
     assert alibi["0"]["final_eval"]["eval_loss"] != alibi["1"]["final_eval"]["eval_loss"]
-    finding = {f["claim"]: f for f in report["findings"]}["ALiBi degrades least past the training length"]
-    assert finding["verdict"] == "no verdict (fewer than 3 seeds)"     # bert_a is undefined past max_len; 2 seeds
+    # bert_a is undefined past max_len, so ALiBi has nothing to be compared with: no extrapolation finding
+    assert not any("past the training length" in f["claim"] for f in report["findings"])
     text = (workdir / "REPORT.md").read_text()
-    assert "## Extrapolation" in text and "## Findings" in text and "`alibi-clm`" in text and " ± " in text
+    assert "## Extrapolation" in text and "## Findings" not in text and "`alibi-clm`" in text and " ± " in text
 
     # a second run reuses the finished pretraining runs; a different train config is refused
     capsys.readouterr()
