@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 from typing import Any
 
 import jax
@@ -31,7 +30,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tupe_jax import model as model_lib
 from tupe_jax.data.fairseq_bpe import FairseqBpeTokenizer, read_dictionary
 from tupe_jax.errors import UserError, require
 from tupe_jax.interop import fairseq_names, hf
@@ -216,24 +214,4 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE):
 
 def import_fairseq(src: str, workdir: str, base: ml_collections.ConfigDict) -> str:
     """Convert the checkpoint at `src` into a new run folder `workdir` (see the module docstring); returns it."""
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-    require(not (os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir))),
-            f"{workdir} already exists and is not empty", "--workdir", "give a new folder for the imported run")
-    config, params, tokenizer, notes = convert(src, base)
-    existed = os.path.isdir(workdir)
-    try:
-        hf.write_run(workdir, config, params, tokenizer)
-    except BaseException:   # leave no half-written run behind (the folder was new or empty)
-        for name in (os.listdir(workdir) if os.path.isdir(workdir) else []):
-            path = os.path.join(workdir, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-        if not existed and os.path.isdir(workdir):
-            os.rmdir(workdir)
-        raise
-    for note in notes:
-        print(f"note: {note}", flush=True)
-    cfg = ModelConfig.from_config(config.model)
-    print(f"imported {src} -> {workdir} (pe={cfg.pe}, {cfg.num_layers} layers, d={cfg.hidden_size}, "
-          f"{cfg.num_heads} heads, max_len {cfg.max_len}, vocab {tokenizer.vocab_size}, "
-          f"{model_lib.count_params(params):,} parameters, step 0)", flush=True)
-    return workdir
+    return hf.import_into(src, workdir, base, convert)

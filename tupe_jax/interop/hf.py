@@ -203,10 +203,17 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, class
 
 def import_hf(src: str, workdir: str, base: ml_collections.ConfigDict) -> str:
     """Convert the HF folder `src` into a new run folder `workdir` (see the module docstring); returns it."""
+    return import_into(src, workdir, base, convert)
+
+
+def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert_fn: Any) -> str:
+    """The import commands' shared tail: refuse a non-empty `workdir` before reading anything, run
+    `convert_fn(src, base) -> (config, params, tokenizer, notes)`, write the run at step 0 (removing a half-written
+    one on any failure), print the notes and a one-line summary; returns the absolute workdir."""
     workdir = os.path.abspath(os.path.expanduser(workdir))
     require(not (os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir))),
             f"{workdir} already exists and is not empty", "--workdir", "give a new folder for the imported run")
-    config, params, tokenizer, notes = convert(src, base)
+    config, params, tokenizer, notes = convert_fn(src, base)
     existed = os.path.isdir(workdir)
     try:
         write_run(workdir, config, params, tokenizer)
@@ -221,7 +228,8 @@ def import_hf(src: str, workdir: str, base: ml_collections.ConfigDict) -> str:
         print(f"note: {note}", flush=True)
     cfg = ModelConfig.from_config(config.model)
     print(f"imported {src} -> {workdir} (pe={cfg.pe}, {cfg.num_layers} layers, d={cfg.hidden_size}, "
-          f"vocab {tokenizer.vocab_size}, {model_lib.count_params(params):,} parameters, step 0)", flush=True)
+          f"{cfg.num_heads} heads, max_len {cfg.max_len}, vocab {tokenizer.vocab_size}, "
+          f"{model_lib.count_params(params):,} parameters, step 0)", flush=True)
     return workdir
 
 
