@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tupe_jax.errors import UserError
+from tupe_jax.interop.names import fill_rows
 
 Row = tuple[str, "int | None", str, str]
 ENCODER = "sentence_encoder."
@@ -97,28 +97,10 @@ def params_from_fairseq(tensors: dict[str, np.ndarray], want: dict[str, tuple[in
                         where: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """Our params {dotted path: float32 array} for the shapes `want`; returns (params, state-dict names no row
     used, bar IGNORED ones). A missing tensor or one of another shape is a UserError naming it and both shapes."""
-    filled: dict[str, np.ndarray] = {}
-    used = set()
-    for ours, part, theirs, layout in rows:
-        shape = want[ours]
-        expect = _theirs_shape(layout, shape)
-        if theirs not in tensors:
-            raise UserError(f"the checkpoint has no tensor {theirs}", where,
-                            "give a checkpoint of the TUPE code's BertModel (github.com/guolinke/TUPE)")
-        w = np.asarray(tensors[theirs], np.float32)
-        if tuple(w.shape) != expect:
-            raise UserError(f"tensor {theirs} has shape {list(w.shape)}, the stored args ask for {list(expect)}",
-                            where, "give the checkpoint whose args describe its weights")
-        used.add(theirs)
-        value = _ours(layout, w, shape, part)
-        if part is None:
-            filled[ours] = value
-        else:
-            target = filled.setdefault(ours, np.zeros(shape, np.float32))
-            if layout == "in_kernel":
-                target[:, part] = value
-            else:
-                target[part] = value
+    filled, used = fill_rows(
+        tensors, want, rows, where, theirs_shape=_theirs_shape, ours_from=_ours, column_layout="in_kernel",
+        missing_fix="give a checkpoint of the TUPE code's BertModel (github.com/guolinke/TUPE)",
+        shape_what="the stored args", shape_fix="give the checkpoint whose args describe its weights")
     unused = sorted(k for k in tensors if k not in used and not any(k.split(".", 1)[-1].startswith(i) or
                                                                        k.startswith(i) for i in IGNORED))
     return filled, unused

@@ -109,41 +109,57 @@ def _theirs_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[2], shape[0] * shape[1])   # out_kernel
 
 
+def fill_rows(tensors: dict[str, np.ndarray], want: dict[str, tuple[int, ...]], rows: list[Row], where: str, *,
+              theirs_shape: Any, ours_from: Any, column_layout: str, missing_fix: str, shape_what: str,
+              shape_fix: str) -> tuple[dict[str, np.ndarray], set]:
+    """The name-map loop shared by the importers: for each row (ours, part, theirs, layout) check that `theirs`
+    exists with shape `theirs_shape(layout, want[ours])`, convert it with `ours_from(layout, w, shape, part)` and put
+    it at `ours` (a `part` fills one slice: columns for `column_layout`, else the leading axis). Returns (params,
+    names used); a missing tensor or one of another shape is a UserError naming it and both shapes."""
+    filled: dict[str, np.ndarray] = {}
+    used = set()
+    for ours, part, theirs, layout in rows:
+        shape = want[ours]
+        expect = theirs_shape(layout, shape)
+        if theirs not in tensors:
+            raise UserError(f"the checkpoint has no tensor {theirs}", where, missing_fix)
+        w = np.asarray(tensors[theirs], np.float32)
+        if tuple(w.shape) != expect:
+            raise UserError(f"tensor {theirs} has shape {list(w.shape)}, {shape_what} asks for {list(expect)}",
+                            where, shape_fix)
+        used.add(theirs)
+        value = ours_from(layout, w, shape, part)
+        if part is None:
+            filled[ours] = value
+        else:
+            target = filled.setdefault(ours, np.zeros(shape, np.float32))
+            if layout == column_layout:
+                target[:, part] = value
+            else:
+                target[part] = value
+    return filled, used
+
+
 def params_from_bert(tensors: dict[str, np.ndarray], want: dict[str, tuple[int, ...]], rows: list[Row],
                      where: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """Our params as {dotted path: float32 array} from BERT `tensors` (PyTorch names), for the param shapes `want`
     (see `shapes`); only the rows' paths are filled. Returns (params, HF names not used). A missing tensor or one
     of another shape is a UserError naming it and both shapes.
     """
-    filled: dict[str, np.ndarray] = {}
-    used = set()
-    for ours, part, theirs, layout in rows:
-        shape = want[ours]
-        expect = _theirs_shape(layout, shape)
-        if theirs not in tensors:
-            raise UserError(f"the checkpoint has no tensor {theirs}", where,
-                            "give a BERT checkpoint saved by transformers (BertModel/BertForMaskedLM layout)")
-        w = np.asarray(tensors[theirs], np.float32)
-        if tuple(w.shape) != expect:
-            raise UserError(f"tensor {theirs} has shape {list(w.shape)}, the config.json asks for {list(expect)}",
-                            where, "make config.json match the weights (hidden_size, heads, layers, vocab_size)")
-        used.add(theirs)
-        value = _ours_from(layout, w, shape)
-        if part is None:
-            filled[ours] = value
-        else:
-            target = filled.setdefault(ours, np.zeros(shape, np.float32))
-            if layout == "qkv_kernel":
-                target[:, part] = value
-            else:
-                target[part] = value
+    filled, used = fill_rows(
+        tensors, want, rows, where, theirs_shape=_theirs_shape,
+        ours_from=lambda layout, w, shape, part: _ours_from(layout, w, shape), column_layout="qkv_kernel",
+        missing_fix="give a BERT checkpoint saved by transformers (BertModel/BertForMaskedLM layout)",
+        shape_what="the config.json", shape_fix="make config.json match the weights (hidden_size, heads, layers, "
+        "vocab_size)")
+    for ours, _, _, layout in rows:
         if layout == "position":
             token_type = next((k for k in tensors if k.endswith(TOKEN_TYPE)), None)
             if token_type is not None:
                 used.add(token_type)
                 row0 = np.asarray(tensors[token_type], np.float32)[0]
                 if np.any(row0 != 0):
-                    filled[ours] = value + row0[None, :]
+                    filled[ours] = filled[ours] + row0[None, :]
     unused = sorted(k for k in tensors if k not in used and not any(s in k for s in IGNORED))
     return filled, unused
 
