@@ -135,7 +135,7 @@ def test_export_then_import_hf_gives_bitwise_equal_params(pe, objective, tmp_pat
     assert back.tokenizer.vocab == workdir_lib.load_run(str(tmp_path / "run")).tokenizer.vocab
     if hf_config["model_type"] == "tupe_jax":   # docs/interop.md: loading a native export in plain JAX
         import safetensors.numpy
-        from tupe_jax.interop.names import unflatten
+        from tupe_jax.config import unflatten
         from tupe_jax.model import ModelConfig
         cfg = ModelConfig.from_config(hf_config["tupe_jax"]["model"])
         plain = unflatten(safetensors.numpy.load_file(str(tmp_path / "out" / "model.safetensors")))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from tupe_jax.config import unflatten
 from tupe_jax.data.fairseq_bpe import FairseqBpeTokenizer, read_dictionary
 from tupe_jax.errors import UserError, require
 from tupe_jax.interop import fairseq_names, hf
@@ -208,7 +209,7 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE):
     heads = sorted({k.split(".")[1] for k in tensors if k.startswith("classification_heads.")})
     if heads:
         notes.append(f"ignored the fine-tuning head(s) {', '.join(heads)} (fine-tuning starts a fresh one)")
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), hf.names.unflatten(flat))
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), unflatten(flat))
     return config, params, tokenizer, notes
 
 

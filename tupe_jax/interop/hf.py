@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax.config import unflatten
 from tupe_jax import model as model_lib
 from tupe_jax import optim
 from tupe_jax import workdir as workdir_lib
@@ -197,7 +198,7 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, class
         flat, notes = bert_params(tensors, hf, cfg, tokenizer, where, classifier_labels)
     require(tokenizer.vocab_size <= cfg.vocab_size, f"vocab.txt has {tokenizer.vocab_size} tokens but the model "
             f"has {cfg.vocab_size} embedding rows", where, "use the vocab.txt the checkpoint was trained with")
-    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), names.unflatten(flat))
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), unflatten(flat))
     return config, params, tokenizer, notes
 
 

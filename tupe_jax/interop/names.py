@@ -68,17 +68,6 @@ IGNORED = ("embeddings.position_ids", "cls.predictions.decoder.bias", "cls.seq_r
 
 
 # ------------------------------------------------------------------------------------------------ trees
-def unflatten(flat: dict[str, Any]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, last = path.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return tree
-
-
 def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     """{dotted path: shape} of a tree of arrays or ShapeDtypeStructs."""
     return {path: tuple(int(d) for d in leaf.shape) for path, leaf in flatten(tree).items()}
