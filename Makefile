@@ -16,14 +16,15 @@ demo: $(STAMP)
 	$(PY) -m launch demo --workdir=runs/demo
 
 # 8 fake CPU devices (set before JAX starts); a long collective timeout because 8 devices share 2 cores.
+# GLIBC_TUNABLES: huge pages for XLA:CPU's per-call buffers, as `python -m launch` sets for itself (tupe_jax/allocator.py).
 TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=900 \
 	--xla_cpu_collective_call_warn_stuck_timeout_seconds=300
 
 test: $(STAMP)
-	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest -q tests
+	XLA_FLAGS="$(TEST_XLA_FLAGS)" GLIBC_TUNABLES=glibc.malloc.hugetlb=1 $(PY) -m pytest -q tests
 
 test-fast: $(STAMP)
-	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(PY) -m pytest -q -m "not slow" tests
+	XLA_FLAGS="$(TEST_XLA_FLAGS)" GLIBC_TUNABLES=glibc.malloc.hugetlb=1 $(PY) -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -21,6 +21,11 @@ rate is measured at the start of every round (recorded, for reference only).
 Model FLOPs (`tupe_jax.metrics.transformer_training_flops`, 3 × forward matmul FLOPs) count the head each job
 runs. tokens/s = batch × seq_len ÷ step time (all input tokens, the same for every job).
 
+Allocator (`--allocator`, tupe_jax/allocator.py): `python -m launch` re-executes itself with glibc's huge-page
+tunable; `launcher` (default) gives ours and the loop that environment and the peers the caller's environment
+without it, `all` gives it to every job (like for like), `none` to none. Each worker also reports its timed
+steps' page faults and user/system CPU seconds per step.
+
 Prints Markdown tables and writes `--json` (default benchmarks/results_<shape>.json).
 """
 from __future__ import annotations
@@ -87,15 +92,26 @@ def dense_labels(batch: dict, ignore: int):
     return labels
 
 
+USAGE: dict = {}   # what the timed steps cost this process, per step (filled by time_steps, added to the result)
+
+
 def time_steps(step, warmup: int, steps: int) -> list[float]:
-    """`step()` must run one full step and return only when it is done. Returns per-step seconds."""
+    """`step()` must run one full step and return only when it is done. Returns per-step seconds; records the
+    timed steps' page faults and user/system CPU seconds per step in USAGE (all threads of this process)."""
+    import resource  # pylint: disable=import-outside-toplevel
     for _ in range(warmup):
         step()
     times = []
+    before = resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    USAGE.update(minor_faults_per_step=(after.ru_minflt - before.ru_minflt) / steps,
+                 user_s_per_step=(after.ru_utime - before.ru_utime) / steps,
+                 sys_s_per_step=(after.ru_stime - before.ru_stime) / steps,
+                 glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
     return times
 
 
@@ -272,6 +288,24 @@ def model_flops(s: dict, predictions) -> float:
                                       causal=False, mlm_predictions=predictions)
 
 
+def job_env(allocator_mode: str, kind: str) -> dict:
+    """A job's environment. The huge-page tunable (tupe_jax/allocator.py) is first removed from the caller's
+    environment, so results do not depend on the shell; then `--allocator`: `launcher` = ours and the loop get
+    what `python -m launch` gives itself, the peers run as their users run them (without it); `all` = every job
+    gets it (the like-for-like comparison); `none` = no job gets it (the launcher's opt-out for the loop)."""
+    sys.path.insert(0, ROOT)
+    from tupe_jax import allocator  # pylint: disable=import-outside-toplevel
+    import platform as platform_lib  # pylint: disable=import-outside-toplevel
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.MARKER, allocator.OPT_OUT)}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    if allocator_mode == "none":
+        return {**env, allocator.OPT_OUT: "0"}
+    if allocator_mode == "all" or kind in ("ours", "loop"):
+        tuned = allocator.tuned_environ(env, platform_lib.libc_ver(), allocator.thp_mode())
+        return tuned if tuned is not None else env
+    return env
+
+
 def run_worker(args, kind: str, arg: str, predictions: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker_arg", arg]
     for key in ("shape", "layers", "hidden", "heads", "mlp", "vocab", "seq", "batch", "steps", "warmup",
@@ -280,9 +314,7 @@ def run_worker(args, kind: str, arg: str, predictions: int) -> dict:
         if value not in (None, ""):
             cmd += [f"--{key}", str(value)]
     cmd += ["--predictions", str(predictions)]
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=job_env(args.allocator, kind), check=False)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -301,10 +333,9 @@ def run_loop(args, s: dict, cache_dir: str) -> dict:
             "data.name": "embedded", "data.max_predictions": args.predictions, "data.cache_dir": cache_dir}
     cmd = [sys.executable, "-m", "launch", "pretrain", f"--config=configs/pretrain.py:pe=bert_a,size={args.shape}",
            f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in over.items()]
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=job_env(args.allocator, "loop"), cwd=ROOT,
+                              check=False)
         if proc.returncode != 0:
             return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
         with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -355,6 +386,9 @@ def main() -> None:
     ap.add_argument("--peers", default="torch,flax", help="HF peers to run: torch,flax (or empty)")
     ap.add_argument("--torch_threads", type=int, default=0, help="HF torch: torch.set_num_threads (0: its default)")
     ap.add_argument("--loop_steps", type=int, default=40, help="also the real `launch pretrain` loop (0: off)")
+    ap.add_argument("--allocator", default="launcher", choices=("launcher", "all", "none"),
+                    help="glibc huge-page tunable: launcher = ours as `python -m launch` runs (peers without), "
+                         "all = every job, none = no job (see job_env)")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile_dir", default="", help="ours: also write a jax.profiler trace of 3 steps here")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -365,7 +399,7 @@ def main() -> None:
     args.predictions = args.predictions or args.default_predictions
 
     if args.worker:
-        print(json.dumps(WORKERS[args.worker](args, s)))
+        print(json.dumps({**WORKERS[args.worker](args, s), "usage": USAGE}))
         return
 
     load_before = os.getloadavg()
@@ -421,6 +455,11 @@ def main() -> None:
                           kind != "flax" else None, "step_ms": spread(steps_ms),
                           "tokens_per_s": s["batch"] * s["seq"] / median_s, "model_flops_per_step": flops,
                           "model_flops_per_s": flops / median_s}
+        usage = [x["usage"] for x in results[name] if x.get("usage")]
+        if usage:
+            jobs_out[name]["usage_median"] = {k: statistics.median(u[k] for u in usage) for k in
+                                              ("minor_faults_per_step", "user_s_per_step", "sys_s_per_step")}
+            jobs_out[name]["glibc_tunables"] = usage[0]["glibc_tunables"]
 
     names = {"ours": "tupe-jax", "torch": "HF BertForMaskedLM (PyTorch)", "flax": "HF FlaxBertForMaskedLM",
              "loop": "tupe-jax `launch pretrain` loop"}
@@ -439,6 +478,12 @@ def main() -> None:
         print(f"| {name} | {names[kind]} | {j['predictions_slots'] or s['seq']} | {st['median']:.1f} "
               f"({st['min']:.1f}–{st['max']:.1f}) | {j['tokens_per_s']:,.0f} | "
               f"{j['model_flops_per_step'] / 1e9:.1f} | {j['model_flops_per_s'] / 1e9:.1f} |")
+    print("\n| job | GLIBC_TUNABLES | page faults / step | user CPU s / step | system CPU s / step |\n|---|---|---:|---:|---:|")
+    for name, j in jobs_out.items():
+        if "usage_median" in j:
+            u = j["usage_median"]
+            print(f"| {name} | {j['glibc_tunables'] or '—'} | {u['minor_faults_per_step']:,.0f} | "
+                  f"{u['user_s_per_step']:.3f} | {u['sys_s_per_step']:.3f} |")
     print("\n| ratio (per round, then median) | median | min–max | per round |\n|---|---:|---|---|")
     for label, r in ratios.items():
         print(f"| {label} | {r['median']:.3f}× | {r['min']:.3f}–{r['max']:.3f} | "

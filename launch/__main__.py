@@ -2,9 +2,14 @@
 import logging
 import sys
 
-from absl import logging as absl_logging
+from tupe_jax import allocator
 
-from launch import main
+if __name__ == "__main__":
+    allocator.maybe_reexec()      # huge pages for XLA:CPU's buffers (tupe_jax/allocator.py); before jax starts
+
+from absl import logging as absl_logging  # noqa: E402  (after the re-exec: nothing heavy imported twice)
+
+from launch import main  # noqa: E402
 
 absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax/tfds chatter; our own progress lines are prints
 logging.getLogger("absl").setLevel(logging.ERROR)

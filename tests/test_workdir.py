@@ -3,6 +3,7 @@ written), the checkpoint checks, and one run per folder (the lock, and taking ov
 import hashlib
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from tupe_jax import allocator
 from tupe_jax import checkpoint as ckpt
 from tupe_jax import config as config_lib
 from tupe_jax import workdir as workdir_lib
@@ -216,9 +218,13 @@ def test_nothing_outside_the_workdir_and_no_downloading_line(tmp_path):
             "--config.train.steps=1", "--config.train.batch_size=8", "--config.train.eval_every=0",
             "--config.checkpoint.async_save=false", f"--config.data.cache_dir={tmp_path / 'cache'}"]
     env = {**os.environ, "TMPDIR": str(scratch), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env.pop("GLIBC_TUNABLES", None)             # the launcher sets the huge-page tunable itself (allocator.py)
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Downloading" not in proc.stdout + proc.stderr and "data: preparing embedded" in proc.stdout
+    applies = allocator.tuned_environ(env, platform.libc_ver(), allocator.thp_mode()) is not None
+    row = json.loads(open(wd / "provenance.jsonl").readline())
+    assert row["glibc_tunables"] == ("glibc.malloc.hugetlb=1" if applies else "")
     assert sorted(os.listdir(scratch)) == []
     assert (tmp_path / "cache" / "tfds").is_dir() and not list((tmp_path / "cache" / "tfds").glob(".scratch-*"))
 

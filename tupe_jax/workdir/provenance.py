@@ -52,7 +52,7 @@ def describe() -> dict:
             "python": platform.python_version(), "host": platform.node(), "packages": versions(),
             "devices": {"platform": devices[0].platform, "kind": devices[0].device_kind, "count": len(devices),
                         "local_count": jax.local_device_count()},
-            "process_count": jax.process_count()}
+            "process_count": jax.process_count(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
 
 def record(workdir: str) -> None:
