@@ -67,3 +67,11 @@ def test_extrapolation_growth_and_undefined_tables():
     assert by["ALiBi degrades least past the training length"]["verdict"] == F.REPRODUCED
     assert len(by["ALiBi degrades least past the training length"]["parts"]) == 1   # learned: not defined, left out
     assert by["Sinusoidal (our scaled table) degrades most past the training length"]["verdict"] == F.REPRODUCED
+
+
+def test_the_majority_row_speaks_each_columns_metric():
+    """A constant prediction scores its accuracy on accuracy columns, MCC 0 on CoLA, nothing on STS-B."""
+    from tupe_jax.analysis.report import _majority_cell  # pylint: disable=import-outside-toplevel
+    assert _majority_cell("sst2", {"majority_baseline": {"accuracy": 0.509}}) == "50.9"
+    assert _majority_cell("cola", {"majority_baseline": {"accuracy": 0.691}}) == "0.0"
+    assert _majority_cell("stsb", {"majority_baseline": {}}) == "—"

@@ -17,9 +17,9 @@ step() {
     extrapolation)   # causal LMs at 128 tokens, evaluated to 1024
       $PY -m launch compare --config=configs/compare.py:suite=extrapolation --workdir=runs/cmp/extrapolation $DATA \
         --config.runs_dir=$RUNS $CLM --config.schemes=bert_a,sinusoidal,rope,alibi,nopos ;;
-    sinusoidal)      # design check: our scaled sinusoidal table vs fairseq's (seed 0 only: the time ran out)
+    sinusoidal)      # design check: our scaled sinusoidal table vs fairseq's
       $PY -m launch compare --config=configs/compare.py:suite=extrapolation --workdir=runs/cmp/sinusoidal $DATA \
-        --config.runs_dir=$RUNS ${CLM/seeds=0,1,2/seeds=0} --config.schemes=sinusoidal,sinusoidal-fairseq ;;
+        --config.runs_dir=$RUNS $CLM --config.schemes=sinusoidal,sinusoidal-fairseq ;;
     probe)           # NoPos: absolute-position probes of the causal runs above
       $PY -m launch compare --config=configs/compare.py:suite=probe --workdir=runs/cmp/probe $DATA \
         --config.runs_dir=$RUNS $CLM --config.schemes=nopos,bert_a,sinusoidal,alibi ;;
@@ -29,7 +29,7 @@ step() {
     tupe)            # TUPE: MLM curves of the four schemes + tied [CLS], then GLUE dev fine-tunes
       $PY -m launch compare --config=configs/compare.py:suite=tupe --workdir=runs/cmp/tupe $DATA \
         --config.runs_dir=$RUNS $MLM --config.schemes=bert_a,bert_r,tupe_a,tupe_r,tupe_a-tiedcls \
-        --config.data.glue_dir=../shared/data/glue --config.glue.tasks=sst2,mrpc \
+        --config.data.glue_dir=../shared/data/glue --config.glue.tasks=sst2,mrpc,stsb,cola \
         --config.glue.max_steps=150 --config.glue.learning_rate=3e-4 ;;
     publish)         # copy the reports (not the checkpoints) into docs/experiments/
       for s in extrapolation probe sinusoidal nopos-mlm tupe; do

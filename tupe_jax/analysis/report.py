@@ -211,6 +211,15 @@ def _probe(report: dict, workdir: str) -> list[str]:
             + _table(["run"] + [f"layer {i}" for i in range(layers)] + ["chance"], rows) + [""])
 
 
+def _majority_cell(task: str, run: dict) -> str:
+    """The train set's majority label predicted everywhere, in the column's metric: its dev accuracy, but 0 for
+    CoLA (the MCC of any constant prediction) and none for STS-B (regression)."""
+    accuracy = (run.get("majority_baseline") or {}).get("accuracy")
+    if accuracy is None:
+        return "—"
+    return "0.0" if task == "cola" else _f(100 * accuracy, 1)
+
+
 def _glue(report: dict) -> list[str]:
     tasks, glue = report["glue_tasks"], report["glue"]
     rows, header = [], ["run"] + [GLUE_NAMES.get(t, t) for t in tasks] + ["GLUE avg"]
@@ -222,8 +231,7 @@ def _glue(report: dict) -> list[str]:
             avgs.append(100 * sum(real) / len(real) if real else None)
         rows.append([f"`{name}`"] + cells + [_ms(avgs, 1)])
     first = next(iter(next(iter(glue.values())).values()))
-    base = [(first.get(t, {}).get("majority_baseline") or {}).get("accuracy") for t in tasks]
-    rows.append(["majority class"] + [_f(100 * b, 1) if b is not None else "—" for b in base] + [""])
+    rows.append(["majority class"] + [_majority_cell(t, first.get(t, {})) for t in tasks] + [""])
     steps = ", ".join(f"{t} {first[t]['steps']}" for t in tasks if t in first)
     g = report["config"]["glue"]
     return (["## Fine-tuning", "", f"Best dev score over epoch-end evaluations, mean ± std over seeds (one run per "
