@@ -10,7 +10,10 @@ rounds with its min–max (the machine may be shared: the spread is the noise). 
 - current: the code as it is;
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `pretrain.steps.argmax_hits`;
 - rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
+- dropout_bits=16: `model.dropout_bits=16` (tupe_jax/dropout.py: four masks per threefry hash instead of one);
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save.
+`--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
+process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 
-def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1) -> dict:
+def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
+          dropout_bits: int = 32) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -42,6 +46,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     config = get_config("pe=bert_a,size=small")
     with config.unlocked():
         config.model.dropout_rate = config.model.attention_dropout_rate = dropout
+        config.model.dropout_bits = dropout_bits
         config.train.batch_size, config.train.steps, config.train.warmup_steps = shape["batch"], 1000, 10
     model = TransformerLM(ModelConfig.from_config(config.model))
     tx, schedule = make_optimizer(config.train)
@@ -60,14 +65,16 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     return variant
 
 
-def run(variant: dict, n: int) -> float:
+def run(variant: dict, n: int, cpu: bool = False) -> float:
+    """Median seconds per step over `n` synced steps: wall time, or this process's CPU time if `cpu`."""
+    clock = time.process_time if cpu else time.perf_counter
     times = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0 = clock()
         variant["state"], metrics = variant["step"](variant["state"], variant["batches"][variant["i"] % 4])
         variant["i"] += 1
         float(metrics["loss"])
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -76,25 +83,38 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     load_before = os.getloadavg()
-    variants = {"current": build(args.slots), "argmax (before)": build(args.slots, plain_argmax=True),
-                "rbg": build(args.slots, "rbg"), "unsafe_rbg": build(args.slots, "unsafe_rbg"),
-                "no dropout": build(args.slots, dropout=0.0)}
+    makers = {"current": lambda: build(args.slots), "argmax (before)": lambda: build(args.slots, plain_argmax=True),
+              "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
+              "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
+              "no dropout": lambda: build(args.slots, dropout=0.0)}
+    chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]
+    unknown = [n for n in chosen if n not in makers]
+    if unknown:
+        sys.exit(f"error: unknown variant {unknown[0]!r}, --variants, use some of {','.join(makers)}")
+    variants = {name: makers[name]() for name in chosen}
     per = {name: [] for name in variants}
+    cpu = {name: [] for name in variants}
     loads = []
     for _ in range(args.rounds):
         for name, variant in variants.items():
             per[name].append(1e3 * run(variant, args.steps))
+            cpu[name].append(1e3 * run(variant, args.steps, cpu=True))
         loads.append(os.getloadavg()[0])
     out = {"command": "python benchmarks/bench_levers.py " + " ".join(sys.argv[1:]), "slots": args.slots,
-           "loadavg_before": load_before, "loadavg_per_round": loads, "step_ms_per_round": per, "ratios": {}}
+           "loadavg_before": load_before, "loadavg_per_round": loads, "step_ms_per_round": per,
+           "cpu_ms_per_round": cpu, "ratios": {}, "cpu_ratios": {}}
     for name, values in per.items():
-        ratios = [a / b for a, b in zip(values, per["current"])]
-        out["ratios"][name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-        print(f"{name}: {statistics.median(values):.1f} ms; vs current {statistics.median(ratios):.3f}× "
-              f"({min(ratios):.3f}–{max(ratios):.3f})", flush=True)
+        for key, table in (("ratios", per), ("cpu_ratios", cpu)):
+            ratios = [a / b for a, b in zip(table[name], table["current"])]
+            out[key][name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        r, c = out["ratios"][name], out["cpu_ratios"][name]
+        print(f"{name}: {statistics.median(values):.1f} ms; vs current {r['median']:.3f}× ({r['min']:.3f}–{r['max']:.3f})"
+              f"; CPU {statistics.median(cpu[name]):.1f} ms, {c['median']:.3f}× ({c['min']:.3f}–{c['max']:.3f})",
+              flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)

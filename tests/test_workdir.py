@@ -295,9 +295,17 @@ def test_a_run_made_before_an_added_key_resumes_and_keeps_its_identity(tmp_path)
         {"model.sinusoidal_style": "fairseq"})
     assert identity_hash(other) != identity_hash(config)
     # a checkpoint whose meta hashed the key at its default (made between the key's addition and this rule) matches
-    from tupe_jax.workdir.meta import same_identity
-    assert identity_hash(config, keep_added=True) != identity_hash(config)
-    assert same_identity(identity_hash(config, keep_added=True), config)
-    assert not same_identity(identity_hash(other, keep_added=True), config)
+    from tupe_jax.workdir.meta import HASHED_AT_DEFAULT, same_identity
+    assert identity_hash(config, keep_added=HASHED_AT_DEFAULT) != identity_hash(config)
+    assert same_identity(identity_hash(config, keep_added=HASHED_AT_DEFAULT), config)
+    assert not same_identity(identity_hash(other, keep_added=HASHED_AT_DEFAULT), config)
+    # model.dropout_bits came later: a run made before it (no key) keeps its hash, and 16 is another run
+    del stored["model"]["dropout_bits"]
+    (tmp_path / "config.json").write_text(json_lib.dumps(stored))
+    assert check_config(str(tmp_path), config) == [] and identity_hash(stored) == identity_hash(config)
+    sixteen = config_lib.apply_overrides(
+        config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":pe=sinusoidal,objective=clm"),
+        {"model.dropout_bits": "16"})
+    assert identity_hash(sixteen) != identity_hash(config) and not same_identity(identity_hash(sixteen), config)
     with pytest.raises(UserError, match="sinusoidal_style"):
         check_config(str(tmp_path), other)

@@ -130,6 +130,11 @@ def main() -> None:
             sys.exit(f"error: unknown run {n!r}, --only, use some of {','.join(RUNS)}")
     for i, name in enumerate([] if args.report_only else names, 1):
         cmd = command(name, args.data, args.runs)
+        done = curve(os.path.join(ROOT, args.runs, name)) if os.path.isfile(
+            os.path.join(ROOT, args.runs, name, "metrics.jsonl")) else []
+        if done and done[-1]["step"] >= RUNS[name]:
+            print(f"[scan {i}/{len(names)}] {name}: complete, reused", flush=True)
+            continue
         print(f"[scan {i}/{len(names)}] {name}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
     result = {"command": "python tools/scale_scan.py " + " ".join(sys.argv[1:]), "shapes": SHAPES,

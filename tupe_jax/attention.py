@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tupe_jax.dropout import make_dropout
 from tupe_jax.positional.base import PositionalTerms
 
 NEG_INF = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
@@ -114,6 +115,7 @@ class SelfAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     dropout_rate: float = 0.0
     backend: str = "einsum"
+    dropout_bits: int = 32
 
     @nn.compact
     def __call__(self, x: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array], deterministic: bool,
@@ -131,7 +133,7 @@ class SelfAttention(nn.Module):
             out = fused_attention(q, k, v, terms, mask, self.backend)
         else:
             probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
-            dropped = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
+            dropped = make_dropout(self.dropout_rate, self.dropout_bits)(probs, deterministic=deterministic)
             out = jnp.einsum("bhqk,bkhd->bqhd", dropped.astype(self.dtype), v)
         out = nn.DenseGeneral(
             x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out",

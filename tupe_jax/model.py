@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from tupe_jax import positional
 from tupe_jax.attention import ATTENTION_BACKENDS, SelfAttention, attention_mask
+from tupe_jax.dropout import DROPOUT_BITS, make_dropout
 from tupe_jax.errors import require
 from tupe_jax.positional import PositionalSettings, canonical_name, make_positional
 
@@ -52,6 +53,7 @@ class ModelConfig:
     attention_backend: str = "einsum"   # einsum | xla | cudnn (see attention.py)
     tupe_form: str = "bias"             # TUPE position term as a logit bias or as concatenated heads (tupe.py)
     sinusoidal_style: str = "scaled"    # scaled | fairseq (positional/sinusoidal.py)
+    dropout_bits: int = 32              # 32 (nn.Dropout) | 16 (a quarter of the hashing; dropout.py)
 
     @classmethod
     def from_config(cls, model_config: Any) -> "ModelConfig":
@@ -89,9 +91,10 @@ def validate_config(model: Any) -> None:
                 "give a positive value")
     require(model.dtype != "float16", "model.dtype float16 is not supported (it needs loss scaling, which is not "
             "implemented)", "--config.model.dtype", "use bfloat16 (same speed, float32's range) or float32")
-    for key, known in (("dtype", tuple(DTYPES)), ("objective", OBJECTIVES), ("attention_backend", ATTENTION_BACKENDS)):
+    for key, known in (("dtype", tuple(DTYPES)), ("objective", OBJECTIVES), ("attention_backend", ATTENTION_BACKENDS),
+                       ("dropout_bits", DROPOUT_BITS)):
         require(model[key] in known, f"unknown model.{key} {model[key]!r}", f"--config.model.{key}",
-                "use one of " + "|".join(known))
+                "use one of " + "|".join(map(str, known)))
     require(model.hidden_size % model.num_heads == 0,
             f"model.hidden_size = {model.hidden_size} is not divisible by model.num_heads = {model.num_heads}",
             "--config.model.num_heads", "pick a head count that divides hidden_size")
@@ -124,9 +127,9 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, terms, mask, deterministic: bool, return_probs: bool = False):
         cfg = self.cfg
-        drop = nn.Dropout(cfg.dropout_rate)
+        drop = make_dropout(cfg.dropout_rate, cfg.dropout_bits)
         attn = SelfAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype, cfg.attention_dropout_rate,
-                             cfg.attention_backend, name="attention")
+                             cfg.attention_backend, cfg.dropout_bits, name="attention")
         mlp_in = dense(cfg.mlp_dim, ("embed", "mlp"), cfg, "mlp_in")
         mlp_out = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "mlp_out")
 
@@ -159,7 +162,7 @@ class Transformer(nn.Module):
         self.embed_ln = layer_norm(cfg, "embed_ln") if not cfg.causal else None
         self.final_ln = layer_norm(cfg, "final_ln") if cfg.causal else None
         self.blocks = [Block(cfg) for _ in range(cfg.num_layers)]
-        self.dropout = nn.Dropout(cfg.dropout_rate)
+        self.dropout = make_dropout(cfg.dropout_rate, cfg.dropout_bits)
 
     def __call__(self, tokens: jax.Array, input_mask: Optional[jax.Array] = None, deterministic: bool = True,
                  position_offset: int = 0, return_hidden: bool = False, return_attention: bool = False):
@@ -236,7 +239,7 @@ class SequenceClassifier(nn.Module):
         cfg = self.cfg
         h, _ = Transformer(cfg, name="encoder")(tokens, input_mask, deterministic)
         pooled = jnp.tanh(dense(cfg.hidden_size, ("embed", "mlp"), cfg, "pooler")(h[:, 0]))
-        pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
+        pooled = make_dropout(cfg.dropout_rate, cfg.dropout_bits)(pooled, deterministic=deterministic)
         return dense(self.num_labels, ("mlp", None), cfg, "classifier")(pooled).astype(jnp.float32)
 
 

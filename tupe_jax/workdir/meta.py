@@ -29,6 +29,7 @@ RESUMABLE = (
 # the key is read as having that value (so old runs resume, are reused and keep their identity hash).
 ADDED_DEFAULTS: dict[str, Any] = {
     "model.sinusoidal_style": "scaled",
+    "model.dropout_bits": 32,
 }
 
 
@@ -42,20 +43,25 @@ def resumable(key: str) -> bool:
     return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
 
 
-def identity_hash(config: ml_collections.ConfigDict | dict, *, keep_added: bool = False) -> str:
+# ADDED_DEFAULTS keys that one earlier version hashed even at their default (runs made between the key's addition
+# and the rule above carry that hash); keys added later never were.
+HASHED_AT_DEFAULT = ("model.sinusoidal_style",)
+
+
+def identity_hash(config: ml_collections.ConfigDict | dict, *, keep_added: tuple[str, ...] = ()) -> str:
     """A hash of the model/data keys that define the run (the resumable ones left out; an ADDED_DEFAULTS key at its
-    default value too, unless `keep_added`: so runs from before the key existed keep their hash)."""
+    default value too, unless named in `keep_added`: so runs from before the key existed keep their hash)."""
     as_dict = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
     flat = config_lib.flatten({s: as_dict.get(s, {}) for s in RUN_IDENTITY_SECTIONS})
     kept = {k: v for k, v in flat.items() if not resumable(k)
-            and (keep_added or not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k]))}
+            and (k in keep_added or not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k]))}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def same_identity(stored: str, config: ml_collections.ConfigDict | dict) -> bool:
-    """Whether a checkpoint's stored identity is `config`'s, as hashed now or as hashed by a version that kept
-    ADDED_DEFAULTS keys at their default in the hash (a run made while the key existed but before that rule)."""
-    return stored in (identity_hash(config), identity_hash(config, keep_added=True))
+    """Whether a checkpoint's stored identity is `config`'s, as hashed now or as hashed by the version that kept
+    HASHED_AT_DEFAULT keys at their default in the hash."""
+    return stored in (identity_hash(config), identity_hash(config, keep_added=HASHED_AT_DEFAULT))
 
 
 def make_meta(config: Any, params: Any, tokenizer_fingerprint: str = "") -> dict[str, Any]:

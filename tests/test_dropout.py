@@ -1,0 +1,84 @@
+"""model.dropout_bits=16 (tupe_jax/dropout.py): the masks' statistics, the unbiased scaling, every 16-bit half used
+once, both key kinds, the model and train step with it, and the refusal of other values."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tupe_jax.dropout import Dropout16, keep_mask16
+
+N = 1 << 20
+
+
+def _within(fraction: float, p: float, n: int, sigmas: float = 6.0) -> bool:
+    return abs(fraction - p) <= sigmas * math.sqrt(p * (1 - p) / n)
+
+
+@pytest.mark.parametrize("keep", [0.9, 0.5, 0.123])
+def test_keep_fraction_is_the_realised_probability(keep):
+    for seed in range(3):
+        mask, p = keep_mask16(jax.random.PRNGKey(seed), (N // 1024, 1024), keep)
+        assert p == round(keep * 65536) / 65536 and mask.shape == (N // 1024, 1024) and mask.dtype == jnp.bool_
+        assert _within(float(jnp.mean(mask)), p, N)
+
+
+def test_the_four_masks_of_one_hash_are_independent():
+    """Neighbouring elements come from the two halves of one word and words i, i + n/2 from one hash: if a half
+    were reused, pairs would agree far more often than p² + (1−p)²."""
+    mask, p = keep_mask16(jax.random.PRNGKey(7), (N,), 0.5)
+    m = np.asarray(mask)
+    both = p * p + (1 - p) * (1 - p)
+    assert _within(float(np.mean(m[0::2] == m[1::2])), both, N // 2)               # halves of one word
+    assert _within(float(np.mean(m[: N // 2] == m[N // 2:])), both, N // 2)       # the two words of one hash
+
+
+def test_odd_sizes_and_an_rbg_key():
+    mask, p = keep_mask16(jax.random.PRNGKey(1), (3, 5, 7), 0.9)
+    assert mask.shape == (3, 5, 7)
+    key = jax.random.key(3, impl="rbg")
+    mask, p = keep_mask16(key, (N,), 0.9)
+    assert _within(float(jnp.mean(mask)), p, N)
+
+
+def test_dropout16_is_unbiased_and_keeps_or_zeroes():
+    x = jnp.full((N // 256, 256), 2.0)
+    for seed in range(3):
+        y = Dropout16(0.1).apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(seed)})
+        values = set(np.unique(np.asarray(y)).tolist())
+        p = 58982 / 65536
+        assert values == {0.0, float(np.float32(2.0) * np.float32(1 / p))}
+        assert abs(float(jnp.mean(y)) - 2.0) <= 6 * 2.0 * math.sqrt((1 - p) / p / N)
+    assert (Dropout16(0.1).apply({}, x, deterministic=True) == x).all()
+
+
+def test_a_model_with_16_bit_masks_trains_deterministically_and_evaluates_as_before():
+    from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax.model import ModelConfig, TransformerLM  # pylint: disable=import-outside-toplevel
+    config = get_config("pe=tupe_r,size=tiny")
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 32), 5, config.model.vocab_size)
+    out = {}
+    for bits in (32, 16):
+        with config.unlocked():
+            config.model.dropout_bits, config.model.max_len = bits, 32
+        model = TransformerLM(ModelConfig.from_config(config.model))
+        params = model.init(jax.random.PRNGKey(0), tokens)["params"]
+        train = [model.apply({"params": params}, tokens, deterministic=False,
+                             rngs={"dropout": jax.random.PRNGKey(5)})["logits"] for _ in range(2)]
+        assert (train[0] == train[1]).all()                   # same key, same masks
+        out[bits] = (params, train[0], model.apply({"params": params}, tokens)["logits"])
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: (a == b).all(), out[16][0], out[32][0]))
+    assert (out[16][2] == out[32][2]).all()                   # evaluation has no dropout: identical
+    assert not jnp.allclose(out[16][1], out[32][1])           # training draws other masks
+
+
+def test_other_bit_counts_are_refused():
+    from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    from tupe_jax.model import validate_config  # pylint: disable=import-outside-toplevel
+    config = get_config("pe=bert_a,size=tiny")
+    with config.unlocked():
+        config.model.dropout_bits = 8
+    with pytest.raises(UserError, match=r"unknown model.dropout_bits 8.*--config.model.dropout_bits.*32\|16"):
+        validate_config(config.model)

@@ -1,0 +1,60 @@
+"""Dropout with a choice of mask precision (`model.dropout_bits`).
+
+    y = x · keep / p,   keep ~ Bernoulli(p) per element,   p = 1 − rate
+
+32 (default): `flax.linen.Dropout` itself — with JAX's partitionable threefry every mask element costs one
+threefry2x32 hash (two 32-bit words XORed into one uniform float).
+
+16: each hash's two 32-bit words give four 16-bit uniforms u ∈ {0..65535}; keep = u < t with t = round(p·2¹⁶), so
+P(keep) = t/2¹⁶ exactly and y = x · keep · 2¹⁶/t (unbiased: E[y] = x). For rate 0.1, t = 58982: the realised rate
+is 0.1000061 instead of 0.1, a difference of 6·10⁻⁶. A quarter of the hashing for the same masks' statistics, but
+other bits: a run's masks depend on the choice (like `train.dropout_rng`), its statistics do not. Runs stored
+before the key existed read it as 32 (workdir/meta.py ADDED_DEFAULTS). With a non-threefry key (`train.dropout_rng
+= rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per word.
+
+    make_dropout(rate, bits) -> nn.Module          nn.Dropout for 32, Dropout16 for 16
+    keep_mask16(rng, shape, keep_prob) -> (bool mask, realised keep probability)
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.extend.random import threefry_2x32
+
+DROPOUT_BITS = (32, 16)
+
+
+def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tuple[jax.Array, float]:
+    """Boolean `shape` mask with P(True) = round(keep_prob·2¹⁶)/2¹⁶, and that probability."""
+    n = math.prod(shape)
+    threshold = int(round(keep_prob * 65536))
+    raw = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    if raw.shape == (2,):             # a threefry key: both words of each hash are used, n/4 hashes
+        words = threefry_2x32((raw[0], raw[1]), jax.lax.iota(jnp.uint32, -(-n // 2)))
+    else:                             # rbg / unsafe_rbg (4-word keys): their own bit generator
+        words = jax.random.bits(rng, (-(-n // 2),), jnp.uint32)
+    halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[:n]
+    return (halves < threshold).reshape(shape), threshold / 65536
+
+
+class Dropout16(nn.Module):
+    """Dropout with 16-bit masks (module docstring); same call signature as `nn.Dropout`."""
+    rate: float
+    rng_collection: str = "dropout"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, deterministic: bool) -> jax.Array:
+        if deterministic or self.rate == 0.0:
+            return inputs
+        keep, p = keep_mask16(self.make_rng(self.rng_collection), inputs.shape, 1.0 - self.rate)
+        return jnp.where(keep, inputs * jnp.asarray(1.0 / p, inputs.dtype), jnp.zeros((), inputs.dtype))
+
+
+def make_dropout(rate: float, bits: int = 32, name: str | None = None) -> nn.Module:
+    """The dropout module for `model.dropout_bits` (checked by model.validate_config)."""
+    if bits == 32:
+        return nn.Dropout(rate, name=name)
+    return Dropout16(rate, name=name)
