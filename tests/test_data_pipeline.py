@@ -187,3 +187,46 @@ def test_grain_orbax_handler_round_trip(setup, tmp_path):
     expected = next(a)
     b = handler.restore(epath.Path(tmp_path), item=it(c, tok, split="train"))
     assert_same(next(b), expected)
+
+
+def _text_corpus(folder, text):
+    folder.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "valid"):
+        (folder / f"{split}.txt").write_text(text)
+    return folder
+
+
+def test_a_copied_corpus_with_new_mtimes_resumes_and_an_edited_one_does_not(tmp_path):
+    """The corpus is keyed by its files' content: a copy elsewhere, with other mtimes (a fresh VM, a re-mirrored
+    bucket), gives the same fingerprint and takes the saved state; one changed byte of the same size does not.
+    A state saved under data format 1's key (path, size, mtime) is still taken while the files are untouched."""
+    import os  # pylint: disable=import-outside-toplevel
+    from tupe_jax.data import builders  # pylint: disable=import-outside-toplevel
+    text = "\n\n".join(f"document {i} has some words in it and then some more words {i * 7}" for i in range(300))
+    configs = {}
+    for name in ("a", "b", "c"):
+        folder = _text_corpus(tmp_path / name, text if name != "c" else text.replace("document 5 ", "document 6 "))
+        os.utime(folder / "train.txt", ns=(10 ** 18 if name == "b" else 10 ** 17,) * 2)
+        c = ml_collections.ConfigDict({"data": D.default_data_config(),
+                                       "model": {"vocab_size": 300, "max_len": 32, "objective": "mlm"}})
+        c.data.name, c.data.path, c.data.holdout = "text_files", str(folder), 0
+        c.data.cache_dir, c.data.prefetch = str(tmp_path / "cache"), 0
+        configs[name] = c
+    tok = D.get_tokenizer(configs["a"], tmp_path / "run")
+    first = it(configs["a"], tok, split="train")
+    next(first)
+    state = first.get_state()
+    expected = next(first)
+    assert builders.corpus_fingerprint(configs["a"], "train") == builders.corpus_fingerprint(configs["b"], "train")
+    copy = it(configs["b"], tok, split="train")
+    copy.set_state(state)
+    assert_same(next(copy), expected)
+    with pytest.raises(UserError, match="different data settings"):
+        it(configs["c"], tok, split="train").set_state(state)
+    legacy = builders.digest([builders.legacy_corpus_key(configs["a"]), "train", tok.fingerprint, "mlm", 32, 8, 1, 7,
+                              True, True, 0.15, 5, "full_sentences"])
+    again = it(configs["a"], tok, split="train")
+    again.set_state({**state, "fingerprint": legacy})             # saved by the previous data format
+    assert_same(next(again), expected)
+    with pytest.raises(UserError, match="different data settings"):  # the same files touched since: refused
+        it(configs["b"], tok, split="train").set_state({**state, "fingerprint": legacy})

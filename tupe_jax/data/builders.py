@@ -3,8 +3,9 @@
 Every local source (`embedded`, `text_files`, `wikitext`, GLUE TSVs, the built-in `wordorder` task) becomes a
 `tfds.core.GeneratorBasedBuilder` prepared once under `<cache_dir>/tfds/<builder>/<config>/1.0.0/` with
 `file_format='array_record'` and `disable_shuffling=True` (records keep source order). The builder config name
-is a digest of everything the examples depend on (resolved paths, sizes, mtimes, options, Python version for
-the embedded corpus), so a changed source builds a new dataset and never reads a stale one. `tfds:<name>`
+is a digest of everything the examples depend on (each file's relative path, size and sha256, the options, the
+Python version for the embedded corpus), so a changed source builds a new dataset and never reads a stale one,
+and a copy of the same files (new mtimes) is the same dataset. `tfds:<name>`
 reads a dataset the user prepared (array_record) under TFDS_DATA_DIR through `tfds.data_source`; nothing is
 ever downloaded.
 
@@ -13,6 +14,7 @@ when TF is absent (the tests assert `tensorflow` is never imported).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -38,8 +40,41 @@ def _glue_features(regression: bool):
                                        "label": np.float32 if regression else np.int32})
 
 
-def _file_stamps(files) -> list:
+def _file_stamps(files, root) -> list:
+    """Per file: its path relative to the source folder `root`, its size and the sha256 of its bytes. The key follows
+    the content: a copy of the same files (a fresh VM, a re-mirrored bucket, a copy that did not keep times) is
+    the same data, so a run resumes on it; an edited file is new data."""
+    out = []
+    for f in files:
+        st = os.stat(f)
+        memo = (os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ino)
+        if memo not in _SHA256:            # once per file and process (several readers ask for the same key)
+            with open(f, "rb") as fh:
+                _SHA256[memo] = hashlib.file_digest(fh, "sha256").hexdigest()
+        out.append([os.path.relpath(f, root) if os.path.isdir(root) else os.path.basename(f), st.st_size,
+                    _SHA256[memo]])
+    return out
+
+
+_SHA256: dict[tuple, str] = {}
+
+
+def _legacy_file_stamps(files) -> list:
+    """The stamps of data format 1 (path, size, mtime): only to recognise iterator states saved by that version."""
     return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _corpus_spec(config, legacy: bool = False) -> tuple[str, dict, bool, dict]:
+    """(local path, files by split, named, spec) of a text_files/wikitext corpus; the spec is what the examples
+    depend on (its digest names the prepared dataset). `legacy`: the spec of data format 1 (mtime stamps)."""
+    d = config.data
+    path = local_input(config, d.get("path", ""), "--config.data.path")   # a bucket folder: mirrored once
+    by_split, named = sources.assign_files(sources.find_files(path, d.get("file_pattern", "")))
+    stamps = {s: (_legacy_file_stamps(f) if legacy else _file_stamps(f, path)) for s, f in sorted(by_split.items())}
+    split_by = d.get("split_by", "blank_line")
+    spec = {"kind": d.get("name"), "files": stamps, "named": named, "holdout": int(d.get("holdout", 200)),
+            "split_by": "wikitext" if d.get("name") == "wikitext" else split_by, "format": 1 if legacy else 2}
+    return path, by_split, named, spec
 
 
 def corpus_builder(config):
@@ -53,15 +88,9 @@ def corpus_builder(config):
     if name not in ("text_files", "wikitext"):
         raise UserError(f"unknown data.name {name!r}", "config.data.name",
                         "use embedded, text_files, wikitext or tfds:<name>")
-    path = local_input(config, d.get("path", ""), "--config.data.path")   # a bucket folder: mirrored once
-    files = sources.find_files(path, d.get("file_pattern", ""))
-    by_split, named = sources.assign_files(files)
-    holdout = int(d.get("holdout", 200))
-    split_by = d.get("split_by", "blank_line")
-    wiki = name == "wikitext"
+    path, by_split, named, spec = _corpus_spec(config)
+    holdout, split_by, wiki = spec["holdout"], d.get("split_by", "blank_line"), name == "wikitext"
     splits = sources.available_splits(by_split, named, holdout)
-    spec = {"kind": name, "files": {s: _file_stamps(f) for s, f in sorted(by_split.items())}, "named": named,
-            "holdout": holdout, "split_by": "wikitext" if wiki else split_by, "format": 1}
     if split_by not in ("blank_line", "file"):
         raise UserError(f"unknown data.split_by {split_by!r}", "config.data.split_by", "use 'blank_line' or 'file'")
 
@@ -125,6 +154,14 @@ def _as_str(v) -> str:
 
 # ---------------------------------------------------------------------------------------- documents
 
+def legacy_corpus_key(config) -> str:
+    """The key data format 1 gave a text_files/wikitext corpus (its mtime stamps as they are now), '' for others:
+    an iterator state saved by that version is accepted when it matches (same files, untouched since)."""
+    if config.data.get("name", "embedded") not in ("text_files", "wikitext"):
+        return ""
+    return f"tupe_{config.data.name}/c{digest(_corpus_spec(config, legacy=True)[3])}"
+
+
 def corpus_fingerprint(config, split: str) -> tuple[str, str]:
     """(relative cache key, description) identifying the documents of a split, for derived caches."""
     name = config.data.get("name", "embedded")
@@ -185,7 +222,8 @@ def glue_builder(config, task: str):
     files = [glue_tsv.split_file(glue_dir, task, s) for s in splits]
     for split, path in zip(splits, files):
         glue_tsv.check_has_rows(path, task, split)
-    spec = {"kind": "glue_tsv", "task": task, "files": _file_stamps(files), "format": 1}
+    spec = {"kind": "glue_tsv", "task": task, "files": _file_stamps(files, str(Path(glue_dir).expanduser())),
+            "format": 2}
 
     def make(split):
         return glue_tsv.parse_tsv(glue_tsv.split_file(glue_dir, task, split), task, split)

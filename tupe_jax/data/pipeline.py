@@ -17,8 +17,10 @@
    exactly once and all processes take the same number of steps.
    A prepared directory (`data.name=prepared`, `launch prepare`) replaces 1–2: its records are the examples
    (`prepared.PreparedSplit.rows` reads only the records of this process's rows); 3–4 are the same code.
-4. The iterator's `get_state()` is grain's `{next_index}` plus a fingerprint of the settings; `set_state` of a
-   fresh pipeline with the same settings continues with exactly the batches that would have come next.
+4. The iterator's `get_state()` is grain's `{next_index}` plus a fingerprint of the settings (the corpus keyed by
+   its files' content, so a copy with new mtimes is the same corpus); `set_state` of a fresh pipeline with the
+   same settings continues with exactly the batches that would have come next. States saved by data format 1
+   (files keyed by mtime) are accepted while those files are untouched.
 """
 from __future__ import annotations
 
@@ -196,9 +198,11 @@ class _Batcher:
 class PretrainIterator(grain.DatasetIterator):
     """Batches of one process; `get_state()`/`set_state()` checkpoint it (also via grain's Orbax handler)."""
 
-    def __init__(self, parent: grain.DatasetIterator, batcher: _Batcher, fingerprint: str):
+    def __init__(self, parent: grain.DatasetIterator, batcher: _Batcher, fingerprint: str,
+                 accepted: tuple[str, ...] = ()):
         super().__init__(parent)
         self.batcher, self.fingerprint = batcher, fingerprint
+        self.accepted = (fingerprint,) + tuple(accepted)   # + the same settings as an older data format keyed them
         self.per_host_batch_size = batcher.local
         self.num_examples = batcher.n
         self.num_steps = batcher.num_steps  # None when repeating forever
@@ -210,7 +214,7 @@ class PretrainIterator(grain.DatasetIterator):
         return {"pipeline": self._parent.get_state(), "fingerprint": self.fingerprint}
 
     def set_state(self, state: dict) -> None:
-        if state.get("fingerprint") != self.fingerprint:
+        if state.get("fingerprint") not in self.accepted:
             raise UserError("the saved data-iterator state belongs to different data settings",
                             "checkpoint data-iterator state",
                             "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
@@ -264,6 +268,8 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
     prefetch = int(config.data.get("prefetch", 4))
     threads = int(config.data.get("num_threads", 2)) if prefetch > 0 else 0
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)).__iter__()
-    fp = builders.digest([key, split, tokenizer.fingerprint, objective, max_len, global_batch_size, process_count,
-                          int(seed), shuffle, repeat, mask_prob, max_pred, config.data.get("packing", "full_sentences")])
-    return PretrainIterator(it, batcher, fp)
+    rest = [split, tokenizer.fingerprint, objective, max_len, global_batch_size, process_count, int(seed), shuffle,
+            repeat, mask_prob, max_pred, config.data.get("packing", "full_sentences")]
+    legacy = builders.legacy_corpus_key(config) if config.data.get("name") != "prepared" else ""
+    return PretrainIterator(it, batcher, builders.digest([key] + rest),
+                            accepted=(builders.digest([legacy] + rest),) if legacy else ())
