@@ -14,7 +14,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUITES = ("probe", "nopos-mlm", "extrapolation", "tupe")
+SUITES = ("probe", "nopos-mlm", "nopos-mlm-5k", "extrapolation", "tupe")
 BEGIN, END = "<!-- findings:begin -->", "<!-- findings:end -->"
 
 
@@ -40,8 +40,8 @@ def scales(root: str = ROOT) -> list[str]:
 
 
 def table(root: str = ROOT) -> str:
-    rows = ["| finding (paper) | comparison (per-seed paired difference) | mean ± std | seeds | verdict | report |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| finding (paper) | comparison (per-seed paired difference) | mean ± std | seeds | steps | verdict | report |",
+            "|---|---|---|---|---|---|---|"]
     seen = set()
     for suite in SUITES:
         path = os.path.join(root, "docs", "experiments", suite, "report.json")
@@ -57,9 +57,13 @@ def table(root: str = ROOT) -> str:
             for i, part in enumerate(finding["parts"]):
                 claim = f"{finding['claim']} ({finding['paper']}): **{finding['verdict']}**" if i == 0 else ""
                 rows.append(f"| {claim} | {part['comparison']} | {part['mean']:.4f} ± {part['std']:.4f} "
-                            f"{part['unit']} | {len(part['per_seed'])} | {part['verdict']} | "
+                            f"{part['unit']} | {len(part['per_seed'])} | {report['config']['train']['steps']} | "
+                            f"{part['verdict']} | "
                             f"[{suite}](docs/experiments/{suite}/REPORT.md) |")
-    head = ["Scale of every run in the table: " + "; ".join(scales(root)) + ".", ""] if scales(root) else []
+    found = scales(root)
+    lead = "Scale of every run in the table: " if len(found) == 1 else \
+        "Scales of the runs in the table (the steps column tells the rows apart): "
+    head = [lead + "; ".join(found) + ".", ""] if found else []
     return "\n".join(head + rows) + "\n"
 
 

@@ -2,7 +2,8 @@
 # The seeded comparison runs behind docs/experiments/ and the README's findings table (issue: reproduce the seed
 # findings with seeds). Each step reuses finished runs, so rerunning only does what is missing; on a fresh clone
 # the whole script is ~2 hours on 2 quiet CPU cores. Usage:
-#   tools/run_experiments.sh [extrapolation|probe|sinusoidal|tupe|nopos-mlm|publish]...   (no argument: all, in that order)
+#   tools/run_experiments.sh [extrapolation|probe|sinusoidal|tupe|nopos-mlm|nopos-mlm-5k|publish]...
+#   (no argument: all, in that order)
 # extrapolation -> probe and tupe -> nopos-mlm depend on each other's runs; the two chains may run in parallel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,21 +27,25 @@ step() {
     nopos-mlm)       # NoPos: bidirectional NoPos vs BERT-A (reuses the tupe suite's bert_a MLMs)
       $PY -m launch compare --config=configs/compare.py:suite=tupe --workdir=runs/cmp/nopos-mlm $DATA \
         --config.runs_dir=$RUNS $MLM --config.schemes=bert_a,nopos --config.glue.tasks= ;;
+    nopos-mlm-5k)    # the same pair at 5000 steps (10.2M tokens), where the scale scan's BERT-A MLM pulls ahead of NoPos
+      $PY -m launch compare --config=configs/compare.py:suite=tupe --workdir=runs/cmp/nopos-mlm-5k $DATA \
+        --config.runs_dir=runs/cmp/runs-5k --config.train.steps=5000 --config.train.eval_every=500 \
+        --config.seeds=0,1,2 --config.schemes=bert_a,nopos --config.glue.tasks= ;;
     tupe)            # TUPE: MLM curves of the four schemes + tied [CLS], then GLUE dev fine-tunes
       $PY -m launch compare --config=configs/compare.py:suite=tupe --workdir=runs/cmp/tupe $DATA \
         --config.runs_dir=$RUNS $MLM --config.schemes=bert_a,bert_r,tupe_a,tupe_r,tupe_a-tiedcls \
         --config.data.glue_dir=../shared/data/glue --config.glue.tasks=sst2,mrpc,stsb,cola \
         --config.glue.max_steps=150 --config.glue.learning_rate=3e-4 ;;
     publish)         # copy the reports (not the checkpoints) into docs/experiments/
-      for s in extrapolation probe sinusoidal nopos-mlm tupe; do
+      for s in extrapolation probe sinusoidal nopos-mlm nopos-mlm-5k tupe; do
         [ -f runs/cmp/$s/report.json ] || continue
         mkdir -p docs/experiments/$s
         (cd runs/cmp/$s && find . -maxdepth 2 \( -name '*.md' -o -name '*.json' -o -name '*.png' \) \
           -not -name config.json -not -path './glue/*' | while read -r f; do
             mkdir -p "../../../docs/experiments/$s/$(dirname "$f")"; cp "$f" "../../../docs/experiments/$s/$f"; done)
       done ;;
-    *) echo "error: unknown step $1, tools/run_experiments.sh, use extrapolation|probe|sinusoidal|tupe|nopos-mlm|publish" >&2
+    *) echo "error: unknown step $1, tools/run_experiments.sh, use extrapolation|probe|sinusoidal|tupe|nopos-mlm|nopos-mlm-5k|publish" >&2
        exit 2 ;;
   esac
 }
-for s in "${@:-extrapolation probe sinusoidal tupe nopos-mlm publish}"; do for t in $s; do step "$t"; done; done
+for s in "${@:-extrapolation probe sinusoidal tupe nopos-mlm nopos-mlm-5k publish}"; do for t in $s; do step "$t"; done; done

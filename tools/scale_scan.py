@@ -26,8 +26,8 @@ SHAPES = {
     "small": ("small", 16, 5e-4, 100, 100),    # 4 layers, d 256, 4 heads, MLP 1024, vocab 8192
 }
 # run -> steps (batch 16 x 128 tokens: 1000 steps = 2.05M tokens); the small shape is ~4x the compute per token
-RUNS = {"tiny-bert_a-mlm": 5000, "tiny-nopos-mlm": 5000, "tiny-bert_a-clm": 3000, "small-bert_a-mlm": 600,
-        "small-nopos-mlm": 600}
+RUNS = {"tiny-bert_a-mlm": 5000, "tiny-nopos-mlm": 5000, "tiny-bert_a-clm": 3000, "small-bert_a-mlm": 2000,
+        "small-nopos-mlm": 2000, "small-bert_a-clm": 1500}
 
 
 def command(name: str, data: str, runs: str) -> list[str]:
