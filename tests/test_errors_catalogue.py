@@ -408,6 +408,8 @@ CASES = [
          lambda e: pretrain(e, "t15", "pe=tupe_r,objective=clm", model__untie_cls="true"), "--config.model.untie_cls"),
     Case("unknown_backend", "unknown attention backend", lambda e: pretrain(e, "t16", model__attention_backend="flash"),
          "--config.model.attention_backend"),
+    Case("dropout_bits", "dropout mask width other than 32 or 16", lambda e: pretrain(e, "t16b", model__dropout_bits=8),
+         "--config.model.dropout_bits"),
     Case("unknown_rope_style", "unknown rope style", lambda e: pretrain(e, "t17", "pe=rope", model__rope_style="spiral"),
          "--config.model.rope_style"),
     Case("unknown_tupe_form", "unknown TUPE form", lambda e: pretrain(e, "t18", model__tupe_form="sum"),
