@@ -33,4 +33,7 @@ def test_replace_block_refuses_a_readme_without_markers():
 def test_the_script_prints_the_table():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "findings_table.py")], capture_output=True,
                          text=True, check=True).stdout
-    assert out.startswith("Scale of every run in the table:") and "| finding (paper) |" in out
+    assert out.startswith(("Scale of every run in the table:", "Scales of the runs in the table")), out[:200]
+    assert "| finding (paper) |" in out and "| steps |" in out
+    # with several scales, each is listed in the head line and each row says its steps
+    assert out.count("2L/d128, 1500 steps") == 1 and out.count("5000 steps = 10.2M tokens") == 1
