@@ -10,6 +10,9 @@ rounds with its min–max (the machine may be shared: the spread is the noise). 
 - current: the code as it is;
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `pretrain.steps.argmax_hits`;
 - rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
+- head custom VJP (tried): the tied output projection h·Eᵀ with a custom VJP that fixes XLA:CPU's layouts
+  (forward against a materialised Eᵀ, ∂E as (hᵀ·g)ᵀ so the (tokens, vocab) cotangent is never transposed),
+  instead of `nn.Embed.attend` (`_vjp_head` below; not in the library: no win beyond the noise);
 - dropout_bits=16: `model.dropout_bits=16` (tupe_jax/dropout.py: four masks per threefry hash instead of one);
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save.
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
@@ -30,7 +33,7 @@ sys.path.insert(0, HERE)
 
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
-          dropout_bits: int = 32) -> dict:
+          dropout_bits: int = 32, vjp_head: bool = False) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -51,9 +54,12 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     model = TransformerLM(ModelConfig.from_config(config.model))
     tx, schedule = make_optimizer(config.train)
     state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, shape["seq"])(r)))(jax.random.PRNGKey(0))
-    kept = steps.argmax_hits
+    from tupe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+    kept, kept_attend = steps.argmax_hits, Transformer.attend
     if plain_argmax:
         steps.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    if vjp_head:
+        Transformer.attend = lambda self, h: _vjp_head(h, self.embed.embedding)
     try:
         step = jax.jit(steps.make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
         batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))
@@ -61,8 +67,27 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         variant = {"state": state, "step": step, "batches": batches, "i": 0}
         run(variant, 2)   # compile (traced while the patch is in place) + one warm step
     finally:
-        steps.argmax_hits = kept
+        steps.argmax_hits, Transformer.attend = kept, kept_attend
     return variant
+
+
+def _vjp_head(h, embedding):
+    """(..., D) x (V, D) -> (..., V) logits, float32, with the layouts of the lever above."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    @jax.custom_vjp
+    def logits(x, e):
+        return x @ jax.lax.optimization_barrier(e.T)
+
+    def forward(x, e):
+        return logits(x, e), (x, e)
+
+    def backward(res, g):
+        x, e = res
+        return g @ e, jax.lax.optimization_barrier(x.T @ g).T
+
+    logits.defvjp(forward, backward)
+    return logits(h.reshape(-1, h.shape[-1]), embedding).reshape(*h.shape[:-1], embedding.shape[0])
 
 
 def run(variant: dict, n: int, cpu: bool = False) -> float:
@@ -89,6 +114,7 @@ def main() -> None:
     load_before = os.getloadavg()
     makers = {"current": lambda: build(args.slots), "argmax (before)": lambda: build(args.slots, plain_argmax=True),
               "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
+              "head custom VJP (tried)": lambda: build(args.slots, vjp_head=True),
               "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
               "no dropout": lambda: build(args.slots, dropout=0.0)}
     chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]

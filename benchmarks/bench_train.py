@@ -306,7 +306,7 @@ def job_env(allocator_mode: str, kind: str) -> dict:
     return env
 
 
-def run_worker(args, kind: str, arg: str, predictions: int) -> dict:
+def run_worker(args, kind: str, arg: str, predictions: int, allocator_mode: str = "") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker_arg", arg]
     for key in ("shape", "layers", "hidden", "heads", "mlp", "vocab", "seq", "batch", "steps", "warmup",
                 "dropout", "backend", "profile_dir", "torch_threads"):
@@ -314,7 +314,8 @@ def run_worker(args, kind: str, arg: str, predictions: int) -> dict:
         if value not in (None, ""):
             cmd += [f"--{key}", str(value)]
     cmd += ["--predictions", str(predictions)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=job_env(args.allocator, kind), check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=job_env(allocator_mode or args.allocator, kind),
+                          check=False)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -366,6 +367,8 @@ RATIOS = {
     "tupe_a step / bert_a step": ("tupe_a", "bert_a"),
     "tupe_r step / bert_a step": ("tupe_r", "bert_a"),
     "loop tokens/s / benchmark bert_a tokens/s": ("bert_a", "loop"),
+    "huge pages: bert_a tokens/s / bert_a with 4 KiB pages": ("bert_a~4k", "bert_a"),
+    "huge pages: bert_a@all tokens/s / bert_a@all with 4 KiB pages": ("bert_a@all~4k", "bert_a@all"),
 }
 
 
@@ -389,6 +392,8 @@ def main() -> None:
     ap.add_argument("--allocator", default="launcher", choices=("launcher", "all", "none"),
                     help="glibc huge-page tunable: launcher = ours as `python -m launch` runs (peers without), "
                          "all = every job, none = no job (see job_env)")
+    ap.add_argument("--allocator_ab", type=int, default=0, help="also ours (bert_a, bert_a@all) without the "
+                    "tunable, as jobs bert_a~4k / bert_a@all~4k in the same rounds")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile_dir", default="", help="ours: also write a jax.profiler trace of 3 steps here")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -407,6 +412,9 @@ def main() -> None:
     jobs = [(x, "ours", x, args.predictions) for x in args.schemes.split(",") if x]
     if args.equal_work:
         jobs.append(("bert_a@all", "ours", "bert_a", s["seq"]))
+    if args.allocator_ab:     # ours again without the huge-page tunable, in the same rounds
+        jobs += [("bert_a~4k", "ours", "bert_a", args.predictions)] + (
+            [("bert_a@all~4k", "ours", "bert_a", s["seq"])] if args.equal_work else [])
     jobs += [(p, p, "", args.predictions) for p in args.peers.split(",") if p]
     if args.loop_steps:
         jobs.append(("loop", "loop", "bert_a", args.predictions))
@@ -421,7 +429,7 @@ def main() -> None:
                 load = os.getloadavg()[0]
                 t0 = time.perf_counter()
                 result = (run_loop(args, s, cache_dir) if kind == "loop"
-                          else run_worker(args, kind, arg, predictions))
+                          else run_worker(args, kind, arg, predictions, "none" if name.endswith("~4k") else ""))
                 result.update(job=name, kind=kind, scheme=arg, round=round_index, predictions_slots=predictions,
                               wall_s=round(time.perf_counter() - t0, 1), loadavg_1m_before=load,
                               loadavg_1m_after=os.getloadavg()[0])

@@ -76,7 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         rel_num_buckets=32, rel_max_distance=128,
         layer_norm_eps=1e-5, attention_backend="einsum", tupe_form="bias",
         sinusoidal_style="scaled",        # scaled | fairseq (the NoPos/ALiBi papers' table; positional/sinusoidal.py)
-        dropout_bits=32,                  # 32 (flax's masks) | 16 (a quarter of the hashing; tupe_jax/dropout.py)
+        dropout_bits=16,                  # 16 (four masks per hash) | 32 (flax's; runs made before the key); dropout.py
     ))
     config.data = default_data_config()  # keys documented in tupe_jax/data/__init__.py
     config.train = ml_collections.ConfigDict(dict(

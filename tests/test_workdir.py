@@ -299,13 +299,20 @@ def test_a_run_made_before_an_added_key_resumes_and_keeps_its_identity(tmp_path)
     assert identity_hash(config, keep_added=HASHED_AT_DEFAULT) != identity_hash(config)
     assert same_identity(identity_hash(config, keep_added=HASHED_AT_DEFAULT), config)
     assert not same_identity(identity_hash(other, keep_added=HASHED_AT_DEFAULT), config)
-    # model.dropout_bits came later: a run made before it (no key) keeps its hash, and 16 is another run
-    del stored["model"]["dropout_bits"]
-    (tmp_path / "config.json").write_text(json_lib.dumps(stored))
-    assert check_config(str(tmp_path), config) == [] and identity_hash(stored) == identity_hash(config)
-    sixteen = config_lib.apply_overrides(
+    # model.dropout_bits came later, its default for new runs (16) differing from what older runs did (32): a run
+    # made before the key (no key) is the 32-bit run and keeps its hash; today's default is another run
+    thirty_two = config_lib.apply_overrides(
         config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":pe=sinusoidal,objective=clm"),
-        {"model.dropout_bits": "16"})
-    assert identity_hash(sixteen) != identity_hash(config) and not same_identity(identity_hash(sixteen), config)
+        {"model.dropout_bits": "32"})
+    stored = json_lib.loads(config_lib.to_json(thirty_two))
+    del stored["model"]["dropout_bits"], stored["model"]["sinusoidal_style"]
+    (tmp_path / "config.json").write_text(json_lib.dumps(stored))
+    assert check_config(str(tmp_path), thirty_two) == [] and identity_hash(stored) == identity_hash(thirty_two)
+    assert int(config.model.dropout_bits) == 16 and identity_hash(config) != identity_hash(thirty_two)
+    assert not same_identity(identity_hash(stored), config)
+    with pytest.raises(UserError, match="dropout_bits"):
+        check_config(str(tmp_path), config)
+    (tmp_path / "config.json").write_text(json_lib.dumps({**stored, "model": {
+        k: v for k, v in json_lib.loads(config_lib.to_json(config))["model"].items() if k != "sinusoidal_style"}}))
     with pytest.raises(UserError, match="sinusoidal_style"):
         check_config(str(tmp_path), other)

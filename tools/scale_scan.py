@@ -39,6 +39,7 @@ def command(name: str, data: str, runs: str) -> list[str]:
             f"--config.data.path={data}", f"--config.train.steps={steps}", f"--config.train.batch_size={batch}",
             f"--config.train.learning_rate={lr}", f"--config.train.warmup_steps={warmup}",
             f"--config.train.eval_every={every}", "--config.train.eval_steps=20", "--config.train.log_every=25",
+            "--config.model.dropout_bits=32",    # as the committed curves (made before 16-bit masks were the default)
             f"--config.checkpoint.every={steps}"]
 
 

@@ -53,7 +53,7 @@ class ModelConfig:
     attention_backend: str = "einsum"   # einsum | xla | cudnn (see attention.py)
     tupe_form: str = "bias"             # TUPE position term as a logit bias or as concatenated heads (tupe.py)
     sinusoidal_style: str = "scaled"    # scaled | fairseq (positional/sinusoidal.py)
-    dropout_bits: int = 32              # 32 (nn.Dropout) | 16 (a quarter of the hashing; dropout.py)
+    dropout_bits: int = 32              # 32 (nn.Dropout; configs/pretrain.py sets 16) | 16 (dropout.py)
 
     @classmethod
     def from_config(cls, model_config: Any) -> "ModelConfig":
