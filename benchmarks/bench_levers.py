@@ -13,7 +13,8 @@ rounds with its min–max (the machine may be shared: the spread is the noise). 
 - head custom VJP (tried): the tied output projection h·Eᵀ with a custom VJP that fixes XLA:CPU's layouts
   (forward against a materialised Eᵀ, ∂E as (hᵀ·g)ᵀ so the (tokens, vocab) cotangent is never transposed),
   instead of `nn.Embed.attend` (`_vjp_head` below; not in the library: no win beyond the noise);
-- dropout_bits=16: `model.dropout_bits=16` (tupe_jax/dropout.py: four masks per threefry hash instead of one);
+- dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
+  default, or flax's one);
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save.
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
 process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two.
@@ -33,7 +34,7 @@ sys.path.insert(0, HERE)
 
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
-          dropout_bits: int = 32, vjp_head: bool = False) -> dict:
+          dropout_bits: int = 0, vjp_head: bool = False) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -49,7 +50,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     config = get_config("pe=bert_a,size=small")
     with config.unlocked():
         config.model.dropout_rate = config.model.attention_dropout_rate = dropout
-        config.model.dropout_bits = dropout_bits
+        if dropout_bits:                      # 0: the config's default
+            config.model.dropout_bits = dropout_bits
         config.train.batch_size, config.train.steps, config.train.warmup_steps = shape["batch"], 1000, 10
     model = TransformerLM(ModelConfig.from_config(config.model))
     tx, schedule = make_optimizer(config.train)
@@ -116,6 +118,7 @@ def main() -> None:
               "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
               "head custom VJP (tried)": lambda: build(args.slots, vjp_head=True),
               "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
+              "dropout_bits=32": lambda: build(args.slots, dropout_bits=32),
               "no dropout": lambda: build(args.slots, dropout=0.0)}
     chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]
     unknown = [n for n in chosen if n not in makers]
