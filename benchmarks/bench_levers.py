@@ -10,9 +10,9 @@ rounds with its min–max (the machine may be shared: the spread is the noise). 
 - current: the code as it is;
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `pretrain.steps.argmax_hits`;
 - rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
-- head custom VJP (tried): the tied output projection h·Eᵀ with a custom VJP that fixes XLA:CPU's layouts
-  (forward against a materialised Eᵀ, ∂E as (hᵀ·g)ᵀ so the (tokens, vocab) cotangent is never transposed),
-  instead of `nn.Embed.attend` (`_vjp_head` below; not in the library: no win beyond the noise);
+- plain head (before): the tied output projection as `nn.Embed.attend` (XLA's own layouts) instead of
+  `tupe_jax.head.tied_logits` (its custom VJP; at commit 59d342f this lever was the variant "head custom VJP
+  (tried)" against the plain head, results_levers_*.json);
 - dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
   default, or flax's one);
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save.
@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
-          dropout_bits: int = 0, vjp_head: bool = False) -> dict:
+          dropout_bits: int = 0, plain_head: bool = False) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -60,8 +60,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     kept, kept_attend = steps.argmax_hits, Transformer.attend
     if plain_argmax:
         steps.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-    if vjp_head:
-        Transformer.attend = lambda self, h: _vjp_head(h, self.embed.embedding)
+    if plain_head:      # the code before head.tied_logits: nn.Embed.attend, XLA's own layouts
+        Transformer.attend = lambda self, h: self.embed.attend(h)
     try:
         step = jax.jit(steps.make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
         batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))
@@ -71,25 +71,6 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     finally:
         steps.argmax_hits, Transformer.attend = kept, kept_attend
     return variant
-
-
-def _vjp_head(h, embedding):
-    """(..., D) x (V, D) -> (..., V) logits, float32, with the layouts of the lever above."""
-    import jax  # pylint: disable=import-outside-toplevel
-
-    @jax.custom_vjp
-    def logits(x, e):
-        return x @ jax.lax.optimization_barrier(e.T)
-
-    def forward(x, e):
-        return logits(x, e), (x, e)
-
-    def backward(res, g):
-        x, e = res
-        return g @ e, jax.lax.optimization_barrier(x.T @ g).T
-
-    logits.defvjp(forward, backward)
-    return logits(h.reshape(-1, h.shape[-1]), embedding).reshape(*h.shape[:-1], embedding.shape[0])
 
 
 def run(variant: dict, n: int, cpu: bool = False) -> float:
@@ -116,7 +97,7 @@ def main() -> None:
     load_before = os.getloadavg()
     makers = {"current": lambda: build(args.slots), "argmax (before)": lambda: build(args.slots, plain_argmax=True),
               "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
-              "head custom VJP (tried)": lambda: build(args.slots, vjp_head=True),
+              "plain head (before)": lambda: build(args.slots, plain_head=True),
               "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
               "dropout_bits=32": lambda: build(args.slots, dropout_bits=32),
               "no dropout": lambda: build(args.slots, dropout=0.0)}

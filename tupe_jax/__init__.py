@@ -4,7 +4,7 @@ The library is importable and testable on its own; `launch/` is the thin CLI on 
 module imports only from its own layer or below; tests/test_architecture.py checks it):
 
     errors, files, allocator            one-line user errors; atomic whole-file writes; huge pages for XLA:CPU
-    config, positional/, dropout, attention, sharding, optim, metrics, plots, checkpoint, data/
+    config, positional/, dropout, head, attention, sharding, optim, metrics, plots, checkpoint, data/
                                         each owns its names and checks its own config section
     model                               the Transformer LMs and classifier; the dtype table
     workdir, trainer                    a run's folder (config.json, meta, loading); the one training loop

@@ -22,6 +22,7 @@ from tupe_jax import positional
 from tupe_jax.attention import ATTENTION_BACKENDS, SelfAttention, attention_mask
 from tupe_jax.dropout import DROPOUT_BITS, make_dropout
 from tupe_jax.errors import require
+from tupe_jax.head import tied_logits
 from tupe_jax.positional import PositionalSettings, canonical_name, make_positional
 
 # The one dtype table: validation and compute both read it. float16 is absent on purpose: training in it needs
@@ -191,8 +192,8 @@ class Transformer(nn.Module):
         return x, extras
 
     def attend(self, h: jax.Array) -> jax.Array:
-        """Logits against the (tied) token embedding."""
-        return self.embed.attend(h)
+        """Logits against the (tied) token embedding (`head.tied_logits`: nn.Embed.attend's maths)."""
+        return tied_logits(h, self.embed.embedding, self.cfg.compute_dtype)
 
     def positional_terms(self, length: int, position_offset: int = 0):
         """The scheme's terms for a given length (for analysis)."""
