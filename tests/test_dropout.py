@@ -25,13 +25,29 @@ def test_keep_fraction_is_the_realised_probability(keep):
 
 
 def test_the_four_masks_of_one_hash_are_independent():
-    """Neighbouring elements come from the two halves of one word and words i, i + n/2 from one hash: if a half
-    were reused, pairs would agree far more often than p² + (1−p)²."""
+    """Elements j, j+q, j+2q, j+3q (q = n/4) come from one hash (the halves of its two words): if a half were
+    reused, pairs would agree far more often than p² + (1−p)²; neighbours come from different hashes."""
     mask, p = keep_mask16(jax.random.PRNGKey(7), (N,), 0.5)
-    m = np.asarray(mask)
+    m, q = np.asarray(mask), N // 4
     both = p * p + (1 - p) * (1 - p)
-    assert _within(float(np.mean(m[0::2] == m[1::2])), both, N // 2)               # halves of one word
-    assert _within(float(np.mean(m[: N // 2] == m[N // 2:])), both, N // 2)       # the two words of one hash
+    for other in (1, 2, 3):
+        assert _within(float(np.mean(m[:q] == m[other * q:(other + 1) * q])), both, q)
+    assert _within(float(np.mean(m[0::2] == m[1::2])), both, N // 2)               # neighbouring hashes
+
+
+def test_a_batch_sharded_mask_is_made_shard_by_shard():
+    """Under a mesh that shards the batch, each device's program holds only its own counters and bits (the
+    (64, 128, 256) mask on 8 devices: no array of the whole mask's size), and the mask equals the unsharded one."""
+    import re  # pylint: disable=import-outside-toplevel
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    sharded = NamedSharding(mesh, P("data"))
+    f = jax.jit(lambda k: keep_mask16(k, (64, 128, 256), 0.9)[0], out_shardings=sharded)
+    text = f.lower(jax.random.PRNGKey(3)).compile().as_text()
+    sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"u32\[([0-9,]+)\]", text)]
+    assert max(sizes) == 8 * 128 * 256, sizes                 # one device's share of the (64, 128, 256) mask
+    assert (np.asarray(f(jax.random.PRNGKey(3))) == np.asarray(keep_mask16(jax.random.PRNGKey(3), (64, 128, 256),
+                                                                          0.9)[0])).all()
 
 
 def test_odd_sizes_and_an_rbg_key():

@@ -24,22 +24,40 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.extend.random import threefry_2x32
+from jax.extend.random import threefry2x32_p
 
 DROPOUT_BITS = (32, 16)
 
 
+def _counters(shape: tuple[int, ...]) -> jax.Array:
+    """uint32 array of `shape` holding each element's row-major index: built from broadcasted iotas, which the
+    SPMD partitioner shards like the data (each device makes only its own slice)."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in range(len(shape) - 1, -1, -1):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % (1 << 32))
+        stride *= shape[axis]
+    return index
+
+
 def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tuple[jax.Array, float]:
-    """Boolean `shape` mask with P(True) = round(keep_prob·2¹⁶)/2¹⁶, and that probability."""
-    n = math.prod(shape)
+    """Boolean `shape` mask with P(True) = round(keep_prob·2¹⁶)/2¹⁶, and that probability.
+
+    One threefry2x32 hash per 4 elements: for the last axis of length L and q = ceil(L/4), hash (…, j) gives
+    elements (…, j), (…, j+q), (…, j+2q), (…, j+3q) from the low and high halves of its two words. The hashes'
+    counters have the mask's leading axes, so a mask sharded over the batch is made shard by shard (no device
+    computes another's bits). Counters are unique for up to 2³² hashes per call."""
+    out_shape, shape = tuple(shape), tuple(shape) or (1,)
     threshold = int(round(keep_prob * 65536))
+    quarter = -(-shape[-1] // 4)
+    counter_shape = shape[:-1] + (quarter,)
     raw = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
-    if raw.shape == (2,):             # a threefry key: both words of each hash are used, n/4 hashes
-        words = threefry_2x32((raw[0], raw[1]), jax.lax.iota(jnp.uint32, -(-n // 2)))
-    else:                             # rbg / unsafe_rbg (4-word keys): their own bit generator
-        words = jax.random.bits(rng, (-(-n // 2),), jnp.uint32)
-    halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[:n]
-    return (halves < threshold).reshape(shape), threshold / 65536
+    if raw.shape == (2,):             # a threefry key: both 32-bit words of each hash are used
+        words = threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape), jnp.zeros(counter_shape, jnp.uint32))
+    else:                             # rbg / unsafe_rbg (4-word keys): their own bit generator, two words per slot
+        words = tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
+    halves = jnp.concatenate([(w >> shift) & 0xFFFF for w in words for shift in (0, 16)], axis=-1)[..., :shape[-1]]
+    return (halves < threshold).reshape(out_shape), threshold / 65536
 
 
 class Dropout16(nn.Module):
