@@ -5,9 +5,9 @@
 
 The maths of `nn.Embed.attend` (both operands cast to the compute dtype). On XLA:CPU (jaxlib 0.10, YNNPACK
 matmuls) the forms XLA picks by itself are the slow ones: for ∂L/∂E it copies the (M, V) cotangent into its
-transpose and runs gᵀ·h (at the benchmark's equal-work shape M = 2048, V = 8192, D = 256: a 64 MB copy and a
-~3x slower dot than hᵀ·g followed by a (D, V) transpose), and the forward runs a transposed-operand dot that is
-slower than h · (Eᵀ materialised, V·D floats). `tied_logits` fixes those layouts with optimization barriers on
+transpose and runs gᵀ·h (at the benchmark's equal-work shape M = 2048, V = 8192, D = 256: a 64 MB copy before a
+dot that is slower than hᵀ·g followed by a (D, V) transpose), and the forward runs a transposed-operand dot that
+is slower than h · (Eᵀ materialised, V·D floats). `tied_logits` fixes those layouts with optimization barriers on
 the CPU backend (benchmarks/RESULTS.md: the lever and its measured effect); other backends get the plain dot,
 whose layouts their compilers already choose well. Same values up to float rounding (summation order).
 
