@@ -103,7 +103,8 @@ def markdown(result: dict) -> str:
     done = {n: (r["curve"][-1]["step"] if r["curve"] else 0) for n, r in result["runs"].items()}
     lines += ["", "Status: " + "; ".join(
         f"{n} {'complete' if done.get(n, 0) >= steps else (f'stopped at step {done[n]} of {steps}' if n in done else 'not run')}"
-        for n, steps in RUNS.items()) + " (rerun the command to continue: finished runs are reused)."]
+        for n, steps in RUNS.items()) + ("." if all(done.get(n, 0) >= s for n, s in RUNS.items()) else
+                                         " (rerun the command to continue: finished runs are reused).")]
     for shape in SHAPES:
         a, b = result["runs"].get(f"{shape}-bert_a-mlm"), result["runs"].get(f"{shape}-nopos-mlm")
         if not (a and b):

@@ -40,6 +40,9 @@ def _glue_features(regression: bool):
                                        "label": np.float32 if regression else np.int32})
 
 
+_SHA256: dict[tuple, str] = {}      # (realpath, size, mtime, inode) -> sha256, per process
+
+
 def _file_stamps(files, root) -> list:
     """Per file: its path relative to the source folder `root`, its size and the sha256 of its bytes. The key follows
     the content: a copy of the same files (a fresh VM, a re-mirrored bucket, a copy that did not keep times) is
@@ -54,9 +57,6 @@ def _file_stamps(files, root) -> list:
         out.append([os.path.relpath(f, root) if os.path.isdir(root) else os.path.basename(f), st.st_size,
                     _SHA256[memo]])
     return out
-
-
-_SHA256: dict[tuple, str] = {}
 
 
 def _legacy_file_stamps(files) -> list:

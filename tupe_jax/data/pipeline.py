@@ -270,6 +270,6 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)).__iter__()
     rest = [split, tokenizer.fingerprint, objective, max_len, global_batch_size, process_count, int(seed), shuffle,
             repeat, mask_prob, max_pred, config.data.get("packing", "full_sentences")]
-    legacy = builders.legacy_corpus_key(config) if config.data.get("name") != "prepared" else ""
+    legacy = builders.legacy_corpus_key(config)        # '' unless text_files/wikitext
     return PretrainIterator(it, batcher, builders.digest([key] + rest),
                             accepted=(builders.digest([legacy] + rest),) if legacy else ())
