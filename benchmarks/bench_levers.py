@@ -13,6 +13,8 @@ rounds with its min–max (the machine may be shared: the spread is the noise). 
 - plain head (before): the tied output projection as `nn.Embed.attend` (XLA's own layouts) instead of
   `tupe_jax.head.tied_logits` (its custom VJP; at commit 59d342f this lever was the variant "head custom VJP
   (tried)" against the plain head, results_levers_*.json);
+- plain projections (before): every Dense layer with `lax.dot_general` (XLA's own layouts) instead of
+  `tupe_jax.projection.dense_dot_general` (its custom VJP: the weight gradient transposes the smaller operand);
 - dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
   default, or flax's one);
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save.
@@ -34,7 +36,7 @@ sys.path.insert(0, HERE)
 
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
-          dropout_bits: int = 0, plain_head: bool = False) -> dict:
+          dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -56,12 +58,16 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     model = TransformerLM(ModelConfig.from_config(config.model))
     tx, schedule = make_optimizer(config.train)
     state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, shape["seq"])(r)))(jax.random.PRNGKey(0))
+    from tupe_jax import attention as attention_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
-    kept, kept_attend = steps.argmax_hits, Transformer.attend
+    kept, kept_attend, kept_dot = steps.argmax_hits, Transformer.attend, model_lib.dense_dot_general
     if plain_argmax:
         steps.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     if plain_head:      # the code before head.tied_logits: nn.Embed.attend, XLA's own layouts
         Transformer.attend = lambda self, h: self.embed.attend(h)
+    if plain_projections:   # the code before projection.dense_dot_general: XLA's own layouts
+        model_lib.dense_dot_general = attention_lib.dense_dot_general = jax.lax.dot_general
     try:
         step = jax.jit(steps.make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
         batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))
@@ -70,6 +76,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         run(variant, 2)   # compile (traced while the patch is in place) + one warm step
     finally:
         steps.argmax_hits, Transformer.attend = kept, kept_attend
+        model_lib.dense_dot_general = attention_lib.dense_dot_general = kept_dot
     return variant
 
 
@@ -98,6 +105,7 @@ def main() -> None:
     makers = {"current": lambda: build(args.slots), "argmax (before)": lambda: build(args.slots, plain_argmax=True),
               "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
               "plain head (before)": lambda: build(args.slots, plain_head=True),
+              "plain projections (before)": lambda: build(args.slots, plain_projections=True),
               "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
               "dropout_bits=32": lambda: build(args.slots, dropout_bits=32),
               "no dropout": lambda: build(args.slots, dropout=0.0)}

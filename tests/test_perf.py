@@ -385,12 +385,15 @@ def _grads_recorder():
                                         ("alibi", "xla")])
 def test_optimised_train_step_matches_the_plain_step(pe, backend, monkeypatch):
     """The pretraining train step as it runs — MLM head on the gathered slots, the bias gradient as 1ᵀ·g
-    (`add_shared_bias`), accuracy by `argmax_hits`, the fused attention backend when asked (float32 bias) — against
-    a plain step written without any of them: head on every position with dense label/weight grids, a broadcast
-    `logits + bias`, `jnp.argmax` accuracy, einsum attention. Same params, batch and dropout key (hidden dropout
+    (`add_shared_bias`), accuracy by `argmax_hits`, the fused attention backend when asked (float32 bias), the
+    XLA:CPU layouts of the tied output projection (`head.tied_logits`) and of every Dense layer
+    (`projection.dense_dot_general`) — against a plain step written without any of them: head on every position
+    with dense label/weight grids, a broadcast `logits + bias`, `jnp.argmax` accuracy, einsum attention,
+    `h · Eᵀ` and `lax.dot_general`. Same params, batch and dropout key (hidden dropout
     0.1; attention dropout 0 so that the fused path really runs), float32: loss, accuracy and every gradient leaf
     within 1e-5 (the formulations differ only in float32 summation order)."""
     from tupe_jax import attention as attention_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax.pretrain.steps import make_train_step  # pylint: disable=import-outside-toplevel
     cfg = config(pe, num_layers=2, dropout_rate=0.1, attention_dropout_rate=0.0, attention_backend=backend)
     params = init_params(cfg, jax.random.key(11))
@@ -403,6 +406,9 @@ def test_optimised_train_step_matches_the_plain_step(pe, backend, monkeypatch):
 
     plain_cfg = dataclasses.replace(cfg, attention_backend="einsum")
     monkeypatch.setattr(attention_lib, "add_shared_bias", lambda logits, bias: logits + bias)
+    for module in (attention_lib, model_lib):
+        monkeypatch.setattr(module, "dense_dot_general", jax.lax.dot_general)
+    monkeypatch.setattr(model_lib, "tied_logits", lambda h, e, dtype: h.astype(dtype) @ e.astype(dtype).T)
     rng = jax.random.fold_in(state["rng"], 0)   # what the train step draws its dropout from at step 0
 
     def plain(p):

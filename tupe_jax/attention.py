@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from tupe_jax.dropout import make_dropout
 from tupe_jax.positional.base import PositionalTerms
+from tupe_jax.projection import dense_dot_general
 
 NEG_INF = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
 
@@ -121,7 +122,7 @@ class SelfAttention(nn.Module):
     def __call__(self, x: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array], deterministic: bool,
                  return_probs: bool = False) -> tuple[jax.Array, Optional[jax.Array]]:
         qkv = nn.DenseGeneral(
-            (3, self.num_heads, self.head_dim), dtype=self.dtype, name="qkv",
+            (3, self.num_heads, self.head_dim), dtype=self.dtype, name="qkv", dot_general=dense_dot_general,
             kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "qkv", "heads", "kv")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("qkv", "heads", "kv")))(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -136,7 +137,7 @@ class SelfAttention(nn.Module):
             dropped = make_dropout(self.dropout_rate, self.dropout_bits)(probs, deterministic=deterministic)
             out = jnp.einsum("bhqk,bkhd->bqhd", dropped.astype(self.dtype), v)
         out = nn.DenseGeneral(
-            x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out",
+            x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out", dot_general=dense_dot_general,
             kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("heads", "kv", "embed")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))(out)
         return out, (probs if return_probs else None)

@@ -24,6 +24,7 @@ from tupe_jax.dropout import DROPOUT_BITS, make_dropout
 from tupe_jax.errors import require
 from tupe_jax.head import tied_logits
 from tupe_jax.positional import PositionalSettings, canonical_name, make_positional
+from tupe_jax.projection import dense_dot_general
 
 # The one dtype table: validation and compute both read it. float16 is absent on purpose: training in it needs
 # loss scaling, which this project does not implement; bfloat16 has float32's range and needs none.
@@ -115,7 +116,7 @@ def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
 
 
 def dense(features: int, axes: tuple[str, str], cfg: ModelConfig, name: str) -> nn.Dense:
-    return nn.Dense(features, dtype=cfg.compute_dtype, name=name,
+    return nn.Dense(features, dtype=cfg.compute_dtype, name=name, dot_general=dense_dot_general,
                     kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), axes),
                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axes[1],)))
 

@@ -1,0 +1,60 @@
+"""Dense projections with a backward laid out for XLA:CPU (the `dot_general` the model's Dense layers use).
+
+    x (..., K) contracted over its trailing axes with W (K..., F...)  ->  y = x · W   (..., F...)
+    backward, flattened to x (M, K), W (K, F), g = ∂L/∂y (M, F):   ∂L/∂x = g · Wᵀ,   ∂L/∂W = xᵀ · g
+
+The weight gradient contracts the long M = batch·length axis of both operands. On XLA:CPU (jaxlib 0.10) XLA lays
+that dot out by copying one operand into its transpose first, and at the benchmark's shape it picks the larger
+one: for the MLP input projection (K 256, F 1024) it copies the (M, 1024) cotangent. `dense_dot_general`
+materialises the transpose of the smaller operand instead (xᵀ (K, M) and xᵀ·g when K ≤ F; otherwise gᵀ (F, M)
+and (gᵀ·x)ᵀ, the (F, K) result transposed back), with optimization barriers so that XLA does not fold the
+transposes away again. Other backends, batch dimensions, other contractions and an explicit precision get
+`lax.dot_general` unchanged. Same values up to float rounding (summation order); benchmarks/RESULTS.md has the
+measured effect.
+
+    dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None) -> y
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+from jax import lax
+
+
+@jax.custom_vjp
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """(M, K) x (K, F) -> (M, F)."""
+    return x @ w
+
+
+def _matmul_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _matmul_bwd(residuals, g):
+    x, w = residuals
+    if x.shape[1] <= g.shape[1]:
+        d_w = lax.optimization_barrier(x.T) @ g
+    else:
+        d_w = (lax.optimization_barrier(g.T) @ x).T
+    return (g @ w.T).astype(x.dtype), d_w.astype(w.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None):
+    """`lax.dot_general` for a Dense layer's (trailing x axes) · (leading kernel axes) contraction."""
+    (x_axes, k_axes), (x_batch, k_batch) = dimension_numbers
+    n = len(x_axes)
+    plain = (jax.default_backend() != "cpu" or x_batch or k_batch or precision is not None
+             or tuple(x_axes) != tuple(range(x.ndim - n, x.ndim)) or tuple(k_axes) != tuple(range(n))
+             or preferred_element_type is not None)
+    if plain:
+        return lax.dot_general(x, kernel, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type)
+    lead, features = x.shape[:x.ndim - n], kernel.shape[n:]
+    k, f = math.prod(kernel.shape[:n]), math.prod(features)
+    y = _matmul(x.reshape(math.prod(lead), k), kernel.reshape(k, f))
+    return y.reshape(*lead, *features)
