@@ -37,3 +37,24 @@ def test_the_script_prints_the_table():
     assert "| finding (paper) |" in out and "| steps |" in out
     # with several scales, each is listed in the head line and each row says its steps
     assert out.count("2L/d128, 1500 steps") == 1 and out.count("5000 steps = 10.2M tokens") == 1
+
+
+def test_every_benchmark_result_cited_exists_and_names_its_command():
+    """Each `results_*.json` that README.md or a heading of benchmarks/RESULTS.md names (the headings carry the
+    commands; the body may also name the outputs of scripts not yet run) is committed under benchmarks/, is JSON
+    and, where it records the command that made it, that command writes to this very file."""
+    import json  # pylint: disable=import-outside-toplevel
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        texts = [f.read()]
+    with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), encoding="utf-8") as f:
+        texts.append("\n".join(line for line in f if line.startswith("#")))
+    cited = {name for text in texts for name in re.findall(r"\b(results_[A-Za-z0-9_]+\.json)\b", text)}
+    assert len(cited) >= 10
+    for name in sorted(cited):
+        path = os.path.join(ROOT, "benchmarks", name)
+        assert os.path.isfile(path), f"{name} is cited but not in benchmarks/"
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        command = data.get("command") if isinstance(data, dict) else None
+        if command and "--json" in command:
+            assert command.rstrip().endswith(name) or f"{name} " in command, (name, command)
