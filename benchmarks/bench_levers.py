@@ -40,7 +40,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from bench_train import SHAPES, synthetic_batches  # pylint: disable=import-outside-toplevel
+    from train_workers import SHAPES, synthetic_batches  # pylint: disable=import-outside-toplevel
     from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
     from tupe_jax.data.batch import LMBatch  # pylint: disable=import-outside-toplevel
     from tupe_jax.model import ModelConfig, TransformerLM  # pylint: disable=import-outside-toplevel
