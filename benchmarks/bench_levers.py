@@ -17,7 +17,9 @@ rounds with its min–max (the machine may be shared: the spread is the noise). 
   `tupe_jax.projection.dense_dot_general` (its custom VJP: the weight gradient transposes the smaller operand);
 - dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
   default, or flax's one);
-- no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save.
+- no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save;
+- tupe_a / tupe_r: the same step for that scheme instead of bert_a (the scheme's cost, measured in one process,
+  where the rounds alternate within seconds: steadier than bench_train's one process per job).
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
 process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two.
 """
@@ -36,7 +38,8 @@ sys.path.insert(0, HERE)
 
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
-          dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False) -> dict:
+          dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
+          scheme: str = "bert_a") -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -49,7 +52,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     from tupe_jax.trainer import init_state_fn  # pylint: disable=import-outside-toplevel
 
     shape = dict(zip(("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"), SHAPES["small"]))
-    config = get_config("pe=bert_a,size=small")
+    config = get_config(f"pe={scheme},size=small")
     with config.unlocked():
         config.model.dropout_rate = config.model.attention_dropout_rate = dropout
         if dropout_bits:                      # 0: the config's default
@@ -108,7 +111,9 @@ def main() -> None:
               "plain projections (before)": lambda: build(args.slots, plain_projections=True),
               "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
               "dropout_bits=32": lambda: build(args.slots, dropout_bits=32),
-              "no dropout": lambda: build(args.slots, dropout=0.0)}
+              "no dropout": lambda: build(args.slots, dropout=0.0),
+              "tupe_a": lambda: build(args.slots, scheme="tupe_a"),
+              "tupe_r": lambda: build(args.slots, scheme="tupe_r")}
     chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]
     unknown = [n for n in chosen if n not in makers]
     if unknown:
