@@ -7,12 +7,12 @@
 as 32: workdir/meta.py ADDED_DEFAULTS), and the ModelConfig default.
 
 16 (configs/pretrain.py's default for new runs): each hash's two 32-bit words give four 16-bit uniforms
-u ∈ {0..65535}; keep = u < t with t = round(p·2¹⁶), so P(keep) = t/2¹⁶ exactly and y = x · keep · 2¹⁶/t (unbiased: E[y] = x). For rate 0.1, t = 58982: the realised rate
-is 0.1000061 instead of 0.1, a difference of 6·10⁻⁶. A quarter of the hashing for the same masks' statistics, but
-other bits: a run's masks depend on the choice (like `train.dropout_rng`), its statistics do not. On the CPU
-reference step flax's 32-bit masks cost 1.08-1.09x the CPU time of these (benchmarks/RESULTS.md). With a
-non-threefry key (`train.dropout_rng = rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks
-per word.
+u ∈ {0..65535}; keep = u < t with t = round(p·2¹⁶), so P(keep) = t/2¹⁶ exactly and y = x · keep · 2¹⁶/t
+(unbiased: E[y] = x). For rate 0.1, t = 58982: the realised rate is 0.1000061 instead of 0.1, a difference of
+6·10⁻⁶. A quarter of the hashing for the same masks' statistics, but other bits: a run's masks depend on the
+choice (like `train.dropout_rng`), its statistics do not. On the CPU reference step flax's 32-bit masks cost
+1.08-1.09x the CPU time of these (benchmarks/RESULTS.md). With a non-threefry key (`train.dropout_rng =
+rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per word.
 
     make_dropout(rate, bits) -> nn.Module          nn.Dropout for 32, Dropout16 for 16
     keep_mask16(rng, shape, keep_prob) -> (bool mask, realised keep probability)
