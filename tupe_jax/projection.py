@@ -12,6 +12,7 @@ transposes away again. Other backends, batch dimensions, other contractions and 
 `lax.dot_general` unchanged. Same values up to float rounding (summation order); benchmarks/RESULTS.md has the
 measured effect.
 
+    matmul(x, w) -> x · w                  (M, K) x (K, F) with the backward above (also head.tied_logits')
     dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None) -> y
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jax import lax
 
 
 @jax.custom_vjp
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """(M, K) x (K, F) -> (M, F)."""
     return x @ w
 
@@ -41,7 +42,7 @@ def _matmul_bwd(residuals, g):
     return (g @ w.T).astype(x.dtype), d_w.astype(w.dtype)
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None):
@@ -56,5 +57,5 @@ def dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_el
                                preferred_element_type=preferred_element_type)
     lead, features = x.shape[:x.ndim - n], kernel.shape[n:]
     k, f = math.prod(kernel.shape[:n]), math.prod(features)
-    y = _matmul(x.reshape(math.prod(lead), k), kernel.reshape(k, f))
+    y = matmul(x.reshape(math.prod(lead), k), kernel.reshape(k, f))
     return y.reshape(*lead, *features)
