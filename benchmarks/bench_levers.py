@@ -11,8 +11,8 @@ rounds with its min–max (the machine may be shared: the spread is the noise). 
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `pretrain.steps.argmax_hits`;
 - rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
 - plain head (before): the tied output projection as `nn.Embed.attend` (XLA's own layouts) instead of
-  `tupe_jax.head.tied_logits` (its custom VJP; at commit 59d342f this lever was the variant "head custom VJP
-  (tried)" against the plain head, results_levers_*.json);
+  `tupe_jax.head.tied_logits` (`projection.matmul` against a materialised Eᵀ; at commit 59d342f this lever was
+  the variant "head custom VJP (tried)" against the plain head, results_levers_*.json);
 - plain projections (before): every Dense layer with `lax.dot_general` (XLA's own layouts) instead of
   `tupe_jax.projection.dense_dot_general` (its custom VJP: the weight gradient transposes the smaller operand);
 - dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
