@@ -316,3 +316,48 @@ def test_a_run_made_before_an_added_key_resumes_and_keeps_its_identity(tmp_path)
         k: v for k, v in json_lib.loads(config_lib.to_json(config))["model"].items() if k != "sinusoidal_style"}}))
     with pytest.raises(UserError, match="sinusoidal_style"):
         check_config(str(tmp_path), other)
+
+
+class _FakeBucket:
+    """A gs:// folder's lease object in memory: `reads` are served in order (the last one repeats); writes kept."""
+
+    def __init__(self, reads):
+        self.reads, self.writes, self.removed = list(reads), [], []
+
+    def read_text(self, path):
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+
+    def install(self, monkeypatch):
+        from tupe_jax import files  # pylint: disable=import-outside-toplevel
+        from tupe_jax.workdir import lock as lock_lib  # pylint: disable=import-outside-toplevel
+        monkeypatch.setattr(files, "is_remote", lambda p: str(p).startswith("gs://"))
+        monkeypatch.setattr(files, "absolute", lambda p: str(p))
+        monkeypatch.setattr(files, "exists", lambda p: True)
+        monkeypatch.setattr(files, "read_text", self.read_text)
+        monkeypatch.setattr(files, "write_text", lambda p, t: self.writes.append(t))
+        monkeypatch.setattr(files, "remove", self.removed.append)
+        monkeypatch.setattr(lock_lib, "LEASE_RETRY_SECONDS", 0.0)
+        return lock_lib
+
+
+def test_a_torn_read_of_a_live_bucket_lease_is_read_again_not_taken_over(monkeypatch):
+    """A read that overlaps the holder's heartbeat rewrite returns a torn object. Before, that counted as a stale
+    lease and a second process took over a live run's folder; now the lease is read again and the live holder
+    refuses. A lease that never parses is still taken over, after LEASE_READS reads."""
+    import time  # pylint: disable=import-outside-toplevel
+    live = json.dumps({"pid": 4242, "host": "vm-1", "started": "2026-12-01T00:00:00", "command": "launch pretrain",
+                       "heartbeat": time.time()})
+    bucket = _FakeBucket([live[:len(live) // 2], live])
+    lock_lib = bucket.install(monkeypatch)
+    with pytest.raises(UserError, match="is in use by process 4242 on vm-1"):
+        with lock_lib.RunLock("gs://b/run"):
+            pass
+    assert bucket.writes == []                                   # nothing written over the live lease
+    broken = _FakeBucket(["{not json"])
+    lock_lib = broken.install(monkeypatch)
+    reads = []
+    monkeypatch.setattr("tupe_jax.files.read_text", lambda p: reads.append(p) or "{not json")
+    with lock_lib.RunLock("gs://b/run2") as lock:
+        assert lock.taken_over == "another process" and len(reads) == lock_lib.LEASE_READS
+        assert len(broken.writes) == 1                           # the heartbeat thread does not write at once
+    assert broken.removed == ["gs://b/run2/.lock"]

@@ -8,9 +8,10 @@ Process 0 of a multi-process run holds the lock for all of them.
 
 In a bucket (`gs://...`) there is no flock: the lock is a lease object that its holder rewrites every
 `LEASE_SECONDS / 4` (a heartbeat thread). A lease whose heartbeat is older than `LEASE_SECONDS` (300 s, or
-$TUPE_JAX_LEASE_SECONDS) belongs to a dead run (a preempted VM) and is taken over. Two commands started within the
-same second on an unlocked bucket folder can both see it free (GCS preconditions would close that window; not
-done here).
+$TUPE_JAX_LEASE_SECONDS) belongs to a dead run (a preempted VM) and is taken over. A read can overlap the holder's
+heartbeat rewrite and return a torn object, so a lease that does not parse is read again (`LEASE_READS` times,
+`LEASE_RETRY_SECONDS` apart) before it counts as stale. Two commands started within the same second on an
+unlocked bucket folder can both see it free (GCS preconditions would close that window; not done here).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from tupe_jax.errors import UserError
 LOCK_NAME = ".lock"
 LEASE_SECONDS = float(os.environ.get("TUPE_JAX_LEASE_SECONDS", "300"))   # a bucket lease's lifetime without heartbeat
 _HELD: dict[str, list] = {}     # absolute workdir -> [file object, depth]
+LEASE_READS, LEASE_RETRY_SECONDS = 5, 0.5     # an unparsable lease is read this often before it counts as stale
 
 
 def _holder(text: str) -> str:
@@ -40,6 +42,18 @@ def _holder(text: str) -> str:
         return f"process {info['pid']} on {info['host']} (started {info['started']}: {info['command']})"
     except (ValueError, KeyError, TypeError):
         return "another process"
+
+
+def _read_lease(path: str) -> tuple[str, float]:
+    """The lease object's text and its heartbeat's age in seconds; LEASE_SECONDS if it never parses."""
+    for attempt in range(LEASE_READS):
+        text = files.read_text(path)
+        try:
+            return text, time.time() - float(json.loads(text).get("heartbeat", 0))
+        except (ValueError, AttributeError):
+            if attempt + 1 < LEASE_READS:
+                time.sleep(LEASE_RETRY_SECONDS)
+    return text, LEASE_SECONDS
 
 
 class RunLock:
@@ -58,11 +72,7 @@ class RunLock:
         """The lease object of a bucket folder (see the module doc)."""
         path = files.join(self.workdir, LOCK_NAME)
         if files.exists(path):
-            text = files.read_text(path)
-            try:
-                age = time.time() - float(json.loads(text).get("heartbeat", 0))
-            except (ValueError, AttributeError):
-                age = LEASE_SECONDS
+            text, age = _read_lease(path)
             if age < LEASE_SECONDS:
                 raise UserError(f"{self.workdir} is in use by {_holder(text)}, heartbeat {age:.0f} s ago", "--workdir",
                                 f"wait for that run to finish (a dead run's lease expires {LEASE_SECONDS:.0f} s after "
@@ -72,11 +82,9 @@ class RunLock:
                   file=sys.stderr, flush=True)
         identity, stop = self._identity(), threading.Event()
 
-        def beat() -> None:
-            while True:
+        def beat() -> None:          # the first write is the caller's, below
+            while not stop.wait(LEASE_SECONDS / 4):
                 files.write_text(path, json.dumps({**identity, "heartbeat": time.time()}))
-                if stop.wait(LEASE_SECONDS / 4):
-                    return
 
         files.write_text(path, json.dumps({**identity, "heartbeat": time.time()}))
         thread = threading.Thread(target=beat, daemon=True, name="tupe-jax-lease")
