@@ -5,7 +5,8 @@
 One process builds every variant (bert_a, `size=small`: 4 layers, d 256, 4 heads, MLP 1024, vocab 8192, batch
 16 × 128, float32, dropout 0.1), compiles each, then runs `--steps` synced steps of each variant in turn, `--rounds`
 times. A variant's ratio to the first one ("current") is computed within each round; reported: the median over
-rounds with its min–max (the machine may be shared: the spread is the noise). `--slots`: MLM head slots per row
+rounds with its min–max (the machine may be shared: the spread is the noise) and, from 6 rounds, the median's 95%
+interval (`rounds.spread`). `--slots`: MLM head slots per row
 (20 = the default head on the masked positions, 128 = equal work with HF). Variants:
 - current: the code as it is;
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `pretrain.steps.argmax_hits`;
@@ -35,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
@@ -96,6 +98,12 @@ def run(variant: dict, n: int, cpu: bool = False) -> float:
     return statistics.median(times)
 
 
+def interval(summary: dict) -> str:
+    """', 95% interval a–b' for a `rounds.spread` summary that has one."""
+    ci = summary["ci95"]
+    return f", 95% interval of the median {ci[0]:.3f}–{ci[1]:.3f}" if ci else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slots", type=int, default=128)
@@ -133,11 +141,11 @@ def main() -> None:
     for name, values in per.items():
         for key, table in (("ratios", per), ("cpu_ratios", cpu)):
             ratios = [a / b for a, b in zip(table[name], table["current"])]
-            out[key][name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+            out[key][name] = spread(ratios)
         r, c = out["ratios"][name], out["cpu_ratios"][name]
-        print(f"{name}: {statistics.median(values):.1f} ms; vs current {r['median']:.3f}× ({r['min']:.3f}–{r['max']:.3f})"
-              f"; CPU {statistics.median(cpu[name]):.1f} ms, {c['median']:.3f}× ({c['min']:.3f}–{c['max']:.3f})",
-              flush=True)
+        print(f"{name}: {statistics.median(values):.1f} ms; vs current {r['median']:.3f}× ({r['min']:.3f}–{r['max']:.3f}"
+              f"{interval(r)}); CPU {statistics.median(cpu[name]):.1f} ms, {c['median']:.3f}× "
+              f"({c['min']:.3f}–{c['max']:.3f}{interval(c)})", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)

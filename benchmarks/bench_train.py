@@ -14,9 +14,10 @@ AdamW, dropout 0.1 (hidden and attention) in all. Warm-up steps (incl. compilati
 time is the median of `--steps` timed steps, each timed to completion (the loss is read back).
 
 Noise: the machine may be shared. `--rounds R` runs every job once per round (order rotated each round) and each
-ratio is computed WITHIN a round, then reported as the median over rounds with its min–max spread; nothing keeps
-a job's best round. `os.getloadavg()` before and after every job is in the JSON. The torch 2048³ fp32 matmul
-rate is measured at the start of every round (recorded, for reference only).
+ratio is computed WITHIN a round, then reported as the median over rounds with its min–max spread and, from 6
+rounds, the median's 95% interval (`rounds.spread`); nothing keeps a job's best round. `os.getloadavg()` before
+and after every job is in the JSON. The torch 2048³ fp32 matmul rate is measured at the start of every round
+(recorded, for reference only).
 
 Model FLOPs (`tupe_jax.metrics.transformer_training_flops`, 3 × forward matmul FLOPs) count the head each job
 runs. tokens/s = batch × seq_len ÷ step time (all input tokens, the same for every job).
@@ -47,6 +48,7 @@ ROOT = os.path.dirname(HERE)
 
 sys.path.insert(0, HERE)
 from train_workers import ALL_SCHEMES, SHAPES, USAGE, WORKERS, shape_args  # noqa: E402  pylint: disable=wrong-import-position
+from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 
 # ================================================================================================ driver
@@ -136,10 +138,6 @@ def run_loop(args, s: dict, cache_dir: str) -> dict:
             "loop_tokens_per_s": tokens_per_s,
             "loop_tokens_per_s_mean": s["batch"] * s["seq"] / statistics.mean(r["step_time_s"] for r in steady), "step_ms": 1e3 * s["batch"] * s["seq"] / tokens_per_s,
             "command": " ".join(cmd[1:])}
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_round": values}
 
 
 # ratio name -> (job whose step time is divided, job it is divided by): a step-time ratio, i.e. the tokens/s
@@ -277,9 +275,11 @@ def main() -> None:
             u = j["usage_median"]
             print(f"| {name} | {j['glibc_tunables'] or '—'} | {u['minor_faults_per_step']:,.0f} | "
                   f"{u['user_s_per_step']:.3f} | {u['sys_s_per_step']:.3f} |")
-    print("\n| ratio (per round, then median) | median | min–max | per round |\n|---|---:|---|---|")
+    print("\n| ratio (per round, then median) | median | min–max | 95% interval of the median | per round |\n"
+          "|---|---:|---|---|---|")
     for label, r in ratios.items():
-        print(f"| {label} | {r['median']:.3f}× | {r['min']:.3f}–{r['max']:.3f} | "
+        ci = f"{r['ci95'][0]:.3f}–{r['ci95'][1]:.3f}" if r["ci95"] else "— (< 6 rounds)"
+        print(f"| {label} | {r['median']:.3f}× | {r['min']:.3f}–{r['max']:.3f} | {ci} | "
               f"{', '.join(f'{x:.3f}' for x in r['per_round'])} |")
     out = args.json or os.path.join(HERE, f"results_{args.shape}.json")
     with open(out, "w", encoding="utf-8") as f:
