@@ -3,7 +3,8 @@ Prepared, NOT yet run on a GPU (no device in the session that wrote it); `--back
 
     python benchmarks/gpu_bias_precision.py [--backends xla,cudnn] [--json out.json]
 
-The inputs of `tests/test_perf.py::test_xla_fused_path_keeps_a_long_alibi_bias_in_float32` and
+The inputs and reference (tests/attention_fixtures.py) of
+`tests/test_perf.py::test_xla_fused_path_keeps_a_long_alibi_bias_in_float32` and
 `::test_fused_paths_keep_a_tupe_r_bias_exact_enough`, at head dim 64 (cuDNN's kernels want a multiple of 8):
 causal ALiBi at 1024 tokens (8 heads; random q/k, and q/k whose content logit +m_h·(i − j) spreads the softmax
 mass over far keys, where the bias is largest) and TUPE-R's real bias at 512 tokens magnified to about ±32 (random
@@ -26,37 +27,16 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 
 def cases():
-    import flax  # pylint: disable=import-outside-toplevel
-    import flax.linen as nn  # pylint: disable=import-outside-toplevel
-    import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
-    from tupe_jax.attention import attention_mask  # pylint: disable=import-outside-toplevel
-    from tupe_jax.positional import PositionalSettings, make_positional  # pylint: disable=import-outside-toplevel
-    from tupe_jax.positional.alibi import alibi_bias, alibi_slopes  # pylint: disable=import-outside-toplevel
-    from tupe_jax.positional.base import PositionalTerms  # pylint: disable=import-outside-toplevel
+    from tests.attention_fixtures import alibi_cases, tupe_r_terms  # pylint: disable=import-outside-toplevel
 
     out = {}
-    length, heads, dim = 1024, 8, 64
-    scale = 1.0 / np.sqrt(dim)
-    terms = PositionalTerms(logit_bias=alibi_bias(length, heads, True), logit_scale=float(scale))
-    mask = attention_mask(None, length, True)
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.normal(size=(1, length, heads, dim)).astype(np.float32) for _ in range(3))
-    slopes, pos = alibi_slopes(heads)[None, :], np.arange(length, dtype=np.float32)[:, None]
-    q_adv, k_adv = q.copy(), k.copy()
-    q_adv[0, :, :, 0], q_adv[0, :, :, 1] = slopes * pos / scale, -1.0 / scale
-    k_adv[0, :, :, 0], k_adv[0, :, :, 1] = 1.0, slopes * pos
-    for name, (qq, kk) in {"alibi-1024 random": (q, k), "alibi-1024 far keys": (q_adv, k_adv)}.items():
-        out[name] = (tuple(jnp.asarray(x, jnp.bfloat16) for x in (qq, kk, v)), terms, mask)
-
-    length, hidden = 512, 512
-    module = make_positional("tupe_r", PositionalSettings(hidden_size=hidden, num_heads=heads, max_len=length),
-                             module_name=None)
-    flat = flax.traverse_util.flatten_dict(nn.meta.unbox(module.init(jax.random.key(0), length)))
-    grow = {"kernel": 6.0, "rel_bias": 100.0}
-    params = flax.traverse_util.unflatten_dict({p: x * grow.get(p[-1], 1.0) for p, x in flat.items()})
-    terms = module.apply(params, length)
+    alibi, terms, mask = alibi_cases(1024, 8, 64)
+    for name, inputs in alibi.items():
+        out[f"alibi-1024 {name}"] = (tuple(jnp.asarray(x, jnp.bfloat16) for x in inputs), terms, mask)
+    length, heads, hidden = 512, 8, 512
+    terms = tupe_r_terms(length, heads, hidden, kernel_growth=6.0)
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(2, length, heads, hidden // heads)), jnp.bfloat16) for _ in range(3))
     out["tupe_r-512 random"] = ((q, k, v), terms, None)
@@ -71,19 +51,14 @@ def main() -> None:
     args = ap.parse_args()
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    from tupe_jax.attention import attention_logits, fused_attention  # pylint: disable=import-outside-toplevel
-
-    def err(a, b):
-        return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+    from tests.attention_fixtures import (bf16_bound, bias_cast_to_bf16, einsum_reference,  # pylint: disable=import-outside-toplevel
+                                          max_err as err)
+    from tupe_jax.attention import fused_attention  # pylint: disable=import-outside-toplevel
 
     rows, failed = [], False
     for name, ((q, k, v), terms, mask) in cases().items():
-        q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
-        ref = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(attention_logits(q32, k32, terms, mask), -1), v32)
-        bound = 2 * 2.0 ** -8 * float(jnp.abs(v32).max()) + 1e-4
-        pre_fix = jax.nn.dot_product_attention(q, k, v, bias=terms.logit_bias.astype(jnp.bfloat16), mask=mask,
-                                               scale=terms.logit_scale, implementation="xla")
+        ref, bound = einsum_reference(q, k, v, terms, mask), bf16_bound(v)
+        pre_fix = bias_cast_to_bf16(q, k, v, terms, mask)
         row = {"case": name, "bound": bound, "bias_abs_max": float(jnp.abs(terms.logit_bias).max()),
                "pre_fix_bf16_bias_xla": err(pre_fix, ref)}
         for backend in args.backends.split(","):

@@ -24,6 +24,8 @@ import pytest
 from tupe_jax.model import ModelConfig, TransformerLM, init_params
 from tupe_jax.data.batch import LMBatch
 from tupe_jax.pretrain.steps import batch_loss
+from tests.attention_fixtures import (alibi_cases, bf16_bound, bias_cast_to_bf16, einsum_reference, max_err,
+                                     tupe_r_terms)
 
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, mlp_dim=64, max_len=16,
             dropout_rate=0.0, attention_dropout_rate=0.0)
@@ -262,84 +264,38 @@ def test_train_step_with_rbg_dropout_is_reproducible_and_keeps_the_state_format(
 
 
 # ------------------------------------------------------------------------------------------ fused-path bias precision
-U_BF16 = 2.0 ** -8   # bfloat16 unit roundoff (8 significant bits, round to nearest)
-
-
-def _einsum_reference(q, k, v, terms, mask):
-    """The float32 einsum path (explicit float32 logits + bias, softmax, P·V) on the same (bf16-exact) q/k/v."""
-    from tupe_jax.attention import attention_logits  # pylint: disable=import-outside-toplevel
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-
-
-def _bias_cast_to_bf16(q, k, v, terms, mask):
-    """What the fused path did before: the bias rounded to bfloat16 before the kernel."""
-    return jax.nn.dot_product_attention(q, k, v, bias=terms.logit_bias.astype(jnp.bfloat16), mask=mask,
-                                        scale=terms.logit_scale, implementation="xla")
-
-
-def _max_err(out, ref):
-    return float(np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32)).max())
-
-
-def _bf16_bound(v):
-    """|fused − reference| ≤ u·Σ_j p_j|v_j| (probs rounded to bf16 before P·V) + u·|o| (output rounded to bf16)
-    ≤ 2u·max|v|, plus 1e-4 for float32 summation-order differences in the logits and softmax."""
-    return 2 * U_BF16 * float(jnp.abs(v.astype(jnp.float32)).max()) + 1e-4
-
-
 def test_xla_fused_path_keeps_a_long_alibi_bias_in_float32():
     """bf16 `fused_attention(backend='xla')` vs the float32 einsum path, causal ALiBi at 1024 tokens, 8 heads
     (slopes 2⁻¹…2⁻⁸: the bias reaches −511, where bf16's spacing is 2, i.e. up to 1 logit of rounding).
 
     q/k/v are bf16 values (the reference upcasts the same values), so the only differences allowed are the fused
     kernel's own bf16 roundings: probabilities before P·V and the output, ≤ 2u·max|v| with u = 2⁻⁸
-    (`_bf16_bound`). The bias must not add to that. Two inputs: random q/k (natural), and q/k whose content
+    (`bf16_bound`). The bias must not add to that. Two inputs: random q/k (natural), and q/k whose content
     logit is +m_h·(i − j) (dims 0–1) so the softmax mass spreads over keys hundreds of tokens back, where the
     bias is largest — there the pre-fix path (bias cast to bf16) is ~3× over the bound, asserted below so the test
     fails if the bias is rounded again."""
-    from tupe_jax.attention import attention_mask, fused_attention  # pylint: disable=import-outside-toplevel
-    from tupe_jax.positional.alibi import alibi_bias, alibi_slopes  # pylint: disable=import-outside-toplevel
-    from tupe_jax.positional.base import PositionalTerms  # pylint: disable=import-outside-toplevel
-    length, heads, dim = 1024, 8, 8
-    scale = 1.0 / np.sqrt(dim)
-    terms = PositionalTerms(logit_bias=alibi_bias(length, heads, True), logit_scale=float(scale))
-    mask = attention_mask(None, length, True)
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.normal(size=(1, length, heads, dim)).astype(np.float32) for _ in range(3))
-    slopes, pos = alibi_slopes(heads)[None, :], np.arange(length, dtype=np.float32)[:, None]
-    q_adv, k_adv = q.copy(), k.copy()
-    q_adv[0, :, :, 0], q_adv[0, :, :, 1] = slopes * pos / scale, -1.0 / scale
-    k_adv[0, :, :, 0], k_adv[0, :, :, 1] = 1.0, slopes * pos
+    from tupe_jax.attention import fused_attention  # pylint: disable=import-outside-toplevel
+    cases, terms, mask = alibi_cases(1024, 8, 8)
     fused = jax.jit(lambda q, k, v: fused_attention(q, k, v, terms, mask, "xla"))
-    for name, (qq, kk) in {"random": (q, k), "far keys": (q_adv, k_adv)}.items():
-        qq, kk, vv = (jnp.asarray(x, jnp.bfloat16) for x in (qq, kk, v))
-        ref = _einsum_reference(qq, kk, vv, terms, mask)
-        err, bound = _max_err(fused(qq, kk, vv), ref), _bf16_bound(vv)
+    for name, inputs in cases.items():
+        qq, kk, vv = (jnp.asarray(x, jnp.bfloat16) for x in inputs)
+        ref = einsum_reference(qq, kk, vv, terms, mask)
+        err, bound = max_err(fused(qq, kk, vv), ref), bf16_bound(vv)
         assert err <= bound, f"{name}: fused bf16 differs from float32 by {err:.4f} > {bound:.4f}"
         if name == "far keys":
-            assert _max_err(_bias_cast_to_bf16(qq, kk, vv, terms, mask), ref) > bound  # the check can fail
+            assert max_err(bias_cast_to_bf16(qq, kk, vv, terms, mask), ref) > bound  # the check can fail
 
 
 def test_fused_paths_keep_a_tupe_r_bias_exact_enough():
     """TUPE-R's real bias (untied absolute term + T5 buckets with the [CLS] rows, 512 tokens, 8 heads × 32), its
     U^Q/U^K kernels ×9 and bucket table ×100 so the bias spans about ±34 (bf16 spacing 0.25 there). bf16 fused
-    (`xla`) vs the float32 einsum path on bf16 q/k/v: within `_bf16_bound` (the kernel's own roundings), for
+    (`xla`) vs the float32 einsum path on bf16 q/k/v: within `bf16_bound` (the kernel's own roundings), for
     random q/k and for q = 0 (probabilities from the bias alone). The cuDNN preparation (`fused_bias(…,
     'cudnn')`: row-max shift, then bf16, as cuDNN takes it), run through the xla kernel here since CPU has no
     cuDNN, stays within the same bound; the pre-fix cast does not (checked, so the test can fail)."""
-    import flax  # pylint: disable=import-outside-toplevel
     from tupe_jax.attention import fused_attention, fused_bias  # pylint: disable=import-outside-toplevel
-    from tupe_jax.positional import PositionalSettings, make_positional  # pylint: disable=import-outside-toplevel
-    import flax.linen as nn  # pylint: disable=import-outside-toplevel
     length, heads, hidden = 512, 8, 256
-    module = make_positional("tupe_r", PositionalSettings(hidden_size=hidden, num_heads=heads, max_len=length),
-                             module_name=None)
-    flat = flax.traverse_util.flatten_dict(nn.meta.unbox(module.init(jax.random.key(0), length)))
-    grow = {"kernel": 9.0, "rel_bias": 100.0}
-    params = flax.traverse_util.unflatten_dict({p: x * grow.get(p[-1], 1.0) for p, x in flat.items()})
-    terms = module.apply(params, length)
+    terms = tupe_r_terms(length, heads, hidden, kernel_growth=9.0)
     assert 30 < float(jnp.abs(terms.logit_bias).max()) < 60 and terms.logit_bias.dtype == jnp.float32
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(2, length, heads, hidden // heads)), jnp.bfloat16) for _ in range(3))
@@ -347,10 +303,10 @@ def test_fused_paths_keep_a_tupe_r_bias_exact_enough():
         q, k, v, bias=fused_bias(terms.logit_bias, "cudnn", q.dtype), scale=terms.logit_scale, implementation="xla")
     old_errors = []
     for qq in (q, jnp.zeros_like(q)):
-        ref, bound = _einsum_reference(qq, k, v, terms, None), _bf16_bound(v)
-        assert _max_err(jax.jit(lambda a, b, c: fused_attention(a, b, c, terms, None, "xla"))(qq, k, v), ref) <= bound
-        assert _max_err(jax.jit(cudnn_like)(qq, k, v), ref) <= bound
-        old_errors.append(_max_err(_bias_cast_to_bf16(qq, k, v, terms, None), ref) / bound)
+        ref, bound = einsum_reference(qq, k, v, terms, None), bf16_bound(v)
+        assert max_err(jax.jit(lambda a, b, c: fused_attention(a, b, c, terms, None, "xla"))(qq, k, v), ref) <= bound
+        assert max_err(jax.jit(cudnn_like)(qq, k, v), ref) <= bound
+        old_errors.append(max_err(bias_cast_to_bf16(qq, k, v, terms, None), ref) / bound)
     assert max(old_errors) > 1.5
 
 
