@@ -16,6 +16,8 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
   the variant "head custom VJP (tried)" against the plain head, results_levers_*.json);
 - plain projections (before): every Dense layer with `lax.dot_general` (XLA's own layouts) instead of
   `tupe_jax.projection.dense_dot_general` (its custom VJP: the weight gradient transposes the smaller operand);
+- jax.nn.gelu (before): the MLP and head GELU as `jax.nn.gelu(approximate=False)` (its erfc form) instead of
+  `tupe_jax.activations.gelu` (the erf form: the same function, one pass on XLA:CPU);
 - dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
   default, or flax's one);
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save;
@@ -41,7 +43,7 @@ from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
-          scheme: str = "bert_a") -> dict:
+          plain_gelu: bool = False, scheme: str = "bert_a") -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -66,13 +68,16 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     from tupe_jax import attention as attention_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
-    kept, kept_attend, kept_dot = steps.argmax_hits, Transformer.attend, model_lib.dense_dot_general
+    kept, kept_attend, kept_dot, kept_gelu = (steps.argmax_hits, Transformer.attend, model_lib.dense_dot_general,
+                                              model_lib.gelu)
     if plain_argmax:
         steps.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     if plain_head:      # the code before head.tied_logits: nn.Embed.attend, XLA's own layouts
         Transformer.attend = lambda self, h: self.embed.attend(h)
     if plain_projections:   # the code before projection.dense_dot_general: XLA's own layouts
         model_lib.dense_dot_general = attention_lib.dense_dot_general = jax.lax.dot_general
+    if plain_gelu:      # the code before activations.gelu: jax.nn.gelu's erfc form
+        model_lib.gelu = lambda x: jax.nn.gelu(x, approximate=False)
     try:
         step = jax.jit(steps.make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
         batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))
@@ -82,6 +87,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     finally:
         steps.argmax_hits, Transformer.attend = kept, kept_attend
         model_lib.dense_dot_general = attention_lib.dense_dot_general = kept_dot
+        model_lib.gelu = kept_gelu
     return variant
 
 
@@ -117,6 +123,7 @@ def main() -> None:
               "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
               "plain head (before)": lambda: build(args.slots, plain_head=True),
               "plain projections (before)": lambda: build(args.slots, plain_projections=True),
+              "jax.nn.gelu (before)": lambda: build(args.slots, plain_gelu=True),
               "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
               "dropout_bits=32": lambda: build(args.slots, dropout_bits=32),
               "no dropout": lambda: build(args.slots, dropout=0.0),

@@ -9,8 +9,8 @@
    for TUPE's bias and concat forms and for bert_a.
 4. (issue #18) The fused paths keep the positional bias exact enough in bf16: float32 on `xla`, a softmax-invariant
    row-max shift before cuDNN's bf16 bias; checked against the float32 einsum path on long ALiBi and TUPE-R inputs.
-5. (issue #18) The optimised train step (gather head, 1ᵀ·g bias gradient, `argmax_hits`, fused backend) matches a
-   plain step in float32: loss, accuracy and gradients.
+5. (issue #18) The optimised train step (gather head, 1ᵀ·g bias gradient, `argmax_hits`, fused backend, CPU
+   projection layouts, GELU's erf form) matches a plain step in float32: loss, accuracy and gradients.
 """
 import dataclasses
 import functools
@@ -343,11 +343,11 @@ def test_optimised_train_step_matches_the_plain_step(pe, backend, monkeypatch):
     """The pretraining train step as it runs — MLM head on the gathered slots, the bias gradient as 1ᵀ·g
     (`add_shared_bias`), accuracy by `argmax_hits`, the fused attention backend when asked (float32 bias), the
     XLA:CPU layouts of the tied output projection (`head.tied_logits`) and of every Dense layer
-    (`projection.dense_dot_general`) — against a plain step written without any of them: head on every position
-    with dense label/weight grids, a broadcast `logits + bias`, `jnp.argmax` accuracy, einsum attention,
-    `h · Eᵀ` and `lax.dot_general`. Same params, batch and dropout key (hidden dropout
-    0.1; attention dropout 0 so that the fused path really runs), float32: loss, accuracy and every gradient leaf
-    within 1e-5 (the formulations differ only in float32 summation order)."""
+    (`projection.dense_dot_general`), GELU's erf form (`activations.gelu`) — against a plain step written without
+    any of them: head on every position with dense label/weight grids, a broadcast `logits + bias`, `jnp.argmax`
+    accuracy, einsum attention, `h · Eᵀ`, `lax.dot_general` and `jax.nn.gelu`. Same params, batch and dropout
+    key (hidden dropout 0.1; attention dropout 0 so that the fused path really runs), float32: loss, accuracy and
+    every gradient leaf within 1e-5 (the formulations differ only in float32 rounding)."""
     from tupe_jax import attention as attention_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax.pretrain.steps import make_train_step  # pylint: disable=import-outside-toplevel
@@ -365,6 +365,7 @@ def test_optimised_train_step_matches_the_plain_step(pe, backend, monkeypatch):
     for module in (attention_lib, model_lib):
         monkeypatch.setattr(module, "dense_dot_general", jax.lax.dot_general)
     monkeypatch.setattr(model_lib, "tied_logits", lambda h, e, dtype: h.astype(dtype) @ e.astype(dtype).T)
+    monkeypatch.setattr(model_lib, "gelu", lambda x: jax.nn.gelu(x, approximate=False))
     rng = jax.random.fold_in(state["rng"], 0)   # what the train step draws its dropout from at step 0
 
     def plain(p):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tupe_jax import positional
+from tupe_jax.activations import gelu
 from tupe_jax.attention import ATTENTION_BACKENDS, SelfAttention, attention_mask
 from tupe_jax.dropout import DROPOUT_BITS, make_dropout
 from tupe_jax.errors import require
@@ -136,7 +137,7 @@ class Block(nn.Module):
         mlp_out = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "mlp_out")
 
         def mlp(h):
-            return mlp_out(nn.gelu(mlp_in(h), approximate=False))
+            return mlp_out(gelu(mlp_in(h)))
 
         if cfg.causal:  # pre-LN
             a, probs = attn(layer_norm(cfg, "ln_attention")(x), terms, mask, deterministic, return_probs)
@@ -221,7 +222,7 @@ class TransformerLM(nn.Module):
             h = jnp.take_along_axis(h, mlm_positions[..., None].astype(jnp.int32), axis=1)
         if not cfg.causal:
             h = dense(cfg.hidden_size, ("embed", "mlp"), cfg, "head_dense")(h)
-            h = layer_norm(cfg, "head_ln")(nn.gelu(h, approximate=False))
+            h = layer_norm(cfg, "head_ln")(gelu(h))
         logits = encoder.attend(h).astype(jnp.float32)
         if not cfg.causal:
             logits = logits + self.param("head_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
