@@ -3,10 +3,10 @@
 XLA:CPU allocates an executable's temporary buffers afresh on every call. glibc serves any allocation above its
 mmap threshold (at most 32 MiB) with a fresh `mmap`, and returns it to the kernel on `free`, so every training
 step faults its whole working set in again, one 4 KiB page at a time: at the benchmark's equal-work shape
-(4 layers, d 256, vocab 8192, batch 16 × 128) that is ~126,000 page faults per step and 31% of the step's CPU
+(4 layers, d 256, vocab 8192, batch 16 × 128) that is ~119,000 page faults per step and 30% of the step's CPU
 time spent in the kernel. glibc ≥ 2.35 has a tunable that makes malloc `madvise(MADV_HUGEPAGE)` its mmap'd
 chunks, `glibc.malloc.hugetlb=1`: the same buffers then fault in 2 MiB at a time (~1,000 faults per step), and
-the step runs 1.41x faster (benchmarks/results_small_rounds.json, jobs bert_a@all and bert_a@all~4k). Numbers
+the step runs 1.39x faster (benchmarks/results_small_rounds.json, jobs bert_a@all and bert_a@all~4k). Numbers
 are unchanged; only where the bytes live.
 
 The tunable is read once, when the process starts, so `python -m launch` re-executes itself with it set
