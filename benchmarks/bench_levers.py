@@ -17,7 +17,7 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
 - plain projections (before): every Dense layer with `lax.dot_general` (XLA's own layouts) instead of
   `tupe_jax.projection.dense_dot_general` (its custom VJP: the weight gradient transposes the smaller operand);
 - jax.nn.gelu (before): the MLP and head GELU as `jax.nn.gelu(approximate=False)` (its erfc form) instead of
-  `tupe_jax.activations.gelu` (the erf form: the same function, one pass on XLA:CPU);
+  `tupe_jax.activations.gelu` (the erf form: the same function in fewer, cheaper passes on XLA:CPU);
 - dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
   default, or flax's one);
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save;
