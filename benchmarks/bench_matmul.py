@@ -6,7 +6,8 @@ machine (a step that ran only its matmuls, at these rates, could go no faster). 
 Shapes (M = batch 16 × length 128 = 2048 tokens; d 256, MLP 1024, vocab 8192): each projection's forward
 (M, K) · (K, F), and its weight gradient Xᵀ · G over the long M axis as `projection.dense_dot_general` runs it
 (the smaller operand's transpose materialised); plus a 2048³ square. One jitted dot per shape, `--steps` synced
-calls per round; per shape the median over rounds of the per-round median, with its min–max; GFLOP/s = 2·M·K·F / s.
+calls per round; per shape the median over rounds of the per-round median, with its min–max (`rounds.spread`);
+GFLOP/s = 2·M·K·F / s.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 SHAPES = {  # name: (M, K, F) of the product (M, K) · (K, F)
     "qkv forward (2048×256 · 256×768)": (2048, 256, 768),
@@ -61,7 +64,7 @@ def main() -> None:
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
            "gflops_per_round": per,
-           "gflops": {n: {"median": statistics.median(v), "min": min(v), "max": max(v)} for n, v in per.items()}}
+           "gflops": {n: spread(v) for n, v in per.items()}}
     print("\n| product | GFLOP/s, median of rounds (min–max) |\n|---|---|")
     for name, g in out["gflops"].items():
         print(f"| {name} | {g['median']:.0f} ({g['min']:.0f}–{g['max']:.0f}) |")

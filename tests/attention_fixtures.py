@@ -1,7 +1,7 @@
 """Inputs and the float32 reference for the fused-attention bias checks, shared by tests/test_perf.py (CPU) and
 benchmarks/gpu_bias_precision.py (the same checks on a GPU's kernels).
 
-    alibi_cases(length, heads, dim) -> ({name: (q, k, v)}, terms, mask)   causal ALiBi; float32 numpy q/k/v
+    alibi_cases(length, heads, dim) -> ({name: (q, k, v)}, terms, mask)   causal ALiBi; bfloat16 q/k/v
     tupe_r_terms(length, heads, hidden, kernel_growth) -> terms             TUPE-R's real bias, magnified
     einsum_reference(q, k, v, terms, mask) -> float32 attention output     the einsum path on the same values
     bias_cast_to_bf16(q, k, v, terms, mask) -> output                      the pre-fix path (bias rounded first)
@@ -25,7 +25,8 @@ U_BF16 = 2.0 ** -8   # bfloat16 unit roundoff (8 significant bits, round to near
 
 def alibi_cases(length: int, heads: int, dim: int):
     """Causal ALiBi at `length` tokens: 'random' q/k, and 'far keys' q/k whose content logit is +m_h·(i − j)
-    (dims 0–1), so the softmax mass spreads over keys far back, where the bias is largest. One v for both."""
+    (dims 0–1), so the softmax mass spreads over keys far back, where the bias is largest. One v for both; q/k/v
+    are drawn in float32 and rounded to bfloat16 (the fused kernels' input dtype; the reference upcasts them)."""
     scale = 1.0 / np.sqrt(dim)
     terms = PositionalTerms(logit_bias=alibi_bias(length, heads, True), logit_scale=float(scale))
     rng = np.random.default_rng(0)
@@ -34,7 +35,9 @@ def alibi_cases(length: int, heads: int, dim: int):
     q_far, k_far = q.copy(), k.copy()
     q_far[0, :, :, 0], q_far[0, :, :, 1] = slopes * pos / scale, -1.0 / scale
     k_far[0, :, :, 0], k_far[0, :, :, 1] = 1.0, slopes * pos
-    return {"random": (q, k, v), "far keys": (q_far, k_far, v)}, terms, attention_mask(None, length, True)
+    cases = {"random": (q, k, v), "far keys": (q_far, k_far, v)}
+    cases = {name: tuple(jnp.asarray(x, jnp.bfloat16) for x in xs) for name, xs in cases.items()}
+    return cases, terms, attention_mask(None, length, True)
 
 
 def tupe_r_terms(length: int, heads: int, hidden: int, kernel_growth: float) -> PositionalTerms:

@@ -12,9 +12,8 @@ PACKAGES = ("tupe_jax", "launch", "configs")
 LAYERS = (
     ("tupe_jax.errors", "tupe_jax.files", "tupe_jax.allocator"),
     ("tupe_jax.config", "tupe_jax.positional", "tupe_jax.dropout", "tupe_jax.head", "tupe_jax.projection",
-     "tupe_jax.activations",
-     "tupe_jax.attention", "tupe_jax.sharding", "tupe_jax.optim", "tupe_jax.metrics", "tupe_jax.plots", "tupe_jax.checkpoint",
-     "tupe_jax.data"),
+     "tupe_jax.activations", "tupe_jax.attention", "tupe_jax.sharding", "tupe_jax.optim", "tupe_jax.metrics",
+     "tupe_jax.plots", "tupe_jax.checkpoint", "tupe_jax.data"),
     ("tupe_jax.model",),
     ("tupe_jax.workdir", "tupe_jax.trainer"),
     ("tupe_jax.pretrain", "tupe_jax.finetune", "tupe_jax.interop"),

@@ -277,8 +277,7 @@ def test_xla_fused_path_keeps_a_long_alibi_bias_in_float32():
     from tupe_jax.attention import fused_attention  # pylint: disable=import-outside-toplevel
     cases, terms, mask = alibi_cases(1024, 8, 8)
     fused = jax.jit(lambda q, k, v: fused_attention(q, k, v, terms, mask, "xla"))
-    for name, inputs in cases.items():
-        qq, kk, vv = (jnp.asarray(x, jnp.bfloat16) for x in inputs)
+    for name, (qq, kk, vv) in cases.items():
         ref = einsum_reference(qq, kk, vv, terms, mask)
         err, bound = max_err(fused(qq, kk, vv), ref), bf16_bound(vv)
         assert err <= bound, f"{name}: fused bf16 differs from float32 by {err:.4f} > {bound:.4f}"
