@@ -672,7 +672,7 @@ def render_errors_doc() -> str:
         what, command, message = RECORDS[name]
         lines.append(f"| {i} | {what} | {_cell(command)} | {_cell(message)} |")
     lines += ["", "Runtime failures with their own tests (`tests/test_reliability.py`, `tests/test_workdir.py`, "
-              "`tests/test_launch.py`):", "",
+              "`tests/test_lock.py`, `tests/test_launch.py`):", "",
               "| failure | behaviour |", "|---|---|",
               "| NaN/Inf loss, gradients or parameters | `error: training diverged at step N (...)`, exit 2; the last good "
               "checkpoint is kept |",
@@ -684,7 +684,8 @@ def render_errors_doc() -> str:
               "restored; the restart resumes bitwise-exactly from the last committed step |",
               "| SIGTERM | the current step is checkpointed and committed, exit 0 |",
               "| a second process on a workdir in use | `error: <workdir> is in use by process PID on HOST ...`, exit 2, "
-              "nothing written; the lock of a killed run dies with it and the next command takes it over |",
+              "before it reads the run's checkpoints, nothing written; the lock of a killed run dies with it and the "
+              "next command takes it over |",
               "| resume with an allowed change (steps, intervals, checkpointing, mesh, data loading) | accepted; the "
               "change is recorded in `config_history.jsonl` and printed |",
               "| any unexpected exception | `error: unexpected <Type>: <message>, <workdir>/logs/error-*.log, ...`, exit "

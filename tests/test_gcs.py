@@ -105,12 +105,16 @@ def test_the_bucket_lease_refuses_a_second_process_and_a_stale_lease_is_taken_ov
             with workdir_lib.RunLock(folder):
                 pass
         assert f"is in use by process {holder.pid}" in str(info.value) and "heartbeat" in str(info.value)
+        with pytest.raises(UserError, match=f"is in use by process {holder.pid}.*heartbeat"):
+            workdir_lib.refuse_if_held(folder)         # the read-only check before the gate
     finally:
         holder.kill()                                  # a hard kill leaves a fresh-looking lease behind
         holder.wait()
     lease = json.loads(files.read_text(folder + "/.lock"))
     lease["heartbeat"] = time.time() - 301             # ... until it is older than LEASE_SECONDS
     files.write_text(folder + "/.lock", json.dumps(lease))
+    workdir_lib.refuse_if_held(folder)                 # a stale lease is no refusal ...
+    assert json.loads(files.read_text(folder + "/.lock")) == lease      # ... and the check writes nothing
     with workdir_lib.RunLock(folder) as lock:
         assert lock.taken_over and str(holder.pid) in lock.taken_over
         assert json.loads(files.read_text(folder + "/.lock"))["pid"] == os.getpid()

@@ -1,10 +1,8 @@
 """The run-folder gate: what may change on resume (recorded), what is refused (naming key and values, nothing
-written), the checkpoint checks, and one run per folder (the lock, and taking over a dead holder's lock)."""
-import hashlib
+written), the checkpoint checks, claim's clean-up and provenance (one run per folder: test_lock.py)."""
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 
@@ -17,23 +15,7 @@ from tupe_jax import checkpoint as ckpt
 from tupe_jax import config as config_lib
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(arg="pe=tupe_r", **overrides):
-    config = config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":" + arg)
-    return config_lib.apply_overrides(config, {k: str(v) for k, v in overrides.items()})
-
-
-def tree(path):
-    """{relative path: sha1} of every file under `path`."""
-    out = {}
-    for root, _, names in os.walk(path):
-        for name in names:
-            full = os.path.join(root, name)
-            out[os.path.relpath(full, path)] = hashlib.sha1(open(full, "rb").read()).hexdigest()
-    return out
+from tests.workdir_fixtures import ROOT, load_config, tree
 
 
 def fake_checkpoint(workdir, config, step):
@@ -46,12 +28,12 @@ def fake_checkpoint(workdir, config, step):
 
 def test_allowed_changes_are_recorded_and_an_unchanged_config_is_not_rewritten(tmp_path):
     wd = str(tmp_path / "run")
-    workdir_lib.write_config(wd, _load())
+    workdir_lib.write_config(wd, load_config())
     before = os.stat(os.path.join(wd, "config.json")).st_mtime_ns
-    workdir_lib.write_config(wd, _load())                                   # same config: nothing written
+    workdir_lib.write_config(wd, load_config())                                   # same config: nothing written
     assert os.stat(os.path.join(wd, "config.json")).st_mtime_ns == before
     assert not os.path.exists(os.path.join(wd, "config_history.jsonl"))
-    workdir_lib.write_config(wd, _load(**{"train.steps": 2000, "checkpoint.every": 50, "mesh.fsdp": 2}))
+    workdir_lib.write_config(wd, load_config(**{"train.steps": 2000, "checkpoint.every": 50, "mesh.fsdp": 2}))
     history = [json.loads(line) for line in open(os.path.join(wd, "config_history.jsonl"))]
     assert history[-1]["changes"] == {"checkpoint.every": [1000, 50], "mesh.fsdp": [1, 2], "train.steps": [1000, 2000]}
     assert workdir_lib.read_config(wd).train.steps == 2000                  # config.json: what the run is now
@@ -61,13 +43,13 @@ def test_allowed_changes_are_recorded_and_an_unchanged_config_is_not_rewritten(t
                                        ("model.pe", "rope"), ("data.mask_prob", 0.2), ("train.adam_b2", 0.98)])
 def test_every_other_difference_is_refused_naming_the_key_and_both_values(tmp_path, key, value):
     wd = str(tmp_path / "run")
-    config = _load()
+    config = load_config()
     workdir_lib.write_config(wd, config)
     fake_checkpoint(wd, config, 20)
     before = tree(wd)
     section, name = key.split(".")
     with pytest.raises(UserError) as info:
-        workdir_lib.write_config(wd, _load(**{key: value}))
+        workdir_lib.write_config(wd, load_config(**{key: value}))
     message = str(info.value)
     assert f"{key}={config[section][name]!r} (this command: {value!r})" in message and "\n" not in message
     assert "--overwrite_config" not in message          # a trained run is never overwritten
@@ -76,29 +58,52 @@ def test_every_other_difference_is_refused_naming_the_key_and_both_values(tmp_pa
 
 def test_steps_below_the_checkpoint_and_overwrite_of_a_trained_run_are_refused(tmp_path):
     wd = str(tmp_path / "run")
-    config = _load()
+    config = load_config()
     workdir_lib.write_config(wd, config)
     fake_checkpoint(wd, config, 20)
     before = tree(wd)
     with pytest.raises(UserError, match=r"is at step 20; train.steps=10 would end before it, --config.train.steps"):
-        workdir_lib.write_config(wd, _load(**{"train.steps": 10}))
+        workdir_lib.write_config(wd, load_config(**{"train.steps": 10}))
     with pytest.raises(UserError, match="--overwrite_config would misrepresent"):
-        workdir_lib.write_config(wd, _load("pe=rope"), overwrite=True)
+        workdir_lib.write_config(wd, load_config("pe=rope"), overwrite=True)
     assert tree(wd) == before
-    workdir_lib.write_config(wd, _load(**{"train.steps": 20}))             # finishing where it is: fine
+    workdir_lib.write_config(wd, load_config(**{"train.steps": 20}))             # finishing where it is: fine
 
 
 def test_checkpoints_that_disagree_with_the_config_are_refused(tmp_path):
     """config.json edited by hand (or missing): the checkpoints' meta still knows what the run was."""
     wd = str(tmp_path / "run")
-    fake_checkpoint(wd, _load(**{"model.max_len": 64}), 20)
+    fake_checkpoint(wd, load_config(**{"model.max_len": 64}), 20)
     with pytest.raises(UserError, match="were trained with other model/data settings"):
-        workdir_lib.check_config(wd, _load(**{"model.max_len": 128}))
-    workdir_lib.check_config(wd, _load(**{"model.max_len": 64}))
+        workdir_lib.check_config(wd, load_config(**{"model.max_len": 128}))
+    workdir_lib.check_config(wd, load_config(**{"model.max_len": 64}))
     with open(os.path.join(wd, "config.json"), "w") as f:                   # edited by hand to match the new one
-        f.write(config_lib.to_json(_load(**{"model.max_len": 128})))
+        f.write(config_lib.to_json(load_config(**{"model.max_len": 128})))
     with pytest.raises(UserError, match="does not match its checkpoint step 20"):
-        workdir_lib.check_config(wd, _load(**{"model.max_len": 128}))
+        workdir_lib.check_config(wd, load_config(**{"model.max_len": 128}))
+
+
+def test_a_checkpoint_pruned_between_listing_and_reading_is_listed_again(tmp_path, monkeypatch):
+    wd = str(tmp_path / "run")
+    config = load_config()
+    for step in (5, 10):
+        fake_checkpoint(wd, config, step)
+    real, calls = ckpt.Checkpointer.restore_meta, []
+
+    def pruned_once(self, step=None):   # the first read finds step 10 gone (a live run's max_to_keep removed it)
+        calls.append(step)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", f"{wd}/checkpoints/{step}")
+        return real(self, step)
+    monkeypatch.setattr(ckpt.Checkpointer, "restore_meta", pruned_once)
+    step, meta = workdir_lib.meta.latest_meta(wd)
+    assert step == 10 and meta["identity"] == workdir_lib.meta.identity_hash(config) and calls == [10, 10]
+
+    def always_gone(self, step=None):
+        raise FileNotFoundError(2, "No such file or directory", f"{wd}/checkpoints/{step}")
+    monkeypatch.setattr(ckpt.Checkpointer, "restore_meta", always_gone)
+    with pytest.raises(FileNotFoundError):
+        workdir_lib.meta.latest_meta(wd, attempts=3)
 
 
 def test_a_truncated_config_and_a_run_of_another_kind(tmp_path):
@@ -106,103 +111,25 @@ def test_a_truncated_config_and_a_run_of_another_kind(tmp_path):
     wd.mkdir()
     (wd / "config.json").write_text('{"model": {"pe": "tup')
     with pytest.raises(UserError, match="config.json is not valid JSON"):
-        workdir_lib.write_config(str(wd), _load())
+        workdir_lib.write_config(str(wd), load_config())
     glue = config_lib.load_config(os.path.join(ROOT, "configs", "glue.py") + ":task=rte")
     wd2 = str(tmp_path / "pre")
-    workdir_lib.write_config(wd2, _load())
+    workdir_lib.write_config(wd2, load_config())
     with pytest.raises(UserError, match="holds a pretraining run; this command is a fine-tuning run"):
         workdir_lib.write_config(wd2, glue)
 
 
 def test_claim_cleans_up_after_a_failure_but_keeps_what_was_there(tmp_path):
     wd = str(tmp_path / "run")
-    workdir_lib.write_config(wd, _load())
+    workdir_lib.write_config(wd, load_config())
     (tmp_path / "run" / "notes.txt").write_text("mine")
     before = tree(wd)
     with pytest.raises(RuntimeError):
-        with workdir_lib.claim(wd, _load(**{"train.steps": 5})):
+        with workdir_lib.claim(wd, load_config(**{"train.steps": 5})):
             (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
             raise RuntimeError("boom")
     after = tree(wd)
     assert "metrics.jsonl" not in after and after["notes.txt"] == before["notes.txt"]
-    assert not os.path.exists(os.path.join(wd, ".lock"))
-
-
-LOCKER = r'''
-import sys, time
-from tupe_jax.workdir import RunLock
-with RunLock(sys.argv[1]):
-    print("locked", flush=True)
-    time.sleep(float(sys.argv[2]))
-'''
-
-
-def test_one_process_per_folder_and_a_dead_holders_lock_is_taken_over(tmp_path):
-    wd = str(tmp_path / "run")
-    holder = subprocess.Popen([sys.executable, "-c", LOCKER, wd, "60"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(UserError) as info:
-            with workdir_lib.RunLock(wd):
-                pass
-        message = str(info.value)
-        assert f"is in use by process {holder.pid} on" in message and "--workdir" in message and "\n" not in message
-    finally:
-        holder.kill()                                                       # SIGKILL: no chance to clean up
-        holder.wait()
-    assert os.path.exists(os.path.join(wd, ".lock"))                        # its file stays behind ...
-    with workdir_lib.RunLock(wd) as lock:                                   # ... but not its lock
-        assert lock.taken_over and str(holder.pid) in lock.taken_over
-        with workdir_lib.RunLock(wd):                                       # re-entrant in one process
-            pass
-        assert os.path.exists(os.path.join(wd, ".lock"))
-    assert not os.path.exists(os.path.join(wd, ".lock"))
-
-
-@pytest.mark.slow
-def test_two_pretrain_processes_on_one_workdir_then_kill_9_and_resume(tmp_path):
-    """Exactly one of two concurrent `launch pretrain` runs on a folder; the other gets the lock message and
-    writes nothing. After kill -9 of the first, the same command takes the stale lock over and resumes."""
-    wd = str(tmp_path / "run")
-    argv = [sys.executable, "-m", "launch", "pretrain", "--config=configs/pretrain.py:pe=tupe_r", f"--workdir={wd}",
-            "--config.model.hidden_size=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
-            "--config.model.mlp_dim=64", "--config.model.vocab_size=512", "--config.model.max_len=32",
-            "--config.train.steps=100000", "--config.train.batch_size=8", "--config.train.log_every=1",
-            "--config.checkpoint.every=5", "--config.checkpoint.async_save=false",
-            f"--config.data.cache_dir={tmp_path / 'cache'}"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        for line in first.stdout:            # wait until it trains (and so holds the folder)
-            if line.startswith("step 12/"):
-                break
-        files_before = sorted(os.listdir(wd))
-        second = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-        errors = [ln for ln in second.stderr.splitlines() if ln.startswith("error:")]
-        assert second.returncode == 2 and len(errors) == 1, second.stderr[-2000:]
-        assert f"is in use by process {first.pid}" in errors[0] and "Traceback" not in second.stderr
-        assert sorted(os.listdir(wd)) == files_before
-    finally:
-        first.kill()                         # kill -9: no cleanup, the lock file stays
-        first.wait()
-    steps = workdir_lib.checkpoint_steps(wd)
-    assert steps and os.path.exists(os.path.join(wd, ".lock"))
-    third = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    try:
-        for line in third.stdout:
-            seen.append(line)
-            if line.startswith(f"resumed from step {steps[-1]}"):
-                break
-        third.send_signal(signal.SIGTERM)    # graceful: saves and exits 0
-        rest, _ = third.communicate(timeout=300)
-    finally:
-        if third.poll() is None:
-            third.kill()
-    text = "".join(seen) + rest
-    assert "taking over the lock left by process" in text and str(first.pid) in text, text[-2000:]
-    assert third.returncode == 0, text[-2000:]
-    assert workdir_lib.checkpoint_steps(wd)[-1] > steps[-1]
     assert not os.path.exists(os.path.join(wd, ".lock"))
 
 
@@ -245,10 +172,10 @@ def test_a_folder_that_cannot_be_written_is_refused_before_anything(tmp_path, mo
 def test_every_claim_records_its_provenance(tmp_path):
     import jax  # pylint: disable=import-outside-toplevel
     wd = str(tmp_path / "run")
-    with workdir_lib.claim(wd, _load()):
-        with workdir_lib.claim(wd, _load()):          # the launcher's claim and the loop's: one row
+    with workdir_lib.claim(wd, load_config()):
+        with workdir_lib.claim(wd, load_config()):          # the launcher's claim and the loop's: one row
             pass
-    with workdir_lib.claim(str(tmp_path / "other"), _load()):
+    with workdir_lib.claim(str(tmp_path / "other"), load_config()):
         pass
     rows = [json.loads(line) for line in open(os.path.join(wd, "provenance.jsonl"))]
     assert len(rows) == 1
@@ -262,7 +189,7 @@ def test_every_claim_records_its_provenance(tmp_path):
 def test_profile_steps_write_a_trace_tensorboard_lists(tmp_path):
     """`train.profile_steps=2,3` leaves an xplane trace where TensorBoard's profile plugin looks for runs."""
     from tupe_jax.pretrain import loop  # pylint: disable=import-outside-toplevel
-    config = _load(**{"model.hidden_size": 32, "model.num_layers": 1, "model.num_heads": 2, "model.mlp_dim": 64,
+    config = load_config(**{"model.hidden_size": 32, "model.num_layers": 1, "model.num_heads": 2, "model.mlp_dim": 64,
                       "model.vocab_size": 512, "model.max_len": 32, "train.steps": 4, "train.batch_size": 8,
                       "train.eval_every": 0, "checkpoint.async_save": "false", "train.profile_steps": "2,3",
                       "data.cache_dir": str(tmp_path / "cache")})
@@ -271,7 +198,7 @@ def test_profile_steps_write_a_trace_tensorboard_lists(tmp_path):
     assert len(traces) == 1 and traces[0].stat().st_size > 0
     with pytest.raises(UserError, match=r"train.profile_steps = '3,2' is not START,END"):
         from tupe_jax.pretrain.validate import validate  # pylint: disable=import-outside-toplevel
-        validate(_load(**{"train.profile_steps": "3,2"}), 8)
+        validate(load_config(**{"train.profile_steps": "3,2"}), 8)
 
 
 def test_a_run_made_before_an_added_key_resumes_and_keeps_its_identity(tmp_path):
@@ -316,48 +243,3 @@ def test_a_run_made_before_an_added_key_resumes_and_keeps_its_identity(tmp_path)
         k: v for k, v in json_lib.loads(config_lib.to_json(config))["model"].items() if k != "sinusoidal_style"}}))
     with pytest.raises(UserError, match="sinusoidal_style"):
         check_config(str(tmp_path), other)
-
-
-class _FakeBucket:
-    """A gs:// folder's lease object in memory: `reads` are served in order (the last one repeats); writes kept."""
-
-    def __init__(self, reads):
-        self.reads, self.writes, self.removed = list(reads), [], []
-
-    def read_text(self, path):
-        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
-
-    def install(self, monkeypatch):
-        from tupe_jax import files  # pylint: disable=import-outside-toplevel
-        from tupe_jax.workdir import lock as lock_lib  # pylint: disable=import-outside-toplevel
-        monkeypatch.setattr(files, "is_remote", lambda p: str(p).startswith("gs://"))
-        monkeypatch.setattr(files, "absolute", lambda p: str(p))
-        monkeypatch.setattr(files, "exists", lambda p: True)
-        monkeypatch.setattr(files, "read_text", self.read_text)
-        monkeypatch.setattr(files, "write_text", lambda p, t: self.writes.append(t))
-        monkeypatch.setattr(files, "remove", self.removed.append)
-        monkeypatch.setattr(lock_lib, "LEASE_RETRY_SECONDS", 0.0)
-        return lock_lib
-
-
-def test_a_torn_read_of_a_live_bucket_lease_is_read_again_not_taken_over(monkeypatch):
-    """A read that overlaps the holder's heartbeat rewrite returns a torn object. Before, that counted as a stale
-    lease and a second process took over a live run's folder; now the lease is read again and the live holder
-    refuses. A lease that never parses is still taken over, after LEASE_READS reads."""
-    import time  # pylint: disable=import-outside-toplevel
-    live = json.dumps({"pid": 4242, "host": "vm-1", "started": "2026-12-01T00:00:00", "command": "launch pretrain",
-                       "heartbeat": time.time()})
-    bucket = _FakeBucket([live[:len(live) // 2], live])
-    lock_lib = bucket.install(monkeypatch)
-    with pytest.raises(UserError, match="is in use by process 4242 on vm-1"):
-        with lock_lib.RunLock("gs://b/run"):
-            pass
-    assert bucket.writes == []                                   # nothing written over the live lease
-    broken = _FakeBucket(["{not json"])
-    lock_lib = broken.install(monkeypatch)
-    reads = []
-    monkeypatch.setattr("tupe_jax.files.read_text", lambda p: reads.append(p) or "{not json")
-    with lock_lib.RunLock("gs://b/run2") as lock:
-        assert lock.taken_over == "another process" and len(reads) == lock_lib.LEASE_READS
-        assert len(broken.writes) == 1                           # the heartbeat thread does not write at once
-    assert broken.removed == ["gs://b/run2/.lock"]

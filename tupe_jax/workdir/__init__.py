@@ -3,7 +3,8 @@
     gate.py    config.json: `check_config` (before anything is written: the stored config and the checkpoints
                against the new one; only `meta.RESUMABLE` keys may change, each change recorded in
                config_history.jsonl), `read_config`, `write_config`
-    lock.py    one run per folder: `RunLock` (`.lock`, an exclusive flock that dies with its process)
+    lock.py    one run per folder: `RunLock` (`.lock`, an exclusive flock that dies with its process);
+               `refuse_if_held` (read only: a live holder is refused before the gate reads its checkpoints)
     claim.py   `claim(workdir, config)`: check, lock, write, run; after a failure remove what the command created
     provenance.py  `provenance.jsonl`: a row per command (command line, git commit, packages, devices, processes)
     meta.py    what defines a run (`RESUMABLE`, `identity_hash`) and the checkpoint's meta item (`make_meta`,
@@ -24,12 +25,12 @@ Whole-file writes go through `files.write_json` / `files.write_text` (atomic).
 """
 from tupe_jax.workdir.claim import check_folder, claim, remove_partial_outputs
 from tupe_jax.workdir.gate import check_config, config_path, differing_keys, read_config, tokenizer_path, write_config
-from tupe_jax.workdir.lock import RunLock
+from tupe_jax.workdir.lock import RunLock, refuse_if_held
 from tupe_jax.workdir.meta import (RESUMABLE, RUN_IDENTITY_SECTIONS, check_compatible, check_tokenizer,
                                    checkpoint_steps, make_meta)
 from tupe_jax.workdir.run import LoadedRun, load_run, load_runs
 
 __all__ = ["RESUMABLE", "RUN_IDENTITY_SECTIONS", "LoadedRun", "RunLock", "check_compatible", "check_config",
            "check_folder", "check_tokenizer", "checkpoint_steps", "claim", "config_path", "differing_keys",
-           "load_run", "load_runs", "make_meta", "read_config", "remove_partial_outputs", "tokenizer_path",
+           "load_run", "load_runs", "make_meta", "read_config", "refuse_if_held", "remove_partial_outputs", "tokenizer_path",
            "write_config"]

@@ -56,6 +56,45 @@ def _read_lease(path: str) -> tuple[str, float]:
     return text, LEASE_SECONDS
 
 
+def _in_use_local(workdir: str, text: str) -> UserError:
+    return UserError(f"{workdir} is in use by {_holder(text)}", "--workdir",
+                     "wait for that run to finish (or stop it), or use another workdir")
+
+
+def _in_use_remote(workdir: str, text: str, age: float) -> UserError:
+    return UserError(f"{workdir} is in use by {_holder(text)}, heartbeat {age:.0f} s ago", "--workdir",
+                     f"wait for that run to finish (a dead run's lease expires {LEASE_SECONDS:.0f} s after its last "
+                     "heartbeat), or use another workdir")
+
+
+def refuse_if_held(workdir: str) -> None:
+    """UserError if another process holds `workdir`'s lock now; writes nothing (a folder's gate reads checkpoints
+    that a live run is still writing and pruning, so a command checks this first). The lock itself is still
+    taken later (`RunLock`): a run that starts in between is caught there."""
+    workdir = files.absolute(workdir)
+    path = files.join(workdir, LOCK_NAME)
+    if workdir in _HELD:
+        return
+    if files.is_remote(workdir):
+        if files.exists(path):
+            text, age = _read_lease(path)
+            if age < LEASE_SECONDS:
+                raise _in_use_remote(workdir, text, age)
+        return
+    try:
+        f = open(path, "r", encoding="utf-8")  # pylint: disable=consider-using-with
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with f:
+        try:   # a shared lock is refused while the holder has its exclusive one; released at once
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise _in_use_local(workdir, f.read()) from None
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 class RunLock:
     """`with RunLock(workdir): ...` holds the folder's lock; a second holder gets a one-line UserError."""
 
@@ -74,9 +113,7 @@ class RunLock:
         if files.exists(path):
             text, age = _read_lease(path)
             if age < LEASE_SECONDS:
-                raise UserError(f"{self.workdir} is in use by {_holder(text)}, heartbeat {age:.0f} s ago", "--workdir",
-                                f"wait for that run to finish (a dead run's lease expires {LEASE_SECONDS:.0f} s after "
-                                "its last heartbeat), or use another workdir")
+                raise _in_use_remote(self.workdir, text, age)
             self.taken_over = _holder(text)
             print(f"{self.workdir}: taking over the lease left by {self.taken_over} (no heartbeat for {age:.0f} s)",
                   file=sys.stderr, flush=True)
@@ -126,8 +163,7 @@ class RunLock:
                 f.close()
                 if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                raise UserError(f"{self.workdir} is in use by {_holder(text)}", "--workdir",
-                                "wait for that run to finish (or stop it), or use another workdir") from None
+                raise _in_use_local(self.workdir, text) from None
             try:
                 if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
                     return f

@@ -1,0 +1,151 @@
+"""One run per folder: the lock (a second process is refused with one line before the gate reads anything, a
+dead holder's lock is taken over, kill -9 then resume) and the bucket lease's torn reads."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tupe_jax import workdir as workdir_lib
+from tupe_jax.errors import UserError
+from tests.workdir_fixtures import ROOT, load_config, tree
+
+LOCKER = r'''
+import sys, time
+from tupe_jax.workdir import RunLock
+with RunLock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+'''
+
+
+def test_one_process_per_folder_and_a_dead_holders_lock_is_taken_over(tmp_path, monkeypatch):
+    wd = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", LOCKER, wd, "60"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError) as info:
+            with workdir_lib.RunLock(wd):
+                pass
+        message = str(info.value)
+        assert f"is in use by process {holder.pid} on" in message and "--workdir" in message and "\n" not in message
+        before = tree(wd)
+        with pytest.raises(UserError) as early:                             # the read-only check says the same
+            workdir_lib.refuse_if_held(wd)
+        assert str(early.value) == message
+
+        def gate(*args, **kwargs):                                          # a live run prunes its checkpoints:
+            raise AssertionError("the gate read the folder of a live run")  # claim must not read them
+        monkeypatch.setattr(sys.modules["tupe_jax.workdir.claim"], "check_config", gate)
+        with pytest.raises(UserError, match=f"is in use by process {holder.pid} on"):
+            with workdir_lib.claim(wd, load_config()):
+                pass
+        assert tree(wd) == before
+    finally:
+        holder.kill()                                                       # SIGKILL: no chance to clean up
+        holder.wait()
+    assert os.path.exists(os.path.join(wd, ".lock"))                        # its file stays behind ...
+    before = tree(wd)
+    workdir_lib.refuse_if_held(wd)                                          # ... held by nobody ...
+    workdir_lib.refuse_if_held(str(tmp_path / "new"))
+    assert tree(wd) == before and not os.path.exists(tmp_path / "new")
+    with workdir_lib.RunLock(wd) as lock:                                   # ... but not its lock
+        assert lock.taken_over and str(holder.pid) in lock.taken_over
+        with workdir_lib.RunLock(wd):                                       # re-entrant in one process
+            pass
+        assert os.path.exists(os.path.join(wd, ".lock"))
+    assert not os.path.exists(os.path.join(wd, ".lock"))
+
+
+@pytest.mark.slow
+def test_two_pretrain_processes_on_one_workdir_then_kill_9_and_resume(tmp_path):
+    """Exactly one of two concurrent `launch pretrain` runs on a folder; the other gets the lock message and
+    writes nothing. After kill -9 of the first, the same command takes the stale lock over and resumes."""
+    wd = str(tmp_path / "run")
+    argv = [sys.executable, "-m", "launch", "pretrain", "--config=configs/pretrain.py:pe=tupe_r", f"--workdir={wd}",
+            "--config.model.hidden_size=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
+            "--config.model.mlp_dim=64", "--config.model.vocab_size=512", "--config.model.max_len=32",
+            "--config.train.steps=100000", "--config.train.batch_size=8", "--config.train.log_every=1",
+            "--config.checkpoint.every=5", "--config.checkpoint.async_save=false",
+            f"--config.data.cache_dir={tmp_path / 'cache'}"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:            # wait until it trains (and so holds the folder)
+            if line.startswith("step 12/"):
+                break
+        files_before = sorted(os.listdir(wd))
+        second = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+        errors = [ln for ln in second.stderr.splitlines() if ln.startswith("error:")]
+        assert second.returncode == 2 and len(errors) == 1, second.stderr[-2000:]
+        assert f"is in use by process {first.pid}" in errors[0] and "Traceback" not in second.stderr
+        assert sorted(os.listdir(wd)) == files_before
+    finally:
+        first.kill()                         # kill -9: no cleanup, the lock file stays
+        first.wait()
+    steps = workdir_lib.checkpoint_steps(wd)
+    assert steps and os.path.exists(os.path.join(wd, ".lock"))
+    third = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in third.stdout:
+            seen.append(line)
+            if line.startswith(f"resumed from step {steps[-1]}"):
+                break
+        third.send_signal(signal.SIGTERM)    # graceful: saves and exits 0
+        rest, _ = third.communicate(timeout=300)
+    finally:
+        if third.poll() is None:
+            third.kill()
+    text = "".join(seen) + rest
+    assert "taking over the lock left by process" in text and str(first.pid) in text, text[-2000:]
+    assert third.returncode == 0, text[-2000:]
+    assert workdir_lib.checkpoint_steps(wd)[-1] > steps[-1]
+    assert not os.path.exists(os.path.join(wd, ".lock"))
+
+
+class _FakeBucket:
+    """A gs:// folder's lease object in memory: `reads` are served in order (the last one repeats); writes kept."""
+
+    def __init__(self, reads):
+        self.reads, self.writes, self.removed = list(reads), [], []
+
+    def read_text(self, path):
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+
+    def install(self, monkeypatch):
+        from tupe_jax import files  # pylint: disable=import-outside-toplevel
+        from tupe_jax.workdir import lock as lock_lib  # pylint: disable=import-outside-toplevel
+        monkeypatch.setattr(files, "is_remote", lambda p: str(p).startswith("gs://"))
+        monkeypatch.setattr(files, "absolute", lambda p: str(p))
+        monkeypatch.setattr(files, "exists", lambda p: True)
+        monkeypatch.setattr(files, "read_text", self.read_text)
+        monkeypatch.setattr(files, "write_text", lambda p, t: self.writes.append(t))
+        monkeypatch.setattr(files, "remove", self.removed.append)
+        monkeypatch.setattr(lock_lib, "LEASE_RETRY_SECONDS", 0.0)
+        return lock_lib
+
+
+def test_a_torn_read_of_a_live_bucket_lease_is_read_again_not_taken_over(monkeypatch):
+    """A read that overlaps the holder's heartbeat rewrite returns a torn object. Before, that counted as a stale
+    lease and a second process took over a live run's folder; now the lease is read again and the live holder
+    refuses. A lease that never parses is still taken over, after LEASE_READS reads."""
+    import time  # pylint: disable=import-outside-toplevel
+    live = json.dumps({"pid": 4242, "host": "vm-1", "started": "2026-12-01T00:00:00", "command": "launch pretrain",
+                       "heartbeat": time.time()})
+    bucket = _FakeBucket([live[:len(live) // 2], live])
+    lock_lib = bucket.install(monkeypatch)
+    with pytest.raises(UserError, match="is in use by process 4242 on vm-1"):
+        with lock_lib.RunLock("gs://b/run"):
+            pass
+    assert bucket.writes == []                                   # nothing written over the live lease
+    broken = _FakeBucket(["{not json"])
+    lock_lib = broken.install(monkeypatch)
+    reads = []
+    monkeypatch.setattr("tupe_jax.files.read_text", lambda p: reads.append(p) or "{not json")
+    with lock_lib.RunLock("gs://b/run2") as lock:
+        assert lock.taken_over == "another process" and len(reads) == lock_lib.LEASE_READS
+        assert len(broken.writes) == 1                           # the heartbeat thread does not write at once
+    assert broken.removed == ["gs://b/run2/.lock"]

@@ -1,0 +1,23 @@
+"""Helpers shared by the run-folder tests (test_workdir, test_lock): the repo root, a tiny pretraining config and a
+hash of every file in a folder (to show a refused command left it byte-identical)."""
+import hashlib
+import os
+
+from tupe_jax import config as config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(arg="pe=tupe_r", **overrides):
+    config = config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":" + arg)
+    return config_lib.apply_overrides(config, {k: str(v) for k, v in overrides.items()})
+
+
+def tree(path):
+    """{relative path: sha1} of every file under `path`."""
+    out = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            out[os.path.relpath(full, path)] = hashlib.sha1(open(full, "rb").read()).hexdigest()
+    return out
