@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from tupe_jax import workdir as workdir_lib
@@ -42,6 +43,12 @@ def test_one_process_per_folder_and_a_dead_holders_lock_is_taken_over(tmp_path, 
         with pytest.raises(UserError, match=f"is in use by process {holder.pid} on"):
             with workdir_lib.claim(wd, load_config()):
                 pass
+        assert tree(wd) == before
+        monkeypatch.undo()
+        monkeypatch.setattr(jax, "process_index", lambda: 1)    # process 1 of a run whose process 0 holds the lock:
+        with workdir_lib.claim(wd, load_config()):               # the lock is not its to check
+            pass
+        monkeypatch.undo()
         assert tree(wd) == before
     finally:
         holder.kill()                                                       # SIGKILL: no chance to clean up

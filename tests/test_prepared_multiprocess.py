@@ -108,7 +108,9 @@ def test_two_processes_kill_9_and_resume_continue_exactly(folder, tmp_path):
     deadline = time.time() + 600
     while time.time() < deadline and not (ckpt.is_dir() and any(d.isdigit() and int(d) >= 4 for d in
                                                                  os.listdir(ckpt))):
-        assert all(p.poll() is None for p in procs), "a process ended before it could be killed"
+        ended = [p for p in procs if p.poll() is not None]
+        assert not ended, f"a process ended (exit {ended[0].returncode}) before it could be killed: " + \
+            ended[0].communicate()[1][-3000:]
         time.sleep(0.05)
     for p in procs:
         os.killpg(p.pid, signal.SIGKILL)

@@ -1,11 +1,11 @@
 """`claim(workdir, config)`: the one way a command takes a run folder.
 
 In order, before the command computes anything: the folder path is usable (`check_folder`), no other process
-holds it (`lock.refuse_if_held`: read only, so a live run's pruning of old checkpoints cannot race the gate's
-reads), the config passes the gate (`gate.check_config`: nothing written yet), the folder's lock is taken
-(`lock.RunLock`), config.json is stored and a provenance row appended (process 0; `provenance.py`). If the command
-then fails — a UserError or anything unexpected, but not an interrupt — what it created in the folder is removed
-unless it holds checkpoints or results; what was there before is never touched.
+holds it (process 0: `lock.refuse_if_held`, read only, so a live run's pruning of old checkpoints cannot race
+the gate's reads), the config passes the gate (`gate.check_config`: nothing written yet), the folder's lock is
+taken (`lock.RunLock`), config.json is stored and a provenance row appended (process 0; `provenance.py`). If the
+command then fails — a UserError or anything unexpected, but not an interrupt — what it created in the folder is
+removed unless it holds checkpoints or results; what was there before is never touched.
 """
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
         yield             # in the gate are collective in a multi-process run, so all processes must skip it
         return
     check_folder(workdir, writable=lead)
-    refuse_if_held(workdir)          # before the gate reads checkpoints that a live run may be pruning
+    if lead:                         # before the gate reads checkpoints that a live run may be pruning (the
+        refuse_if_held(workdir)      # other processes of this run find the lock that process 0 takes: not theirs)
     changes = check_config(workdir, config, overwrite=overwrite)   # refuse before anything (even the lock) is written
     before = set(files.listdir(workdir)) if files.isdir(workdir) else None
     lock = RunLock(workdir) if lead else contextlib.nullcontext()
