@@ -32,5 +32,5 @@ from tupe_jax.workdir.run import LoadedRun, load_run, load_runs
 
 __all__ = ["RESUMABLE", "RUN_IDENTITY_SECTIONS", "LoadedRun", "RunLock", "check_compatible", "check_config",
            "check_folder", "check_tokenizer", "checkpoint_steps", "claim", "config_path", "differing_keys",
-           "load_run", "load_runs", "make_meta", "read_config", "refuse_if_held", "remove_partial_outputs", "tokenizer_path",
-           "write_config"]
+           "load_run", "load_runs", "make_meta", "read_config", "refuse_if_held", "remove_partial_outputs",
+           "tokenizer_path", "write_config"]

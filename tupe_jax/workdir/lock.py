@@ -4,7 +4,9 @@ The lock is an `fcntl.flock` on the file, so it belongs to the process that hold
 killed with SIGKILL leaves the file behind but not the lock, and the next command takes it over (saying whose
 it was). The file records who holds it (host, pid, start time, command) for the message a second process gets.
 Locks are re-entrant within a process (a launcher command and the library loop it calls claim the same folder).
-Process 0 of a multi-process run holds the lock for all of them.
+Process 0 of a multi-process run holds the lock for all of them. `refuse_if_held` asks the same question without
+taking anything (a shared flock tried and dropped, or the lease read), so a command can refuse a folder in use
+before it reads the live run's checkpoints.
 
 In a bucket (`gs://...`) there is no flock: the lock is a lease object that its holder rewrites every
 `LEASE_SECONDS / 4` (a heartbeat thread). A lease whose heartbeat is older than `LEASE_SECONDS` (300 s, or
@@ -83,7 +85,7 @@ def refuse_if_held(workdir: str) -> None:
         return
     try:
         f = open(path, "r", encoding="utf-8")  # pylint: disable=consider-using-with
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:        # no lock file (or none readable): nothing to ask; RunLock decides when it takes the lock
         return
     with f:
         try:   # a shared lock is refused while the holder has its exclusive one; released at once
