@@ -66,6 +66,39 @@ def test_one_process_per_folder_and_a_dead_holders_lock_is_taken_over(tmp_path, 
     assert not os.path.exists(os.path.join(wd, ".lock"))
 
 
+def test_a_probe_of_the_lock_does_not_refuse_a_run_taking_it(tmp_path, monkeypatch):
+    """`refuse_if_held` tries a shared flock and drops it at once. A run whose exclusive flock lands in that
+    instant tries again (BUSY_TRIES) instead of calling the folder in use."""
+    import fcntl  # pylint: disable=import-outside-toplevel
+    lock_lib = sys.modules["tupe_jax.workdir.lock"]
+    wd = tmp_path / "run"
+    wd.mkdir()
+    probe = open(wd / ".lock", "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+    fcntl.flock(probe.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)      # another command's probe, mid-check
+    sleeps = []
+
+    def probe_ends(seconds):                                         # ... which ends while the run waits
+        sleeps.append(seconds)
+        fcntl.flock(probe.fileno(), fcntl.LOCK_UN)
+    monkeypatch.setattr(lock_lib.time, "sleep", probe_ends)
+    try:
+        with workdir_lib.RunLock(str(wd)) as lock:
+            assert lock.taken_over is None and sleeps == [lock_lib.BUSY_RETRY_SECONDS]
+    finally:
+        probe.close()
+    other = open(wd / ".lock", "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+    fcntl.flock(other.fileno(), fcntl.LOCK_SH)                      # a lock that is not released: refused after
+    monkeypatch.setattr(lock_lib.time, "sleep", sleeps.append)       # BUSY_TRIES tries
+    sleeps.clear()
+    try:
+        with pytest.raises(UserError, match="is in use by another process"):
+            with workdir_lib.RunLock(str(wd)):
+                pass
+    finally:
+        other.close()
+    assert len(sleeps) == lock_lib.BUSY_TRIES - 1
+
+
 @pytest.mark.slow
 def test_two_pretrain_processes_on_one_workdir_then_kill_9_and_resume(tmp_path):
     """Exactly one of two concurrent `launch pretrain` runs on a folder; the other gets the lock message and

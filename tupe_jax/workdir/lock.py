@@ -36,6 +36,7 @@ LOCK_NAME = ".lock"
 LEASE_SECONDS = float(os.environ.get("TUPE_JAX_LEASE_SECONDS", "300"))   # a bucket lease's lifetime without heartbeat
 _HELD: dict[str, list] = {}     # absolute workdir -> [file object, depth]
 LEASE_READS, LEASE_RETRY_SECONDS = 5, 0.5     # an unparsable lease is read this often before it counts as stale
+BUSY_TRIES, BUSY_RETRY_SECONDS = 5, 0.02      # a busy flock is tried this often before the folder counts as in use
 
 
 def _holder(text: str) -> str:
@@ -154,7 +155,9 @@ class RunLock:
         return self
 
     def _acquire(self):
-        """The locked lock file (retried if a releasing holder removed it between our open and our lock)."""
+        """The locked lock file (retried if a releasing holder removed it between our open and our lock, and
+        `BUSY_TRIES` times while the lock is busy: another command's `refuse_if_held` holds it for an instant)."""
+        busy = 0
         while True:
             f = open(self.path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
             try:
@@ -165,6 +168,10 @@ class RunLock:
                 f.close()
                 if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
+                busy += 1
+                if busy < BUSY_TRIES:
+                    time.sleep(BUSY_RETRY_SECONDS)
+                    continue
                 raise _in_use_local(self.workdir, text) from None
             try:
                 if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
