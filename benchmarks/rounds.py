@@ -4,8 +4,8 @@
 
 `ci95` is the order-statistic confidence interval of the median: with the n values sorted,
 (x₍ₖ₎, x₍ₙ₋ₖ₊₁₎) for the largest k with P(Binomial(n, ½) ≤ k − 1) ≤ 0.025, so it covers the true median with
-probability ≥ 95% whatever the distribution of the rounds, provided they are independent. None for n < 6, where even (min, max)
-covers it with less than 95%.
+probability ≥ 95% whatever the distribution of the rounds, provided they are independent. None for n < 6, where
+even (min, max) covers it with less than 95%.
 """
 from __future__ import annotations
 

@@ -83,29 +83,6 @@ def test_checkpoints_that_disagree_with_the_config_are_refused(tmp_path):
         workdir_lib.check_config(wd, load_config(**{"model.max_len": 128}))
 
 
-def test_a_checkpoint_pruned_between_listing_and_reading_is_listed_again(tmp_path, monkeypatch):
-    wd = str(tmp_path / "run")
-    config = load_config()
-    for step in (5, 10):
-        fake_checkpoint(wd, config, step)
-    real, calls = ckpt.Checkpointer.restore_meta, []
-
-    def pruned_once(self, step=None):   # the first read finds step 10 gone (a live run's max_to_keep removed it)
-        calls.append(step)
-        if len(calls) == 1:
-            raise FileNotFoundError(2, "No such file or directory", f"{wd}/checkpoints/{step}")
-        return real(self, step)
-    monkeypatch.setattr(ckpt.Checkpointer, "restore_meta", pruned_once)
-    step, meta = workdir_lib.meta.latest_meta(wd)
-    assert step == 10 and meta["identity"] == workdir_lib.meta.identity_hash(config) and calls == [10, 10]
-
-    def always_gone(self, step=None):
-        raise FileNotFoundError(2, "No such file or directory", f"{wd}/checkpoints/{step}")
-    monkeypatch.setattr(ckpt.Checkpointer, "restore_meta", always_gone)
-    with pytest.raises(FileNotFoundError):
-        workdir_lib.meta.latest_meta(wd, attempts=3)
-
-
 def test_a_truncated_config_and_a_run_of_another_kind(tmp_path):
     wd = tmp_path / "run"
     wd.mkdir()

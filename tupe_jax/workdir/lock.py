@@ -37,6 +37,7 @@ LEASE_SECONDS = float(os.environ.get("TUPE_JAX_LEASE_SECONDS", "300"))   # a buc
 _HELD: dict[str, list] = {}     # absolute workdir -> [file object, depth]
 LEASE_READS, LEASE_RETRY_SECONDS = 5, 0.5     # an unparsable lease is read this often before it counts as stale
 BUSY_TRIES, BUSY_RETRY_SECONDS = 5, 0.02      # a busy flock is tried this often before the folder counts as in use
+BUSY_ERRNOS = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)   # what a non-blocking flock of a held lock raises
 
 
 def _holder(text: str) -> str:
@@ -70,6 +71,17 @@ def _in_use_remote(workdir: str, text: str, age: float) -> UserError:
                      "heartbeat), or use another workdir")
 
 
+def _stale_lease(workdir: str, path: str) -> Optional[tuple[str, float]]:
+    """(text, heartbeat age) of the bucket lease at `path` if it is stale, None if there is none; UserError if it
+    is live."""
+    if not files.exists(path):
+        return None
+    text, age = _read_lease(path)
+    if age < LEASE_SECONDS:
+        raise _in_use_remote(workdir, text, age)
+    return text, age
+
+
 def refuse_if_held(workdir: str) -> None:
     """UserError if another process holds `workdir`'s lock now; writes nothing (a folder's gate reads checkpoints
     that a live run is still writing and pruning, so a command checks this first). The lock itself is still
@@ -79,10 +91,7 @@ def refuse_if_held(workdir: str) -> None:
     if workdir in _HELD:
         return
     if files.is_remote(workdir):
-        if files.exists(path):
-            text, age = _read_lease(path)
-            if age < LEASE_SECONDS:
-                raise _in_use_remote(workdir, text, age)
+        _stale_lease(workdir, path)
         return
     try:
         f = open(path, "r", encoding="utf-8")  # pylint: disable=consider-using-with
@@ -92,7 +101,7 @@ def refuse_if_held(workdir: str) -> None:
         try:   # a shared lock is refused while the holder has its exclusive one; released at once
             fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as err:
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if err.errno not in BUSY_ERRNOS:
                 raise
             raise _in_use_local(workdir, f.read()) from None
         fcntl.flock(f.fileno(), fcntl.LOCK_UN)
@@ -113,10 +122,9 @@ class RunLock:
     def _enter_remote(self) -> None:
         """The lease object of a bucket folder (see the module doc)."""
         path = files.join(self.workdir, LOCK_NAME)
-        if files.exists(path):
-            text, age = _read_lease(path)
-            if age < LEASE_SECONDS:
-                raise _in_use_remote(self.workdir, text, age)
+        stale = _stale_lease(self.workdir, path)
+        if stale is not None:
+            text, age = stale
             self.taken_over = _holder(text)
             print(f"{self.workdir}: taking over the lease left by {self.taken_over} (no heartbeat for {age:.0f} s)",
                   file=sys.stderr, flush=True)
@@ -166,7 +174,7 @@ class RunLock:
                 f.seek(0)
                 text = f.read()
                 f.close()
-                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if err.errno not in BUSY_ERRNOS:
                     raise
                 busy += 1
                 if busy < BUSY_TRIES:

@@ -101,20 +101,11 @@ def checkpoint_steps(workdir: str) -> list[int]:
         return checkpointer.all_steps()
 
 
-def latest_meta(workdir: str, attempts: int = 3) -> tuple[int | None, dict[str, Any]]:
-    """(latest committed step, its meta) — (None, {}) without checkpoints. A step that a live run prunes between
-    the listing and the read is listed again, `attempts` times in all, before the FileNotFoundError stands."""
+def latest_meta(workdir: str) -> tuple[int | None, dict[str, Any]]:
+    """(latest committed step, its meta) — (None, {}) without checkpoints. Read by the gate only after
+    `lock.refuse_if_held`: a live run could prune the step between the listing and the read."""
     if not files.isdir(files.join(workdir, "checkpoints")):
         return None, {}
-    attempt = 1
-    while True:
-        with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
-            steps = checkpointer.all_steps()
-            if not steps:
-                return None, {}
-            try:
-                return steps[-1], checkpointer.restore_meta(steps[-1])
-            except FileNotFoundError:
-                if attempt >= attempts:
-                    raise
-        attempt += 1
+    with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
+        steps = checkpointer.all_steps()
+        return (steps[-1], checkpointer.restore_meta(steps[-1])) if steps else (None, {})
