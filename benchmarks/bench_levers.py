@@ -10,6 +10,8 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
 (20 = the default head on the masked positions, 128 = equal work with HF). Variants:
 - current: the code as it is;
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `pretrain.steps.argmax_hits`;
+- two-pass accuracy (before): `argmax_hits` as it was before its one-pass form (a max over the vocabulary, then a
+  check for an earlier index tying it);
 - rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
 - plain head (before): the tied output projection as `nn.Embed.attend` (XLA's own layouts) instead of
   `tupe_jax.head.tied_logits` (`projection.matmul` against a materialised Eᵀ; at commit 59d342f this lever was
@@ -43,7 +45,7 @@ from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
-          plain_gelu: bool = False, scheme: str = "bert_a") -> dict:
+          plain_gelu: bool = False, two_pass_accuracy: bool = False, scheme: str = "bert_a") -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -72,6 +74,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
                                               model_lib.gelu)
     if plain_argmax:
         steps.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    if two_pass_accuracy:
+        steps.argmax_hits = two_pass_hits
     if plain_head:      # the code before head.tied_logits: nn.Embed.attend, XLA's own layouts
         Transformer.attend = lambda self, h: self.embed.attend(h)
     if plain_projections:   # the code before projection.dense_dot_general: XLA's own layouts
@@ -89,6 +93,16 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         model_lib.dense_dot_general = attention_lib.dense_dot_general = kept_dot
         model_lib.gelu = kept_gelu
     return variant
+
+
+def two_pass_hits(logits, labels):
+    """`pretrain.steps.argmax_hits` before its one-pass form (same values): the max, then a tie check against it."""
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    top = jnp.max(logits, axis=-1)
+    at_label = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    earlier = jnp.arange(logits.shape[-1], dtype=jnp.int32) < labels[..., None].astype(jnp.int32)
+    tie_before = jnp.any((logits == top[..., None]) & earlier, axis=-1)
+    return ((at_label == top) & ~tie_before).astype(jnp.float32)
 
 
 def run(variant: dict, n: int, cpu: bool = False) -> float:
@@ -121,6 +135,7 @@ def main() -> None:
     load_before = os.getloadavg()
     makers = {"current": lambda: build(args.slots), "argmax (before)": lambda: build(args.slots, plain_argmax=True),
               "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
+              "two-pass accuracy (before)": lambda: build(args.slots, two_pass_accuracy=True),
               "plain head (before)": lambda: build(args.slots, plain_head=True),
               "plain projections (before)": lambda: build(args.slots, plain_projections=True),
               "jax.nn.gelu (before)": lambda: build(args.slots, plain_gelu=True),

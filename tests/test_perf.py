@@ -392,13 +392,19 @@ def test_optimised_train_step_matches_the_plain_step(pe, backend, monkeypatch):
 
 def test_argmax_hits_is_argmax_with_first_index_ties():
     """`argmax_hits` equals `argmax(logits) == label` including ties (the first maximal index wins), at random
-    logits and at rows built with exact ties before, at and after the label."""
+    logits (several keys) and at rows built with exact ties before, at and after the label, and with ±inf logits."""
     from tupe_jax.pretrain.steps import argmax_hits  # pylint: disable=import-outside-toplevel
-    logits = jax.random.normal(jax.random.key(0), (4, 6, 16))
-    labels = jnp.argmax(logits, -1).at[:, ::2].set(3)
+    cases = []
+    for seed in range(4):
+        logits = jax.random.normal(jax.random.key(seed), (4, 6, 16))
+        cases.append((logits, jnp.argmax(logits, -1).at[:, ::2].set(seed)))
     ties = jnp.zeros((3, 16)).at[:, 5].set(2.0).at[:, 9].set(2.0)
     tie_labels = jnp.array([5, 9, 2])
-    for x, y in ((logits, labels), (ties, tie_labels)):
+    infinite = jnp.full((5, 16), -jnp.inf).at[3, 7].set(1.0).at[4, 2].set(jnp.inf).at[4, 6].set(jnp.inf)
+    infinite_labels = jnp.array([0, 4, 15, 7, 6])
+    cases += [(ties, tie_labels), (infinite, infinite_labels)]
+    for x, y in cases:
         np.testing.assert_array_equal(np.asarray(argmax_hits(x, y)),
                                       np.asarray((jnp.argmax(x, -1) == y).astype(jnp.float32)))
     assert np.asarray(argmax_hits(ties, tie_labels)).tolist() == [1.0, 0.0, 0.0]
+    assert np.asarray(argmax_hits(infinite, infinite_labels)).tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]

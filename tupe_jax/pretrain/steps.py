@@ -27,18 +27,20 @@ from tupe_jax.model import TransformerLM
 def argmax_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """float32 (argmax(logits, -1) == labels), first index winning ties, as `jnp.argmax`.
 
-    label = argmax  ⇔  logits[label] = max(logits)  and  no j < label has logits[j] = max(logits).
-    Same values as the argmax form (NaN rows aside: a non-finite loss stops the run anyway), but XLA:CPU lowers
-    argmax to a variadic (value, index) reduce several times slower than these plain reduces: the step with the
-    head on all 128 positions ran 1.074× longer with argmax (benchmarks/results_levers_cpu.json). `batch_loss`
-    passes the logits through an optimization barrier first: without it XLA shares this max with the loss's
-    log-softmax and re-fuses the loss, whose float32 value then moves by an ulp (tests/test_behaviour.py).
+    label = argmax  ⇔  no j < label has logits[j] ≥ logits[label]  and  no j > label has logits[j] > logits[label]:
+    one compare against the label's logit and one boolean reduce, a single pass over the (…, vocab) logits. Same
+    values as the argmax form, ±inf included (NaN rows aside: a non-finite loss stops the run anyway). XLA:CPU
+    lowers argmax to a variadic (value, index) reduce several times slower (the step with the head on all 128
+    positions ran 1.074× longer, benchmarks/results_levers_cpu.json), and the form before this one (a max, then
+    a tie check against it: two passes) ran 1.02× longer (benchmarks/results_levers_accuracy_*.json).
+    `batch_loss` passes the logits through an optimization barrier first: without it XLA re-fuses the loss
+    around this pass, which is slower, and the loss's float32 value moves by an ulp (tests/test_behaviour.py).
     """
-    top = jnp.max(logits, axis=-1)
-    at_label = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    earlier = jnp.arange(logits.shape[-1], dtype=jnp.int32) < labels[..., None].astype(jnp.int32)
-    tie_before = jnp.any((logits == top[..., None]) & earlier, axis=-1)
-    return ((at_label == top) & ~tie_before).astype(jnp.float32)
+    label = labels[..., None].astype(jnp.int32)
+    at_label = jnp.take_along_axis(logits, label, axis=-1)
+    index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    beaten = jnp.where(index < label, logits >= at_label, logits > at_label)
+    return (~jnp.any(beaten, axis=-1)).astype(jnp.float32)
 
 
 def batch_loss(model: TransformerLM, params: Any, batch: LMBatch, rng: jax.Array, deterministic: bool):
