@@ -12,6 +12,8 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `pretrain.steps.argmax_hits`;
 - two-pass accuracy (before): `argmax_hits` as it was before its one-pass form (a max over the vocabulary, then a
   check for an earlier index tying it);
+- uint32 mask halves (before): `dropout.keep_mask16` as it was before it compared the 16-bit halves before putting
+  them side by side (a uint32 concatenation of the halves, then the compare; the same masks);
 - rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
 - plain head (before): the tied output projection as `nn.Embed.attend` (XLA's own layouts) instead of
   `tupe_jax.head.tied_logits` (`projection.matmul` against a materialised Eᵀ; at commit 59d342f this lever was
@@ -45,7 +47,8 @@ from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
-          plain_gelu: bool = False, two_pass_accuracy: bool = False, scheme: str = "bert_a") -> dict:
+          plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
+          scheme: str = "bert_a") -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -70,8 +73,12 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     from tupe_jax import attention as attention_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+    from tupe_jax import dropout as dropout_lib  # pylint: disable=import-outside-toplevel
     kept, kept_attend, kept_dot, kept_gelu = (steps.argmax_hits, Transformer.attend, model_lib.dense_dot_general,
                                               model_lib.gelu)
+    kept_mask = dropout_lib.keep_mask16
+    if uint32_halves:
+        dropout_lib.keep_mask16 = uint32_halves_mask
     if plain_argmax:
         steps.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     if two_pass_accuracy:
@@ -92,6 +99,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         steps.argmax_hits, Transformer.attend = kept, kept_attend
         model_lib.dense_dot_general = attention_lib.dense_dot_general = kept_dot
         model_lib.gelu = kept_gelu
+        dropout_lib.keep_mask16 = kept_mask
     return variant
 
 
@@ -103,6 +111,21 @@ def two_pass_hits(logits, labels):
     earlier = jnp.arange(logits.shape[-1], dtype=jnp.int32) < labels[..., None].astype(jnp.int32)
     tie_before = jnp.any((logits == top[..., None]) & earlier, axis=-1)
     return ((at_label == top) & ~tie_before).astype(jnp.float32)
+
+
+def uint32_halves_mask(rng, shape, keep_prob):
+    """`dropout.keep_mask16` before it compared the halves first (same masks): uint32 halves concatenated, then
+    compared."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from tupe_jax.dropout import _counters, threefry2x32_p  # pylint: disable=import-outside-toplevel
+    out_shape, shape = tuple(shape), tuple(shape) or (1,)
+    threshold = int(round(keep_prob * 65536))
+    counter_shape = shape[:-1] + (-(-shape[-1] // 4),)
+    raw = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    words = threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape), jnp.zeros(counter_shape, jnp.uint32))
+    halves = jnp.concatenate([(w >> shift) & 0xFFFF for w in words for shift in (0, 16)], axis=-1)[..., :shape[-1]]
+    return (halves < threshold).reshape(out_shape), threshold / 65536
 
 
 def run(variant: dict, n: int, cpu: bool = False) -> float:
@@ -136,6 +159,7 @@ def main() -> None:
     makers = {"current": lambda: build(args.slots), "argmax (before)": lambda: build(args.slots, plain_argmax=True),
               "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
               "two-pass accuracy (before)": lambda: build(args.slots, two_pass_accuracy=True),
+              "uint32 mask halves (before)": lambda: build(args.slots, uint32_halves=True),
               "plain head (before)": lambda: build(args.slots, plain_head=True),
               "plain projections (before)": lambda: build(args.slots, plain_projections=True),
               "jax.nn.gelu (before)": lambda: build(args.slots, plain_gelu=True),

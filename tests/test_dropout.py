@@ -35,17 +35,37 @@ def test_the_four_masks_of_one_hash_are_independent():
     assert _within(float(np.mean(m[0::2] == m[1::2])), both, N // 2)               # neighbouring hashes
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 130), (4, 4, 16, 16)])
+def test_mask_layout_is_the_documented_one(shape):
+    """Element (…, j + k·q) of a mask is half k (low/high 16 bits of word 0, then of word 1) of hash (…, j), whose
+    counter is (…, j)'s row-major index: rebuilt here in NumPy from the raw threefry words, so a change of layout
+    (which would change every run's masks and break an exact resume) fails."""
+    from jax.extend.random import threefry2x32_p  # pylint: disable=import-outside-toplevel
+    key = jax.random.PRNGKey(sum(shape))
+    q = -(-shape[-1] // 4)
+    count = int(np.prod(shape[:-1])) * q
+    counters = jnp.arange(count, dtype=jnp.uint32).reshape(shape[:-1] + (q,))
+    words = [np.asarray(w) for w in threefry2x32_p.bind(key[0], key[1], counters, jnp.zeros_like(counters))]
+    halves = [words[0] & 0xFFFF, words[0] >> 16, words[1] & 0xFFFF, words[1] >> 16]
+    expected = np.concatenate([h < 58982 for h in halves], axis=-1)[..., :shape[-1]]
+    mask, _ = keep_mask16(key, shape, 0.9)
+    np.testing.assert_array_equal(np.asarray(mask), expected)
+
+
 def test_a_batch_sharded_mask_is_made_shard_by_shard():
     """Under a mesh that shards the batch, each device's program holds only its own counters and bits (the
-    (64, 128, 256) mask on 8 devices: no array of the whole mask's size), and the mask equals the unsharded one."""
+    (64, 128, 256) mask on 8 devices: no array of the whole mask's or hashes' size), and the mask equals the unsharded one."""
     import re  # pylint: disable=import-outside-toplevel
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     sharded = NamedSharding(mesh, P("data"))
     f = jax.jit(lambda k: keep_mask16(k, (64, 128, 256), 0.9)[0], out_shardings=sharded)
     text = f.lower(jax.random.PRNGKey(3)).compile().as_text()
-    sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"u32\[([0-9,]+)\]", text)]
-    assert max(sizes) == 8 * 128 * 256, sizes                 # one device's share of the (64, 128, 256) mask
+    def largest(dtype: str) -> int:
+        return max(int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(dtype + r"\[([0-9,]+)\]",
+                                                                                          text))
+    assert largest("u32") == 8 * 128 * 64           # one device's share of the hashes (one per 4 elements)
+    assert largest("pred") == 8 * 128 * 256         # and of the (64, 128, 256) mask
     assert (np.asarray(f(jax.random.PRNGKey(3))) == np.asarray(keep_mask16(jax.random.PRNGKey(3), (64, 128, 256),
                                                                           0.9)[0])).all()
 
