@@ -3,14 +3,25 @@ families (MLM encoder, causal decoder) and of one GLUE fine-tune, through the re
 
 `tests/data/behaviour.json` was recorded BEFORE the redesign of the trainer/run-folder layers (`python
 tests/behaviour.py --write`); `tests/test_behaviour.py` re-runs the same loops and requires bitwise-equal losses
-and parameters when the JAX/XLA stack is the one the file was recorded with (a different stack may legitimately
-change float rounding: then the test compares to 1e-5 relative and says so).
+and parameters when the stack is one a recording was made on (a different stack may legitimately change float
+rounding: then the test compares to 1e-5 relative to the primary recording).
+
+The stack is the versions that decide float rounding and the host CPU's kind (`cpu_kind`): XLA:CPU compiles for
+the host's vector ISA, so the same code and versions round differently on an AVX2 and an AVX-512 machine. The
+primary recording is `behaviour.json`; a recording of the same numbers on another CPU kind sits beside it as
+`behaviour-<cpu kind>.json` (`--add`), and every such file must agree with the primary to 1e-5.
+
+    python tests/behaviour.py --write   the numbers changed: record this machine, drop the other CPU kinds' files
+    python tests/behaviour.py --add     the numbers did not change: add (or renew) this CPU kind's recording
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
+import platform
+import re
 import sys
 import tempfile
 
@@ -37,13 +48,58 @@ FINETUNE = {**MODEL, "train.steps": str(STEPS), "train.batch_size": "8", "train.
             "checkpoint.every": "1000", "checkpoint.async_save": "false", "data.glue_buckets": "(32,)"}
 
 
+# the vector ISAs that change XLA:CPU's code generation, widest first (x86, then Arm)
+VECTOR_ISAS = ("avx512f", "avx2", "avx", "sve2", "sve", "asimd")
+
+
+def cpu_kind(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """'<arch> <vendor> <widest vector ISA>' of the host, e.g. 'x86_64 AuthenticAMD avx2' (what is known)."""
+    vendor, flags = "", set()
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("vendor_id", "cpu implementer") and not vendor:
+                    vendor = value.strip()
+                elif key in ("flags", "features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = next((name for name in VECTOR_ISAS if name in flags), "")
+    return " ".join(part for part in (platform.machine(), vendor, isa) if part)
+
+
 def stack() -> dict[str, str]:
-    """The versions that decide float rounding."""
+    """The versions and the CPU kind that decide float rounding."""
     import jax  # pylint: disable=import-outside-toplevel
     import jaxlib  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-            "device": jax.devices()[0].device_kind}
+            "device": jax.devices()[0].device_kind, "cpu": cpu_kind()}
+
+
+def recording_path(cpu: str) -> str:
+    """Where the recording for another CPU kind than the primary's lives."""
+    return os.path.join(os.path.dirname(GOLDEN), "behaviour-" + re.sub(r"[^a-z0-9]+", "-", cpu.lower()) + ".json")
+
+
+def recordings() -> list[dict]:
+    """Every recording, the primary (`behaviour.json`) first."""
+    paths = [GOLDEN] + sorted(glob.glob(os.path.join(os.path.dirname(GOLDEN), "behaviour-*.json")))
+    out = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            out.append(json.load(f))
+    return out
+
+
+def agrees(result: dict, want: dict, rel: float = 1e-5) -> bool:
+    """The same numbers up to float rounding: every loss and the parameters' |sum| within `rel`."""
+    close = lambda a, b: abs(a - b) <= rel * max(abs(a), abs(b))  # noqa: E731
+    return (len(result["losses"]) == len(want["losses"])
+            and all(close(a, b) for a, b in zip(result["losses"], want["losses"]))
+            and close(result["params"]["abs_sum"], want["params"]["abs_sum"]))
 
 
 def checksum(params) -> dict[str, object]:
@@ -119,13 +175,36 @@ def record(root: str, schemes=SCHEMES, objectives=OBJECTIVES, finetune: bool = T
     return out
 
 
-if __name__ == "__main__":
-    if "--write" not in sys.argv:
-        sys.exit("usage: python tests/behaviour.py --write   (re-records tests/data/behaviour.json)")
-    with tempfile.TemporaryDirectory() as tmp:
-        result = record(tmp)
-    os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
-    with open(GOLDEN, "w", encoding="utf-8") as f:
+def _write(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, sort_keys=True)
         f.write("\n")
-    print(f"wrote {GOLDEN}")
+    print(f"wrote {path}")
+
+
+def main(argv: list[str]) -> None:
+    mode = argv[1] if len(argv) == 2 else ""
+    if mode not in ("--write", "--add"):
+        sys.exit("usage: python tests/behaviour.py --write|--add   (module docstring)")
+    primary = recordings()[0] if mode == "--add" else None
+    if primary is not None and primary["stack"] == stack():
+        sys.exit(f"error: this stack is the primary recording's, {GOLDEN}, nothing to add (--write re-records it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = record(tmp)
+    if primary is None:
+        for path in glob.glob(os.path.join(os.path.dirname(GOLDEN), "behaviour-*.json")):
+            os.remove(path)
+            print(f"removed {path} (recorded with the numbers before)")
+        _write(GOLDEN, result)
+        return
+    moved = [name for kind in ("pretrain", "finetune") for name in result[kind]
+             if not agrees(result[kind][name], primary[kind][name])]
+    if moved:
+        sys.exit(f"error: {', '.join(moved)} moved beyond 1e-5 of {GOLDEN}, nothing written, the numbers changed: "
+                 "use --write")
+    _write(recording_path(result["stack"]["cpu"]), result)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
