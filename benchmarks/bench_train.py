@@ -49,6 +49,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from train_workers import ALL_SCHEMES, SHAPES, USAGE, WORKERS, shape_args  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
+sys.path.insert(0, ROOT)
+from tupe_jax import host  # noqa: E402  pylint: disable=wrong-import-position
 
 
 # ================================================================================================ driver
@@ -286,7 +288,8 @@ def main() -> None:
         json.dump({"command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]), "started": started,
                    "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "shape": s,
                    "args": vars(args), "machine": f"{platform.processor() or platform.machine()}, "
-                   f"{os.cpu_count()} cores", "peaks_flops": peaks, "torch_threads": torch_threads,
+                   f"{os.cpu_count()} cores", "cpu": host.cpu_description(), "peaks_flops": peaks,
+                   "torch_threads": torch_threads,
                    "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "ratios": ratios,
                    "jobs": jobs_out, "runs": results}, f, indent=1)
     print(f"\nwrote {out}")

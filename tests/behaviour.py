@@ -6,9 +6,9 @@ tests/behaviour.py --write`); `tests/test_behaviour.py` re-runs the same loops a
 and parameters when the stack is one a recording was made on (a different stack may legitimately change float
 rounding: then the test compares to 1e-5 relative to the primary recording).
 
-The stack is the versions that decide float rounding and the host CPU's kind (`cpu_kind`): XLA:CPU compiles for
-the host's vector ISA, so the same code and versions round differently on an AVX2 and an AVX-512 machine. The
-primary recording is `behaviour.json`; a recording of the same numbers on another CPU kind sits beside it as
+The stack is the versions that decide float rounding and the host CPU's kind (`tupe_jax.host.cpu_kind`): XLA:CPU
+compiles for the host's vector ISA, so the same code and versions round differently on an AVX2 and an AVX-512
+machine. The primary recording is `behaviour.json`; a recording of the same numbers on another CPU kind sits beside it as
 `behaviour-<cpu kind>.json` (`--add`), and every such file must agree with the primary to 1e-5.
 
     python tests/behaviour.py --write   the numbers changed: record this machine, drop the other CPU kinds' files
@@ -20,7 +20,6 @@ import glob
 import hashlib
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -32,6 +31,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the suite's 8 fake devices (tests/conftest.py): the recording must come from the device count the test runs on,
 # since the sharded weight-gradient sums (projection.dense_dot_general) round differently on one device
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tupe_jax import host  # noqa: E402  pylint: disable=wrong-import-position
 
 GOLDEN = os.path.join(ROOT, "tests", "data", "behaviour.json")
 SCHEMES = ("bert_a", "sinusoidal", "rope", "alibi", "t5", "bert_r", "nopos", "tupe_a", "tupe_r", "bert_ad")
@@ -48,35 +48,13 @@ FINETUNE = {**MODEL, "train.steps": str(STEPS), "train.batch_size": "8", "train.
             "checkpoint.every": "1000", "checkpoint.async_save": "false", "data.glue_buckets": "(32,)"}
 
 
-# the vector ISAs that change XLA:CPU's code generation, widest first (x86, then Arm)
-VECTOR_ISAS = ("avx512f", "avx2", "avx", "sve2", "sve", "asimd")
-
-
-def cpu_kind(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """'<arch> <vendor> <widest vector ISA>' of the host, e.g. 'x86_64 AuthenticAMD avx2' (what is known)."""
-    vendor, flags = "", set()
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key in ("vendor_id", "cpu implementer") and not vendor:
-                    vendor = value.strip()
-                elif key in ("flags", "features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    isa = next((name for name in VECTOR_ISAS if name in flags), "")
-    return " ".join(part for part in (platform.machine(), vendor, isa) if part)
-
-
 def stack() -> dict[str, str]:
     """The versions and the CPU kind that decide float rounding."""
     import jax  # pylint: disable=import-outside-toplevel
     import jaxlib  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-            "device": jax.devices()[0].device_kind, "cpu": cpu_kind()}
+            "device": jax.devices()[0].device_kind, "cpu": host.cpu_kind()}
 
 
 def recording_path(cpu: str) -> str:

@@ -40,16 +40,6 @@ def test_every_recording_has_its_own_stack_and_the_primarys_numbers():
                 assert B.agrees(result, PRIMARY[kind][name]), f"{recording['stack']['cpu']}: {name} moved"
 
 
-def test_cpu_kind_names_the_widest_vector_isa(tmp_path):
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f\n"
-                    "processor\t: 1\nvendor_id\t: GenuineIntel\nflags\t\t: fpu\n")
-    assert B.cpu_kind(str(info)).split()[1:] == ["GenuineIntel", "avx512f"]
-    info.write_text("vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse4_2 avx avx2 fma\n")
-    assert B.cpu_kind(str(info)).split()[1:] == ["AuthenticAMD", "avx2"]
-    assert B.cpu_kind(str(tmp_path / "missing")) == B.platform.machine()
-
-
 def test_agrees_is_relative_to_1e5():
     want = {"losses": [2.0, 1.0], "params": {"abs_sum": 100.0}}
     assert B.agrees({"losses": [2.0 * (1 + 9e-6), 1.0], "params": {"abs_sum": 100.0}}, want)

@@ -13,6 +13,7 @@ import pytest
 from tupe_jax import allocator
 from tupe_jax import checkpoint as ckpt
 from tupe_jax import config as config_lib
+from tupe_jax import host
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
 from tests.workdir_fixtures import ROOT, load_config, tree
@@ -160,6 +161,7 @@ def test_every_claim_records_its_provenance(tmp_path):
     assert row["packages"]["jax"] == jax.__version__ and row["devices"]["count"] == jax.device_count()
     assert row["devices"]["kind"] == jax.devices()[0].device_kind and row["process_count"] == 1
     assert row["command"] == " ".join(sys.argv) and len(row["git_commit"]) >= 40
+    assert row["cpu"] == host.cpu_description()
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Provenance: every command that claims a run folder appends one row to `provenance.jsonl` — when, the full command
-line, the git commit of this checkout (when there is one), the package versions, the devices and processes.
+line, the git commit of this checkout (when there is one), the CPU, the package versions, the devices and processes.
 
 A run resumed on another machine, JAX or commit therefore says so in its own folder.
 """
@@ -14,7 +14,7 @@ from importlib import metadata
 
 import jax
 
-from tupe_jax import files
+from tupe_jax import files, host
 
 NAME = "provenance.jsonl"
 PACKAGES = ("tupe-jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "grain", "tensorflow-datasets",
@@ -49,7 +49,8 @@ def describe() -> dict:
     devices = jax.devices()
     return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv), "cwd": os.getcwd(), "git_commit": git_commit(),
-            "python": platform.python_version(), "host": platform.node(), "packages": versions(),
+            "python": platform.python_version(), "host": platform.node(), "cpu": host.cpu_description(),
+            "packages": versions(),
             "devices": {"platform": devices[0].platform, "kind": devices[0].device_kind, "count": len(devices),
                         "local_count": jax.local_device_count()},
             "process_count": jax.process_count(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}

@@ -1,0 +1,44 @@
+"""The host CPU, as far as it decides float rounding and speed: XLA:CPU compiles for the host's vector ISA, so the
+same program rounds differently (and runs at another speed) on an AVX2 and an AVX-512 machine.
+
+    cpu_info(cpuinfo) -> {'arch', 'vendor', 'model', 'isa', 'mhz'}   ('' where unknown; Linux /proc/cpuinfo)
+    cpu_kind() -> 'x86_64 AuthenticAMD avx2'                          what decides rounding (tests/behaviour.py)
+    cpu_description() -> 'AMD EPYC, AuthenticAMD, avx2, 1996 MHz'     what a benchmark's numbers came from
+"""
+from __future__ import annotations
+
+import platform
+
+CPUINFO = "/proc/cpuinfo"
+# the vector ISAs that change XLA:CPU's code generation, widest first: x86, then Arm
+VECTOR_ISAS = ("avx512f", "avx2", "avx", "sve2", "sve", "asimd")
+
+
+def cpu_info(cpuinfo: str = CPUINFO) -> dict[str, str]:
+    """The first CPU's architecture, vendor, model name, widest vector ISA and clock in MHz."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip().lower(), value.strip())
+    except OSError:
+        pass
+    flags = set((fields.get("flags") or fields.get("features") or "").split())
+    mhz = fields.get("cpu mhz", "")
+    return {"arch": platform.machine(), "vendor": fields.get("vendor_id") or fields.get("cpu implementer", ""),
+            "model": fields.get("model name", ""), "isa": next((n for n in VECTOR_ISAS if n in flags), ""),
+            "mhz": f"{float(mhz):.0f}" if mhz.replace(".", "", 1).isdigit() else ""}
+
+
+def cpu_kind(cpuinfo: str = CPUINFO) -> str:
+    """'<arch> <vendor> <widest vector ISA>' (the parts that are known)."""
+    info = cpu_info(cpuinfo)
+    return " ".join(part for part in (info["arch"], info["vendor"], info["isa"]) if part)
+
+
+def cpu_description(cpuinfo: str = CPUINFO) -> str:
+    """'<model>, <vendor>, <widest vector ISA>, <clock> MHz' (the parts that are known)."""
+    info = cpu_info(cpuinfo)
+    parts = (info["model"], info["vendor"], info["isa"], info["mhz"] and f"{info['mhz']} MHz")
+    return ", ".join(part for part in parts if part)
