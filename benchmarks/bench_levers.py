@@ -14,8 +14,6 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
   check for an earlier index tying it);
 - uint32 mask halves (before): `dropout.keep_mask16` as it was before it compared the 16-bit halves before putting
   them side by side (a uint32 concatenation of the halves, then the compare; the same masks);
-- rolled threefry (before): the 16-bit masks' hash by JAX's `threefry2x32_p` (lowered on the CPU to a rolled loop)
-  instead of `dropout.threefry2x32` written out (the same bits);
 - rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
 - plain head (before): the tied output projection as `nn.Embed.attend` (XLA's own layouts) instead of
   `tupe_jax.head.tied_logits` (`projection.matmul` against a materialised Eᵀ; at commit 59d342f this lever was
@@ -50,7 +48,7 @@ from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
           plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
-          rolled_threefry: bool = False, scheme: str = "bert_a") -> dict:
+          scheme: str = "bert_a") -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -75,15 +73,12 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     from tupe_jax import attention as attention_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
-    from jax.extend.random import threefry2x32_p  # pylint: disable=import-outside-toplevel
     from tupe_jax import dropout as dropout_lib  # pylint: disable=import-outside-toplevel
     kept, kept_attend, kept_dot, kept_gelu = (steps.argmax_hits, Transformer.attend, model_lib.dense_dot_general,
                                               model_lib.gelu)
-    kept_mask, kept_hash = dropout_lib.keep_mask16, dropout_lib.threefry2x32
+    kept_mask = dropout_lib.keep_mask16
     if uint32_halves:
         dropout_lib.keep_mask16 = uint32_halves_mask
-    if rolled_threefry:
-        dropout_lib.threefry2x32 = lambda key, x: tuple(threefry2x32_p.bind(key[0], key[1], x[0], x[1]))
     if plain_argmax:
         steps.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     if two_pass_accuracy:
@@ -104,7 +99,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         steps.argmax_hits, Transformer.attend = kept, kept_attend
         model_lib.dense_dot_general = attention_lib.dense_dot_general = kept_dot
         model_lib.gelu = kept_gelu
-        dropout_lib.keep_mask16, dropout_lib.threefry2x32 = kept_mask, kept_hash
+        dropout_lib.keep_mask16 = kept_mask
     return variant
 
 
@@ -123,8 +118,7 @@ def uint32_halves_mask(rng, shape, keep_prob):
     compared."""
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from jax.extend.random import threefry2x32_p  # pylint: disable=import-outside-toplevel
-    from tupe_jax.dropout import _counters  # pylint: disable=import-outside-toplevel
+    from tupe_jax.dropout import _counters, threefry2x32_p  # pylint: disable=import-outside-toplevel
     out_shape, shape = tuple(shape), tuple(shape) or (1,)
     threshold = int(round(keep_prob * 65536))
     counter_shape = shape[:-1] + (-(-shape[-1] // 4),)
@@ -166,7 +160,6 @@ def main() -> None:
               "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
               "two-pass accuracy (before)": lambda: build(args.slots, two_pass_accuracy=True),
               "uint32 mask halves (before)": lambda: build(args.slots, uint32_halves=True),
-              "rolled threefry (before)": lambda: build(args.slots, rolled_threefry=True),
               "plain head (before)": lambda: build(args.slots, plain_head=True),
               "plain projections (before)": lambda: build(args.slots, plain_projections=True),
               "jax.nn.gelu (before)": lambda: build(args.slots, plain_gelu=True),

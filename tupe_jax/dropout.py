@@ -24,32 +24,9 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
 DROPOUT_BITS = (32, 16)
-# Threefry-2x32, 20 rounds (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"): the rotation
-# distances of rounds 1-4 and 5-8 (then repeated), and the key-schedule parity constant.
-ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-SKEIN_PARITY = 0x1BD11BDA
-
-
-def threefry2x32(key: tuple[jax.Array, jax.Array], x: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Threefry-2x32-20 of the uint32 counter pair `x` (two arrays of one shape) under the uint32 key pair:
-    bit for bit `jax.extend.random.threefry2x32_p` (tests/test_dropout.py), but written as plain uint32 ops.
-
-    Each round: x0 += x1; x1 = rotl(x1, r) ^ x0. Before round 1 and after every 4th round s, the key schedule
-    (k0, k1, k2 = k0 ^ k1 ^ parity) is injected: x0 += k[s mod 3], x1 += k[(s+1) mod 3] + s. JAX lowers its
-    primitive on the CPU to a rolled loop (a while over the 5 groups of rounds), which XLA cannot fuse with what
-    consumes the hash; written out, the hash, the 16-bit compares and the mask fuse into one pass, and the step
-    at the benchmark's equal-work shape runs ~1.02x faster (benchmarks/results_levers_unrolled_hash_*.json)."""
-    schedule = (key[0], key[1], key[0] ^ key[1] ^ jnp.uint32(SKEIN_PARITY))
-    x0, x1 = x[0] + schedule[0], x[1] + schedule[1]
-    for group in range(1, 6):
-        for r in ROTATIONS[(group - 1) % 2]:
-            x0 = x0 + x1
-            x1 = ((x1 << jnp.uint32(r)) | (x1 >> jnp.uint32(32 - r))) ^ x0
-        x0 = x0 + schedule[group % 3]
-        x1 = x1 + schedule[(group + 1) % 3] + jnp.uint32(group)
-    return x0, x1
 
 
 def _counters(shape: tuple[int, ...]) -> jax.Array:
@@ -76,7 +53,7 @@ def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tup
     counter_shape = shape[:-1] + (quarter,)
     raw = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
     if raw.shape == (2,):             # a threefry key: both 32-bit words of each hash are used
-        words = threefry2x32((raw[0], raw[1]), (_counters(counter_shape), jnp.zeros(counter_shape, jnp.uint32)))
+        words = threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape), jnp.zeros(counter_shape, jnp.uint32))
     else:                             # rbg / unsafe_rbg (4-word keys): their own bit generator, two words per slot
         words = tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
     # compared before they are put side by side: the four quarters are stacked as booleans (1 byte per element,
