@@ -8,8 +8,8 @@ rounding: then the test compares to 1e-5 relative to the primary recording).
 
 The stack is the versions that decide float rounding and the host CPU's kind (`tupe_jax.host.cpu_kind`): XLA:CPU
 compiles for the host's vector ISA, so the same code and versions round differently on an AVX2 and an AVX-512
-machine. The primary recording is `behaviour.json`; a recording of the same numbers on another CPU kind sits beside it as
-`behaviour-<cpu kind>.json` (`--add`), and every such file must agree with the primary to 1e-5.
+machine. The primary recording is `behaviour.json`; a recording of the same numbers on another CPU kind sits
+beside it as `behaviour-<cpu kind>.json` (`--add`), and every such file must agree with the primary to 1e-5.
 
     python tests/behaviour.py --write   the numbers changed: record this machine, drop the other CPU kinds' files
     python tests/behaviour.py --add     the numbers did not change: add (or renew) this CPU kind's recording
@@ -170,6 +170,10 @@ def main(argv: list[str]) -> None:
         sys.exit(f"error: this stack is the primary recording's, {GOLDEN}, nothing to add (--write re-records it)")
     with tempfile.TemporaryDirectory() as tmp:
         result = record(tmp)
+    short = [name for kind in ("pretrain", "finetune") for name, r in result[kind].items()
+             if len(r["losses"]) != STEPS]
+    if short:   # e.g. a SIGTERM: the loop's preemption handler ends that run and every later one early
+        sys.exit(f"error: {', '.join(short)} logged fewer than {STEPS} steps, nothing written, record again undisturbed")
     if primary is None:
         for path in glob.glob(os.path.join(os.path.dirname(GOLDEN), "behaviour-*.json")):
             os.remove(path)

@@ -109,3 +109,15 @@ def test_write_replaces_every_recording(tmp_path, monkeypatch):
     B.main(["behaviour.py", "--write"])
     assert sorted(p.name for p in tmp_path.iterdir()) == [golden.name]
     assert B.json.loads(golden.read_text())["stack"]["cpu"] == "x86_64 SomeVendor avx2"
+
+
+def test_a_recording_cut_short_is_refused_and_writes_nothing(tmp_path, monkeypatch):
+    result = _on_another_cpu()
+    result["pretrain"]["t5-clm"]["losses"] = result["pretrain"]["t5-clm"]["losses"][:1]
+    golden = _fake_golden(tmp_path, monkeypatch, result)
+    monkeypatch.setattr(B, "stack", lambda: result["stack"])
+    before = golden.read_bytes()
+    for mode in ("--write", "--add"):
+        with pytest.raises(SystemExit, match=r"^error: t5-clm logged fewer than 20 steps, nothing written"):
+            B.main(["behaviour.py", mode])
+    assert golden.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [golden.name]
