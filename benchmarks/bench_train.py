@@ -49,8 +49,6 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from train_workers import ALL_SCHEMES, SHAPES, USAGE, WORKERS, shape_args  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
-sys.path.insert(0, ROOT)
-from tupe_jax import host  # noqa: E402  pylint: disable=wrong-import-position
 
 
 # ================================================================================================ driver
@@ -284,6 +282,8 @@ def main() -> None:
         print(f"| {label} | {r['median']:.3f}× | {r['min']:.3f}–{r['max']:.3f} | {ci} | "
               f"{', '.join(f'{x:.3f}' for x in r['per_round'])} |")
     out = args.json or os.path.join(HERE, f"results_{args.shape}.json")
+    sys.path.insert(0, ROOT)
+    from tupe_jax import host  # pylint: disable=import-outside-toplevel
     with open(out, "w", encoding="utf-8") as f:
         json.dump({"command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]), "started": started,
                    "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "shape": s,
