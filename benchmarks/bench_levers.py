@@ -20,6 +20,10 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
   the variant "head custom VJP (tried)" against the plain head, results_levers_*.json);
 - plain projections (before): every Dense layer with `lax.dot_general` (XLA's own layouts) instead of
   `tupe_jax.projection.dense_dot_general` (its custom VJP: the weight gradient transposes the smaller operand);
+- dX through Wᵀ (tried): `projection.matmul`'s input gradient g · Wᵀ against a materialised Wᵀ when the weight
+  is taller than wide (the MLP output projection), instead of XLA's transposed-operand dot;
+- dW as a TN dot (tried): `projection.matmul`'s weight gradient as XLA's own `dot_general` contracting the long M
+  axis of both operands, instead of the transpose of the smaller operand materialised first;
 - jax.nn.gelu (before): the MLP and head GELU as `jax.nn.gelu(approximate=False)` (its erfc form) instead of
   `tupe_jax.activations.gelu` (the erf form: the same function in fewer, cheaper passes on XLA:CPU);
 - dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
@@ -48,7 +52,7 @@ from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
           plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
-          scheme: str = "bert_a") -> dict:
+          matmul_bwd=None, scheme: str = "bert_a") -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -77,6 +81,9 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     kept, kept_attend, kept_dot, kept_gelu = (steps.argmax_hits, Transformer.attend, model_lib.dense_dot_general,
                                               model_lib.gelu)
     kept_mask = dropout_lib.keep_mask16
+    from tupe_jax import projection  # pylint: disable=import-outside-toplevel
+    if matmul_bwd is not None:
+        projection.matmul.defvjp(projection._matmul_fwd, matmul_bwd)  # pylint: disable=protected-access
     if uint32_halves:
         dropout_lib.keep_mask16 = uint32_halves_mask
     if plain_argmax:
@@ -100,7 +107,24 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         model_lib.dense_dot_general = attention_lib.dense_dot_general = kept_dot
         model_lib.gelu = kept_gelu
         dropout_lib.keep_mask16 = kept_mask
+        projection.matmul.defvjp(projection._matmul_fwd, projection._matmul_bwd)  # pylint: disable=protected-access
     return variant
+
+
+def matmul_bwd_variant(dx_through_transpose: bool = False, dw_tn: bool = False):
+    """`projection._matmul_bwd` with one of its two products laid out another way (the module docstring)."""
+    from jax import lax  # pylint: disable=import-outside-toplevel
+    from tupe_jax import projection  # pylint: disable=import-outside-toplevel
+
+    def bwd(residuals, g):
+        x, w = residuals
+        d_x, d_w = projection._matmul_bwd(residuals, g)  # pylint: disable=protected-access
+        if dx_through_transpose and w.shape[1] < w.shape[0]:
+            d_x = (g @ lax.optimization_barrier(w.T)).astype(x.dtype)
+        if dw_tn:
+            d_w = lax.dot_general(x, g, (((0,), (0,)), ((), ()))).astype(w.dtype)
+        return d_x, d_w
+    return bwd
 
 
 def two_pass_hits(logits, labels):
@@ -163,6 +187,8 @@ def main() -> None:
               "plain head (before)": lambda: build(args.slots, plain_head=True),
               "plain projections (before)": lambda: build(args.slots, plain_projections=True),
               "jax.nn.gelu (before)": lambda: build(args.slots, plain_gelu=True),
+              "dX through Wᵀ (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(dx_through_transpose=True)),
+              "dW as a TN dot (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(dw_tn=True)),
               "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
               "dropout_bits=32": lambda: build(args.slots, dropout_bits=32),
               "no dropout": lambda: build(args.slots, dropout=0.0),
