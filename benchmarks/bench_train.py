@@ -24,8 +24,10 @@ runs. tokens/s = batch × seq_len ÷ step time (all input tokens, the same for e
 
 Allocator (`--allocator`, tupe_jax/allocator.py): `python -m launch` re-executes itself with glibc's huge-page
 tunable; `launcher` (default) gives ours and the loop that environment and the peers the caller's environment
-without it, `all` gives it to every job (like for like), `none` to none. Each worker also reports its timed
-steps' page faults and user/system CPU seconds per step.
+without it, `all` gives it to every job (like for like), `none` to none. `--peers_allocator_ab 1` (with
+`launcher`) also runs each peer with the tunable (`torch~hp`, `flax~hp`) in the same rounds. It then reports the
+ratios against each peer's faster allocator in each round. Each worker also reports its timed steps' page faults
+and user/system CPU seconds per step.
 
 Prints Markdown tables and writes `--json` (default benchmarks/results_<shape>.json). This file is the driver;
 the shapes, batches, step timer and the three workers are in benchmarks/train_workers.py.
@@ -152,6 +154,17 @@ RATIOS = {
     "loop tokens/s / benchmark bert_a tokens/s": ("bert_a", "loop"),
     "huge pages: bert_a tokens/s / bert_a with 4 KiB pages": ("bert_a~4k", "bert_a"),
     "huge pages: bert_a@all tokens/s / bert_a@all with 4 KiB pages": ("bert_a@all~4k", "bert_a@all"),
+    "default: bert_a tokens/s / HF torch with huge pages": ("torch~hp", "bert_a"),
+    "default: bert_a tokens/s / HF Flax with huge pages": ("flax~hp", "bert_a"),
+    "equal work: bert_a@all tokens/s / HF torch with huge pages": ("torch~hp", "bert_a@all"),
+    "equal work: bert_a@all tokens/s / HF Flax with huge pages": ("flax~hp", "bert_a@all"),
+}
+# with --peers_allocator_ab: each peer at the faster of its two allocators in that round
+FASTER_PEER = {
+    "default: bert_a tokens/s / HF torch, its faster allocator": (("torch", "torch~hp"), "bert_a"),
+    "default: bert_a tokens/s / HF Flax, its faster allocator": (("flax", "flax~hp"), "bert_a"),
+    "equal work: bert_a@all tokens/s / HF torch, its faster allocator": (("torch", "torch~hp"), "bert_a@all"),
+    "equal work: bert_a@all tokens/s / HF Flax, its faster allocator": (("flax", "flax~hp"), "bert_a@all"),
 }
 
 
@@ -177,6 +190,9 @@ def main() -> None:
                          "all = every job, none = no job (see job_env)")
     ap.add_argument("--allocator_ab", type=int, default=0, help="also ours (bert_a, bert_a@all) without the "
                     "tunable, as jobs bert_a~4k / bert_a@all~4k in the same rounds")
+    ap.add_argument("--peers_allocator_ab", type=int, default=0, help="with --allocator launcher: also each HF "
+                    "peer with the tunable (torch~hp, flax~hp) in the same rounds, and ratios against each peer's "
+                    "faster allocator per round")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile_dir", default="", help="ours: also write a jax.profiler trace of 3 steps here")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -199,6 +215,11 @@ def main() -> None:
         jobs += [("bert_a~4k", "ours", "bert_a", args.predictions)] + (
             [("bert_a@all~4k", "ours", "bert_a", s["seq"])] if args.equal_work else [])
     jobs += [(p, p, "", args.predictions) for p in args.peers.split(",") if p]
+    if args.peers_allocator_ab:
+        if args.allocator != "launcher":
+            sys.exit("error: --peers_allocator_ab 1 needs the peers without the tunable, --allocator "
+                     f"{args.allocator}, use --allocator launcher")
+        jobs += [(p + "~hp", p, "", args.predictions) for p in args.peers.split(",") if p]
     if args.loop_steps:
         jobs.append(("loop", "loop", "bert_a", args.predictions))
     cache_dir = tempfile.mkdtemp(prefix="bench_cache_")
@@ -212,7 +233,7 @@ def main() -> None:
                 load = os.getloadavg()[0]
                 t0 = time.perf_counter()
                 result = (run_loop(args, s, cache_dir) if kind == "loop"
-                          else run_worker(args, kind, arg, predictions, "none" if name.endswith("~4k") else ""))
+                          else run_worker(args, kind, arg, predictions, {"~4k": "none", "~hp": "all"}.get(name[-3:], "")))
                 result.update(job=name, kind=kind, scheme=arg, round=round_index, predictions_slots=predictions,
                               wall_s=round(time.perf_counter() - t0, 1), loadavg_1m_before=load,
                               loadavg_1m_after=os.getloadavg()[0])
@@ -232,6 +253,11 @@ def main() -> None:
     for label, (num, den) in RATIOS.items():
         per_round = [round_step(num, r) / round_step(den, r) for r in range(args.rounds)
                      if round_step(num, r) and round_step(den, r)]
+        if per_round:
+            ratios[label] = spread(per_round)
+    for label, (peers, den) in FASTER_PEER.items():
+        per_round = [min(round_step(p, r) for p in peers) / round_step(den, r) for r in range(args.rounds)
+                     if all(round_step(p, r) for p in peers) and round_step(den, r)]
         if per_round:
             ratios[label] = spread(per_round)
     jobs_out = {}
