@@ -39,19 +39,21 @@ sys.path.insert(0, HERE)
 LAYOUT_OPS = {"copy", "transpose", "bitcast", "reshape", "slice", "concatenate", "broadcast", "pad", "tuple",
               "get-tuple-element", "parameter", "constant", "dynamic-slice", "dynamic-update-slice", "iota"}
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
-_COMP = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
+_COMP = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
+_CALLS = re.compile(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)")
 
 
 # ======================================================================================================= HLO
 def parse_hlo(text: str) -> dict:
     """Optimised HLO text -> {"shapes": name -> dims, "ops": name -> (opcode, operands, attrs), "comps":
-    computation -> [instruction names]}. Names are unique in a module."""
-    shapes, ops, comps, current = {}, {}, {}, None
+    computation -> [instruction names], "entry": the entry computation}. Names are unique in a module."""
+    shapes, ops, comps, current, entry = {}, {}, {}, None, None
     for line in text.split("\n"):
         head = _COMP.match(line)
         if head and " = " not in line.split("{")[0]:
-            current = head.group(1)
+            current = head.group(2)
             comps[current] = []
+            entry = current if head.group(1) else entry
             continue
         m = _INSTR.match(line)
         if not m or current is None:
@@ -62,7 +64,7 @@ def parse_hlo(text: str) -> dict:
         operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
         ops[name] = (opcode, operands, rest)
         comps[current].append(name)
-    return {"shapes": shapes, "ops": ops, "comps": comps}
+    return {"shapes": shapes, "ops": ops, "comps": comps, "entry": entry}
 
 
 def dot_flops(hlo: dict, name: str) -> int:
@@ -79,7 +81,7 @@ def called(hlo: dict, name: str) -> list[str]:
     out, todo, seen = [], [name], set()
     while todo:
         attrs = hlo["ops"][todo.pop()][2]
-        for comp in re.findall(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)", attrs):
+        for comp in _CALLS.findall(attrs):
             if comp not in seen and comp in hlo["comps"]:
                 seen.add(comp)
                 out.extend(hlo["comps"][comp])
@@ -158,8 +160,8 @@ def summarise(hlo: dict, busy: dict, share: dict) -> dict:
     rows = [{"instruction": name, "ms": ms, "wall_share_ms": share.get(name, 0.0), **describe(hlo, name)}
             for name, ms in busy.items() if name in hlo["ops"]]
     rows.sort(key=lambda r: -r["wall_share_ms"])
-    timed = [r for r in rows if r["kind"] == "matmul"]
-    rate = sum(r["flops"] for r in timed) / max(sum(r["wall_share_ms"] for r in timed), 1e-9)   # FLOP per ms
+    matmuls = [r for r in rows if r["kind"] == "matmul"]
+    rate = sum(r["flops"] for r in matmuls) / max(sum(r["wall_share_ms"] for r in matmuls), 1e-9)   # FLOP per ms
     for r in rows:
         r["dispatch_only"] = r["kind"] == "matmul" and r["ms"] < 0.1 * r["flops"] / rate
     kinds = collections.defaultdict(lambda: [0.0, 0.0])
@@ -175,7 +177,7 @@ def summarise(hlo: dict, busy: dict, share: dict) -> dict:
     untimed = [r for r in rows if r["dispatch_only"]]
     return {"busy_ms_per_step": sum(r["ms"] for r in rows),
             "covered_wall_ms_per_step": sum(r["wall_share_ms"] for r in rows),
-            "matmul_gflop_per_step": sum(r["flops"] for r in timed) / 1e9,
+            "matmul_gflop_per_step": sum(r["flops"] for r in matmuls) / 1e9,
             "dispatch_only": {"instructions": len(untimed), "gflop": sum(r["flops"] for r in untimed) / 1e9,
                               "places": sorted({r["where"] for r in untimed})},
             "kinds": {k: {"ms": v[0], "wall_share_ms": v[1]} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
