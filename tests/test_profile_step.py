@@ -75,10 +75,15 @@ def test_a_matmul_event_far_shorter_than_its_work_is_dispatch_only():
     dots = [n for n in hlo["comps"][hlo["entry"]] if describe(hlo, n)["kind"] == "matmul"]
     assert len(dots) == 2
     flops = [describe(hlo, n)["flops"] for n in dots]
-    # the first at a steady rate, the second's event 1/100 of the time its FLOPs take at that rate
+    # the first at a steady rate; the second's event 1/100 or 15/100 (launches: under a third of its work's time at
+    # the two's average rate, here (1 + share) / 2 of the first's) or half (a fast matmul) of its time at that rate
+    assert flops[0] == flops[1]
+    for share, launched in ((0.01, True), (0.15, True), (0.5, False)):
+        busy = {dots[0]: 1.0, dots[1]: share}
+        out = summarise(hlo, busy, busy)
+        flags = {r["instruction"]: r["dispatch_only"] for r in out["instructions"]}
+        assert flags == {dots[0]: False, dots[1]: launched}, share
     busy = {dots[0]: 1.0, dots[1]: 0.01 * flops[1] / flops[0]}
     out = summarise(hlo, busy, busy)
-    flags = {r["instruction"]: r["dispatch_only"] for r in out["instructions"]}
-    assert flags == {dots[0]: False, dots[1]: True}
     assert out["dispatch_only"]["instructions"] == 1 and out["dispatch_only"]["gflop"] == flops[1] / 1e9
     assert sum(p["gflop"] for p in out["matmuls"].values()) == flops[0] / 1e9

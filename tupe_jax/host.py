@@ -1,9 +1,13 @@
 """The host CPU, as far as it decides float rounding and speed: XLA:CPU compiles for the host's vector ISA, so the
 same program rounds differently (and runs at another speed) on an AVX2 and an AVX-512 machine.
 
-    cpu_info(cpuinfo) -> {'arch', 'vendor', 'model', 'isa', 'mhz'}   ('' where unknown; Linux /proc/cpuinfo)
+    cpu_info(cpuinfo) -> {'arch', 'vendor', 'model', 'family', 'isa', 'mhz'}   ('' where unknown; Linux /proc/cpuinfo)
     cpu_kind() -> 'x86_64 AuthenticAMD avx2'                          what decides rounding (tests/behaviour.py)
-    cpu_description() -> 'AMD EPYC, AuthenticAMD, avx2, 1996 MHz'     what a benchmark's numbers came from
+    cpu_description() -> 'AMD EPYC, AuthenticAMD family 23 model 1, avx2, 1996 MHz'
+                                                                      what a benchmark's numbers came from
+
+`family` is x86's 'cpu family' and 'model' numbers: a virtual machine's model name is often only 'AMD EPYC', and
+the numbers tell the generations apart (AMD family 23 = Zen 1/2, 25 = Zen 3/4, 26 = Zen 5).
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ VECTOR_ISAS = ("avx512f", "avx2", "avx", "sve2", "sve", "asimd")
 
 
 def cpu_info(cpuinfo: str = CPUINFO) -> dict[str, str]:
-    """The first CPU's architecture, vendor, model name, widest vector ISA and clock in MHz."""
+    """The first CPU's architecture, vendor, model name, family and model numbers, widest vector ISA, clock in MHz."""
     fields: dict[str, str] = {}
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
@@ -26,8 +30,11 @@ def cpu_info(cpuinfo: str = CPUINFO) -> dict[str, str]:
         pass
     flags = set((fields.get("flags") or fields.get("features") or "").split())
     mhz = fields.get("cpu mhz", "")
+    family = " ".join(f"{label} {fields[key]}" for key, label in (("cpu family", "family"), ("model", "model"))
+                      if fields.get(key))
     return {"arch": platform.machine(), "vendor": fields.get("vendor_id") or fields.get("cpu implementer", ""),
-            "model": fields.get("model name", ""), "isa": next((n for n in VECTOR_ISAS if n in flags), ""),
+            "model": fields.get("model name", ""), "family": family,
+            "isa": next((n for n in VECTOR_ISAS if n in flags), ""),
             "mhz": f"{float(mhz):.0f}" if mhz.replace(".", "", 1).isdigit() else ""}
 
 
@@ -38,7 +45,8 @@ def cpu_kind(cpuinfo: str = CPUINFO) -> str:
 
 
 def cpu_description(cpuinfo: str = CPUINFO) -> str:
-    """'<model>, <vendor>, <widest vector ISA>, <clock> MHz' (the parts that are known)."""
+    """'<model name>, <vendor> <family>, <widest vector ISA>, <clock> MHz' (the parts that are known)."""
     info = cpu_info(cpuinfo)
-    parts = (info["model"], info["vendor"], info["isa"], info["mhz"] and f"{info['mhz']} MHz")
+    maker = " ".join(part for part in (info["vendor"], info["family"]) if part)
+    parts = (info["model"], maker, info["isa"], info["mhz"] and f"{info['mhz']} MHz")
     return ", ".join(part for part in parts if part)
