@@ -6,10 +6,14 @@ q/k come from one fused QKV projection; the scheme's q/k transform (RoPE, BERT-A
 (T5, ALiBi, TUPE) is one (1, H, L, L) array shared by every layer and broadcast over the batch, never copied
 per row or per layer.
 
-Backends: `einsum` (explicit logits; can return attention probabilities; attention-probability dropout) and
+Backends: `einsum` (explicit logits; can return attention probabilities; attention-probability dropout);
 `xla` / `cudnn` (`jax.nn.dot_product_attention` with that implementation; used when no probabilities are asked
-for and attention dropout is off or the pass is deterministic — otherwise the einsum path runs). A q/k transform
-may widen the head dim of q and k (TUPE's concat form); the fused path then pads v with zeros to match and slices
+for and attention dropout is off or the pass is deterministic — otherwise the einsum path runs); `pallas`
+(`kernels/flash.py`: a flash-attention kernel, Triton on GPU, that also takes attention dropout with 16-bit masks,
+drawing bit for bit the mask the einsum path draws from the same key; used on a GPU when no probabilities are
+asked for and L is a multiple of 64, with `model.dropout_bits=16` when dropping and a threefry dropout key —
+otherwise, and on every other platform, the einsum path runs: the same maths and the same masks). A q/k transform
+may widen the head dim of q and k (TUPE's concat form); the fused paths then pad v with zeros to match and slice
 the output back.
 
 Bias precision on the fused paths (`fused_bias`): `xla` gets the float32 bias as is — its kernel adds it to float32
@@ -28,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tupe_jax.dropout import make_dropout
+from tupe_jax.dropout import apply_mask16, make_dropout, threefry_words
 from tupe_jax.positional.base import PositionalTerms
 from tupe_jax.projection import dense_dot_general
 
@@ -105,9 +109,37 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalT
                                         scale=terms.logit_scale, implementation=backend)[..., :value_dim]
 
 
-# `model.attention_backend`: the einsum path (any scheme, dropout, probabilities) or jax.nn.dot_product_attention's
-# fused implementations, used when no probabilities are asked for and attention dropout is off for the pass.
-ATTENTION_BACKENDS = ("einsum", "xla", "cudnn")
+# `model.attention_backend`: the einsum path (any scheme, dropout, probabilities), jax.nn.dot_product_attention's
+# fused implementations (used when no probabilities are asked for and attention dropout is off for the pass), or
+# the Pallas flash kernel (with attention dropout too; module docstring).
+ATTENTION_BACKENDS = ("einsum", "xla", "cudnn", "pallas")
+# Off a GPU the `pallas` backend runs the einsum path; "interpret" runs the kernel through Pallas' interpreter
+# instead (exact and slow: what the CPU tests set).
+PALLAS_OFF_GPU = "einsum"
+
+
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array],
+                     dropout_rate: float, dropout_key: Optional[jax.Array]) -> jax.Array:
+    """(B, L, H, d) q/k/v -> (B, L, H, d_v) through `kernels.flash` (dropout from the threefry `dropout_key`'s
+    words, when given); a widened q/k head dim pads v with zeros, as `fused_attention`."""
+    from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel  # Pallas: only when used
+    value_dim, length = v.shape[-1], q.shape[1]
+    if q.shape[-1] != value_dim:
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - value_dim)))
+    if mask is not None:   # the kernel reads mask rows: a key-padding mask (B, 1, 1, L) is broadcast over them
+        mask = jnp.broadcast_to(mask, (mask.shape[0], 1, length, length))
+    block_q, block_k = flash.blocks(length)
+    return flash.flash_attention(
+        q, k, v, terms.logit_bias, mask, None if dropout_key is None else threefry_words(dropout_key),
+        scale=terms.logit_scale, dropout_rate=dropout_rate if dropout_key is not None else 0.0, block_q=block_q,
+        block_k=block_k, interpret=jax.default_backend() != "gpu")[..., :value_dim]
+
+
+def pallas_runs(length: int) -> bool:
+    """Whether the `pallas` backend runs its kernel here for a sequence of `length` (module docstring)."""
+    from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel
+    on_gpu = jax.default_backend() == "gpu"
+    return (on_gpu or PALLAS_OFF_GPU == "interpret") and flash.supported(length, flash.blocks(length)[1])
 
 
 class SelfAttention(nn.Module):
@@ -128,14 +160,22 @@ class SelfAttention(nn.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if terms.qk_transform is not None:
             q, k = terms.qk_transform(q, k)
-        probs = None
-        use_fused = self.backend != "einsum" and not return_probs and (deterministic or self.dropout_rate == 0.0)
-        if use_fused:
+        probs, out = None, None
+        drop = make_dropout(self.dropout_rate, self.dropout_bits)
+        dropping = not deterministic and self.dropout_rate > 0.0
+        if (self.backend == "pallas" and not return_probs and pallas_runs(q.shape[1])
+                and (not dropping or self.dropout_bits == 16)):
+            key = drop.key() if dropping else None          # the rng drop() would draw: the same masks
+            if key is None or threefry_words(key) is not None:
+                out = pallas_attention(q, k, v, terms, mask, self.dropout_rate, key)
+            else:   # an rbg key: its masks come from XLA's bit generator, so this draw goes to the einsum path
+                probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
+                out = jnp.einsum("bhqk,bkhd->bqhd", apply_mask16(probs, key, self.dropout_rate).astype(self.dtype), v)
+        elif self.backend in ("xla", "cudnn") and not return_probs and not dropping:
             out = fused_attention(q, k, v, terms, mask, self.backend)
-        else:
+        if out is None:
             probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
-            dropped = make_dropout(self.dropout_rate, self.dropout_bits)(probs, deterministic=deterministic)
-            out = jnp.einsum("bhqk,bkhd->bqhd", dropped.astype(self.dtype), v)
+            out = jnp.einsum("bhqk,bkhd->bqhd", drop(probs, deterministic=deterministic).astype(self.dtype), v)
         out = nn.DenseGeneral(
             x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out", dot_general=dense_dot_general,
             kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("heads", "kv", "embed")),

@@ -16,6 +16,7 @@ rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per wor
 
     make_dropout(rate, bits) -> nn.Module          nn.Dropout for 32, Dropout16 for 16
     keep_mask16(rng, shape, keep_prob) -> (bool mask, realised keep probability)
+    apply_mask16(x, rng, rate) -> x masked and scaled (what Dropout16 does with the rng it draws)
 """
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ def _counters(shape: tuple[int, ...]) -> jax.Array:
     return index
 
 
+def threefry_words(rng: jax.Array):
+    """The two uint32 key words of a threefry dropout rng (typed or raw), or None for another generator."""
+    raw = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    return raw if raw.shape == (2,) else None
+
+
 def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tuple[jax.Array, float]:
     """Boolean `shape` mask with P(True) = round(keep_prob·2¹⁶)/2¹⁶, and that probability.
 
@@ -51,8 +58,8 @@ def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tup
     threshold = int(round(keep_prob * 65536))
     quarter = -(-shape[-1] // 4)
     counter_shape = shape[:-1] + (quarter,)
-    raw = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
-    if raw.shape == (2,):             # a threefry key: both 32-bit words of each hash are used
+    raw = threefry_words(rng)
+    if raw is not None:               # a threefry key: both 32-bit words of each hash are used
         words = threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape), jnp.zeros(counter_shape, jnp.uint32))
     else:                             # rbg / unsafe_rbg (4-word keys): their own bit generator, two words per slot
         words = tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
@@ -62,8 +69,16 @@ def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tup
     return keep.reshape(shape[:-1] + (4 * quarter,))[..., :shape[-1]].reshape(out_shape), threshold / 65536
 
 
+def apply_mask16(inputs: jax.Array, rng: jax.Array, rate: float) -> jax.Array:
+    """`inputs` with keep_mask16(rng, inputs.shape, 1 − rate) applied and the kept values scaled by 2¹⁶/t."""
+    keep, p = keep_mask16(rng, inputs.shape, 1.0 - rate)
+    return jnp.where(keep, inputs * jnp.asarray(1.0 / p, inputs.dtype), jnp.zeros((), inputs.dtype))
+
+
 class Dropout16(nn.Module):
-    """Dropout with 16-bit masks (module docstring); same call signature as `nn.Dropout`."""
+    """Dropout with 16-bit masks (module docstring); same call signature as `nn.Dropout`. `key()` draws the rng
+    that `__call__` would draw instead (the same one: one draw per module and pass), for a kernel that makes the
+    same mask itself (`kernels/flash.py`)."""
     rate: float
     rng_collection: str = "dropout"
 
@@ -71,8 +86,10 @@ class Dropout16(nn.Module):
     def __call__(self, inputs: jax.Array, deterministic: bool) -> jax.Array:
         if deterministic or self.rate == 0.0:
             return inputs
-        keep, p = keep_mask16(self.make_rng(self.rng_collection), inputs.shape, 1.0 - self.rate)
-        return jnp.where(keep, inputs * jnp.asarray(1.0 / p, inputs.dtype), jnp.zeros((), inputs.dtype))
+        return apply_mask16(inputs, self.make_rng(self.rng_collection), self.rate)
+
+    def key(self) -> jax.Array:
+        return self.make_rng(self.rng_collection)
 
 
 def make_dropout(rate: float, bits: int = 32) -> nn.Module:

@@ -53,7 +53,7 @@ class ModelConfig:
     rel_num_buckets: int = 32
     rel_max_distance: int = 128
     layer_norm_eps: float = 1e-5
-    attention_backend: str = "einsum"   # einsum | xla | cudnn (see attention.py)
+    attention_backend: str = "einsum"   # einsum | xla | cudnn | pallas (see attention.py)
     tupe_form: str = "bias"             # TUPE position term as a logit bias or as concatenated heads (tupe.py)
     sinusoidal_style: str = "scaled"    # scaled | fairseq (positional/sinusoidal.py)
     dropout_bits: int = 32              # 32 (nn.Dropout; configs/pretrain.py sets 16) | 16 (dropout.py)

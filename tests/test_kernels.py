@@ -1,0 +1,211 @@
+"""tupe_jax/kernels/: Threefry as uint32 array operations and the Pallas flash-attention kernel (issue #18).
+
+The kernel runs here through Pallas' interpreter (the same kernel code the GPU compiles with Triton) and must
+equal the einsum path of `attention.py` — softmax attention with the positional bias, the mask and 16-bit dropout
+whose masks come from `dropout.keep_mask16` for the same key — in values and in the gradients of q, k, v and the
+bias (float32 to 1e-5; bf16 within its rounding). It must also still lower to Triton for CUDA.
+"""
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.random import threefry2x32_p
+
+from tupe_jax import attention
+from tupe_jax.dropout import apply_mask16, keep_mask16
+from tupe_jax.kernels import flash
+from tupe_jax.kernels.threefry import threefry2x32
+from tupe_jax.model import ModelConfig, TransformerLM
+
+SCALE = 0.125
+KEY = jax.random.PRNGKey(42)
+
+
+def test_threefry_is_jaxs_primitive_bit_for_bit():
+    """The written-out Threefry-2x32-20 equals `threefry2x32_p` on random words and on the extreme ones."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2 ** 32, (4, 4096), dtype=np.uint64).astype(np.uint32)
+    words[:, :4] = [[0, 0, 0xFFFFFFFF, 0xFFFFFFFF]] * 4
+    for k0, k1 in ((0, 0), (0xFFFFFFFF, 0xFFFFFFFF), (0x12345678, 0x9ABCDEF0)):
+        k0, k1 = jnp.uint32(k0), jnp.uint32(k1)
+        expected = threefry2x32_p.bind(k0, k1, jnp.asarray(words[0]), jnp.asarray(words[1]))
+        got = threefry2x32(k0, k1, jnp.asarray(words[0]), jnp.asarray(words[1]))
+        for e, g in zip(expected, got):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+def reference(q, k, v, bias, mask, rate):
+    """The einsum path's maths: softmax(scale·q kᵀ + bias, NEG_INF where masked), keep_mask16 dropout, · v."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * SCALE
+    if bias is not None:
+        s = s + bias
+    if mask is not None:
+        s = jnp.where(mask, s, attention.NEG_INF)
+    p = jax.nn.softmax(s, axis=-1)
+    if rate > 0:
+        p = apply_mask16(p, KEY, rate)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(q.dtype), v)
+
+
+def kernel(q, k, v, bias, mask, rate, blocks=(64, 64)):
+    return flash.flash_attention(q, k, v, bias, mask, jax.random.key_data(KEY), scale=SCALE, dropout_rate=rate,
+                                 block_q=blocks[0], block_k=blocks[1], interpret=True)
+
+
+def test_the_kernels_masks_are_keep_mask16s():
+    """q = k = 0 makes every probability 1/L and v = the identity reads them out: out[b, i, h, j] > 0 exactly
+    where keep_mask16(key, (B, H, L, L)) keeps (b, h, i, j) — across key tiles and the four quarters of a hash."""
+    b, length, heads = 2, 128, 2
+    q = jnp.zeros((b, length, heads, length))
+    v = jnp.broadcast_to(jnp.eye(length)[None, :, None, :], (b, length, heads, length))
+    out = kernel(q, q, v, None, None, 0.25)
+    keep, p = keep_mask16(KEY, (b, heads, length, length), 0.75)
+    np.testing.assert_array_equal(np.asarray(out > 0).transpose(0, 2, 1, 3), np.asarray(keep))
+    kept = np.asarray(out)[np.asarray(out) > 0]
+    np.testing.assert_allclose(kept, 1.0 / length / p, rtol=1e-6)
+    assert 0.70 < float(keep.mean()) < 0.80
+
+
+def _inputs(batch=2, length=128, heads=2, dim=24, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q, k, v, g = (jax.random.normal(ks[i], (batch, length, heads, dim)).astype(dtype) for i in range(4))
+    bias = jax.random.normal(ks[4], (1, heads, length, length)) * 2.0
+    padding = jnp.arange(length)[None, :] < jnp.array([length, length - 45])[:batch, None]
+    return q, k, v, g, bias, padding[:, None, None, :] & jnp.ones((1, 1, length, length), bool)
+
+
+CASES = {   # name -> (bias, mask, dropout rate, mask kind)
+    "plain": (False, None, 0.0),
+    "bias, padding, dropout": (True, "padding", 0.1),
+    "causal, dropout": (False, "causal", 0.1),
+    "bias, causal and padding, dropout 0.3": (True, "both", 0.3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kernel_equals_the_einsum_path_with_its_gradients(case):
+    """float32: output and the gradients of q, k, v (and the bias) within 1e-5 of the einsum path's, at a head dim
+    (24) padded to 32, two query and two key tiles."""
+    use_bias, mask_kind, rate = CASES[case]
+    q, k, v, g, bias, padding = _inputs()
+    causal = jnp.tril(jnp.ones((128, 128), bool))[None, None]
+    mask = {None: None, "padding": padding, "causal": causal, "both": padding & causal}[mask_kind]
+    bias = bias if use_bias else None
+    args = (0, 1, 2, 3) if use_bias else (0, 1, 2)
+
+    def loss(fn):
+        return lambda q, k, v, b: jnp.sum(fn(q, k, v, b, mask, rate) * g)
+
+    np.testing.assert_allclose(kernel(q, k, v, bias, mask, rate), reference(q, k, v, bias, mask, rate),
+                               atol=1e-5, rtol=1e-5)
+    expected = jax.grad(loss(reference), args)(q, k, v, bias)
+    got = jax.grad(loss(kernel), args)(q, k, v, bias)
+    for name, e, o in zip("q k v bias".split(), expected, got):
+        scale = float(jnp.abs(e).max())
+        assert scale > 0
+        np.testing.assert_allclose(np.asarray(o) / scale, np.asarray(e) / scale, atol=1e-5, err_msg=name)
+
+
+def test_bfloat16_inputs_stay_within_bf16_rounding():
+    """bf16 q, k, v (float32 bias and softmax inside, bf16 P·V operands as the einsum path): within a few bf16
+    units of the float32 einsum path on the same values."""
+    q, k, v, g, bias, padding = _inputs(dim=64, dtype=jnp.bfloat16, seed=3)
+    got = kernel(q, k, v, bias, padding, 0.1).astype(jnp.float32)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = reference(*f32, bias, padding, 0.1)
+    assert got.dtype == jnp.float32 and float(jnp.abs(got - want).max()) <= 4 * 2.0 ** -8 * float(jnp.abs(want).max())
+
+
+def test_unsupported_lengths_and_missing_keys_are_refused():
+    q = jnp.zeros((1, 96, 1, 16))
+    assert not flash.supported(96, 64) and flash.supported(128, 64) and not flash.supported(128, 32)
+    with pytest.raises(ValueError, match="does not tile"):
+        flash.flash_attention(q, q, q, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="needs the rng"):
+        flash.flash_attention(jnp.zeros((1, 64, 1, 16)), jnp.zeros((1, 64, 1, 16)), jnp.zeros((1, 64, 1, 16)),
+                              scale=1.0, dropout_rate=0.1, interpret=True)
+    assert flash.blocks(128) == (64, 128) and flash.blocks(192) == (64, 64) and flash.blocks(512) == (64, 128)
+
+
+def test_the_kernels_lower_to_triton_for_cuda():
+    """Lowered for CUDA on this CPU-only machine (no compile): the forward is one Triton call, the gradient three
+    (forward, dK/dV, dQ); bf16 at BERT-base's head size, bias, mask and dropout on."""
+    q = jnp.zeros((2, 512, 12, 64), jnp.bfloat16)
+    bias, mask, key = jnp.zeros((1, 12, 512, 512)), jnp.ones((2, 1, 512, 512), bool), jnp.zeros((2,), jnp.uint32)
+
+    def forward(q, k, v, b):
+        return flash.flash_attention(q, k, v, b, mask, key, scale=SCALE, dropout_rate=0.1, block_q=64, block_k=128)
+
+    grad = jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), (0, 1, 2, 3))
+    for fn, calls in ((forward, 1), (grad, 3)):
+        text = jax.jit(fn).trace(q, q, q, bias).lower(lowering_platforms=("cuda",)).as_text()
+        assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"] * calls
+
+
+# ----------------------------------------------------------------------------------------------- in the model
+TINY = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, max_len=64, dropout_bits=16,
+            dropout_rate=0.1, attention_dropout_rate=0.1)
+
+
+def _loss_and_grads(cfg, params=None):
+    """(params, (loss, grads)) of a training-mode forward; asserts whether the kernel is in the program."""
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 64), 0, 128)
+    input_mask = jnp.ones((2, 64), jnp.int32).at[1, 50:].set(0)
+    model = TransformerLM(cfg)
+    params = model.init({"params": jax.random.PRNGKey(0)}, tokens)["params"] if params is None else params
+
+    def loss(p):
+        out = model.apply({"params": p}, tokens, input_mask=input_mask, deterministic=False,
+                          rngs={"dropout": jax.random.PRNGKey(7)})
+        return jnp.mean(out["logits"] ** 2)
+
+    step = jax.value_and_grad(loss)
+    assert ("pallas_call" in str(jax.make_jaxpr(step)(params))) == (cfg.attention_backend == "pallas")
+    return params, jax.jit(step)(params)
+
+
+@pytest.mark.parametrize("pe,objective", [("tupe_r", "mlm"), ("alibi", "clm"), ("rope", "mlm")])
+def test_the_pallas_backend_is_the_einsum_model(pe, objective, monkeypatch):
+    """The whole model in training mode (dropout 0.1 everywhere, a padded row): `attention_backend='pallas'` with
+    the kernel (interpreted) gives the einsum backend's loss and gradients: the kernel draws the same attention
+    masks from the same keys. Gradients to 1e-5 of the largest one (a bias gradient that is zero in exact maths,
+    TUPE's key-projection bias, holds only rounding in both)."""
+    monkeypatch.setattr(attention, "PALLAS_OFF_GPU", "interpret")
+    cfg = ModelConfig(**TINY, pe=pe, objective=objective, untie_cls=objective == "mlm")
+    params, (loss, grads) = _loss_and_grads(cfg)
+    _, (kernel_loss, kernel_grads) = _loss_and_grads(dataclasses.replace(cfg, attention_backend="pallas"), params)
+    np.testing.assert_allclose(float(kernel_loss), float(loss), rtol=1e-5)
+    scale = max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(grads))
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(kernel_grads)):
+        np.testing.assert_allclose(np.asarray(y) / scale, np.asarray(x) / scale, atol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("setting", ["off the GPU", "32-bit masks", "rbg key", "length 48"])
+def test_where_the_kernel_does_not_run_the_einsum_path_does_with_the_same_masks(setting, monkeypatch):
+    """Off a GPU (the default), with flax's 32-bit masks, an rbg dropout key or an untileable length, `pallas`
+    runs the einsum path: bit for bit the einsum backend's loss and gradients."""
+    cfg = ModelConfig(**TINY, pe="tupe_r")
+    key = jax.random.PRNGKey(7)
+    if setting != "off the GPU":
+        monkeypatch.setattr(attention, "PALLAS_OFF_GPU", "interpret")
+    if setting == "32-bit masks":
+        cfg = dataclasses.replace(cfg, dropout_bits=32)
+    if setting == "rbg key":
+        key = jax.random.key(7, impl="rbg")        # typed, as `optim.dropout_key` makes it
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 48 if setting == "length 48" else 64), 0, 128)
+
+    def loss_and_grads(backend, params=None):
+        model = TransformerLM(dataclasses.replace(cfg, attention_backend=backend))
+        params = model.init({"params": jax.random.PRNGKey(0)}, tokens)["params"] if params is None else params
+        loss = lambda p: jnp.mean(model.apply({"params": p}, tokens, deterministic=False,  # noqa: E731
+                                              rngs={"dropout": key})["logits"] ** 2)
+        return params, jax.jit(jax.value_and_grad(loss))(params)
+
+    params, expected = loss_and_grads("einsum")
+    _, got = loss_and_grads("pallas", params)
+    for e, g in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))

@@ -1,0 +1,328 @@
+"""Flash attention in Pallas (Triton on GPU) with the positional bias, a mask and 16-bit attention dropout.
+
+    s = scale · q kᵀ + bias,  s = NEG_INF where mask is False,  P = softmax(s),  out = (P ∘ keep / p_keep) · v
+
+the same maths as `attention.py`'s einsum path, but tiled so that no (B, H, L, L) array is written in the forward
+(the FlashAttention-2 scheme: an online softmax over key tiles, the log-sum-exp kept per query row, the
+probabilities recomputed in the backward). The dropout mask of element (b, h, i, j) is drawn inside the kernel
+from the same counter and the same Threefry hash as `dropout.keep_mask16(key, (B, H, L, L), 1 − rate)`: bit for
+bit the einsum path's mask for the same key, so the two backends compute the same model, checkpoints resume
+across them, and a test compares them on the CPU (interpret mode).
+
+keep_mask16 takes four masks from one hash: with Q = L/4, hash (b, h, i, c) gives columns c, c+Q, c+2Q, c+3Q. So
+a key tile here is not contiguous: tile n holds the columns t·Q + n·w + [0, w) for the quarters t = 0..3, where
+w = block_k/4, and each hash serves four of its elements, as in the einsum path.
+
+Shapes: q, k, v (B, L, H, d); bias (B|1, H|1, L, L) float32; mask (B|1, 1, L, L) bool; key uint32 (2,) (the
+threefry key data of the dropout rng); out (B, L, H, d). d is padded with zeros to a power of two ≥ 16 (exact).
+L must be a multiple of 64 (`supported`). The bias gradient is computed only where the bias is differentiated
+(`custom_vjp` symbolic zeros); it passes through a (B, H, L, L) float32 buffer of dS tiles, summed over the batch.
+Written for one device: no sharding rule tells XLA how to split the kernel over several. `interpret=True` runs it
+through Pallas' interpreter (any platform; the CPU tests), otherwise Pallas lowers it to Triton (GPU only).
+
+    flash_attention(q, k, v, bias, mask, key, *, scale, dropout_rate, block_q, block_k, interpret) -> out
+    supported(length, block_k) -> bool;   blocks(length) -> (block_q, block_k)
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from tupe_jax.kernels.threefry import threefry2x32
+
+NEG_INF = -1e30        # attention.NEG_INF: finite, so fully masked rows stay NaN-free (a uniform softmax)
+MIN_TILE = 16          # Triton's smallest dot operand side: a quarter of a key tile is at least this wide
+BLOCK_Q, BLOCK_K = 64, 128   # tile sizes (`blocks`); the GPU benchmark may set others
+
+
+def blocks(length: int) -> tuple[int, int]:
+    """(query tile, key tile) for `length`: BLOCK_Q and BLOCK_K, each halved (not below 64) until it divides it."""
+    def fit(block: int) -> int:
+        while block > 4 * MIN_TILE and length % block:
+            block //= 2
+        return block
+    return fit(BLOCK_Q), fit(BLOCK_K)
+
+
+def supported(length: int, block_k: int = 64) -> bool:
+    """Whether a sequence of `length` tokens can be tiled (key tiles of `block_k`, four quarters ≥ 16 wide)."""
+    return length % block_k == 0 and block_k % (4 * MIN_TILE) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _threshold(rate: float) -> tuple[int, float]:
+    """keep_mask16's 16-bit threshold t = round((1 − rate)·2¹⁶) and the scale 2¹⁶/t of a kept value."""
+    t = int(round((1.0 - rate) * 65536))
+    return t, 65536.0 / t
+
+
+class _Spec:
+    """The static description of one call: sizes, which optional inputs exist, dropout, tiles."""
+
+    def __init__(self, q, bias, mask, scale, rate, block_q, block_k):
+        self.batch, self.length, self.heads, self.dim = q.shape
+        self.scale, self.rate = float(scale), float(rate)
+        self.bias_batched = bias is not None and bias.shape[0] > 1
+        self.bias_headed = bias is not None and bias.shape[1] > 1
+        self.has_bias, self.has_mask = bias is not None, mask is not None
+        self.mask_batched = mask is not None and mask.shape[0] > 1
+        self.bq, self.bk = block_q, block_k
+        self.quarter, self.w = self.length // 4, block_k // 4
+        self.threshold, self.inv_keep = _threshold(rate) if rate > 0 else (0, 1.0)
+
+
+def _row_index(spec: _Spec, b, h, start):
+    """(bq, w) uint32 hash counters' row part ((b·H + h)·L + i)·Q for the query rows start + [0, bq)."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (spec.bq, spec.w), 0) + start
+    base = (b * spec.heads + h).astype(jnp.uint32) * jnp.uint32(spec.length)
+    return (base + rows.astype(jnp.uint32)) * jnp.uint32(spec.quarter)
+
+
+def _keeps(spec: _Spec, key_ref, row_part, column_start):
+    """The four (bq, w) keep masks of the quarters t = 0..3 at hash columns column_start + [0, w)."""
+    cols = jax.lax.broadcasted_iota(jnp.int32, (spec.bq, spec.w), 1) + column_start
+    w0, w1 = threefry2x32(key_ref[0], key_ref[1], row_part + cols.astype(jnp.uint32), jnp.zeros_like(row_part))
+    t = jnp.uint32(spec.threshold)
+    return ((w0 & jnp.uint32(0xFFFF)) < t, (w0 >> jnp.uint32(16)) < t, (w1 & jnp.uint32(0xFFFF)) < t,
+            (w1 >> jnp.uint32(16)) < t)
+
+
+def _scores(spec: _Spec, q, k_ref, bias_ref, mask_ref, rows, starts):
+    """The four (bq, w) logit tiles of one key tile: scale·q kᵀ + bias, NEG_INF where masked; and the masks."""
+    out, kept = [], []
+    for start in starts:
+        s = jax.lax.dot_general(q, k_ref[pl.ds(start, spec.w), :], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * spec.scale
+        if spec.has_bias:
+            s = s + bias_ref[rows, pl.ds(start, spec.w)]
+        allowed = None
+        if spec.has_mask:
+            allowed = mask_ref[rows, pl.ds(start, spec.w)] != 0
+            s = jnp.where(allowed, s, NEG_INF)
+        out.append(s)
+        kept.append(allowed)
+    return out, kept
+
+
+def _forward_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, o_ref, lse_ref):
+    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q = q_ref[...]
+    rows = slice(None)
+    row_part = _row_index(spec, b, h, i * spec.bq) if spec.rate > 0 else None
+
+    def body(n, carry):
+        m, l, acc = carry
+        starts = [t * spec.quarter + n * spec.w for t in range(4)]
+        s, _ = _scores(spec, q, k_ref, bias_ref, mask_ref, rows, starts)
+        m_new = jnp.maximum(m, functools.reduce(jnp.maximum, [jnp.max(x, axis=1) for x in s]))
+        alpha = jnp.exp(m - m_new)
+        p = [jnp.exp(x - m_new[:, None]) for x in s]
+        l = l * alpha + functools.reduce(jnp.add, [jnp.sum(x, axis=1) for x in p])
+        if spec.rate > 0:
+            keeps = _keeps(spec, key_ref, row_part, n * spec.w)
+            p = [jnp.where(keep, x * spec.inv_keep, 0.0) for keep, x in zip(keeps, p)]
+        acc = acc * alpha[:, None]
+        for start, x in zip(starts, p):
+            acc = acc + jnp.dot(x.astype(v_ref.dtype), v_ref[pl.ds(start, spec.w), :],
+                                preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((spec.bq,), -jnp.inf, jnp.float32), jnp.zeros((spec.bq,), jnp.float32),
+            jnp.zeros((spec.bq, spec.dim), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, spec.length // spec.bk, body, init)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _dkv_kernel(spec: _Spec, bias_grad: bool, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do_ref, lse_ref,
+                delta_ref, dk_ref, dv_ref, *dbias):
+    n, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    starts = [t * spec.quarter + n * spec.w for t in range(4)]
+    ks = [k_ref[pl.ds(s, spec.w), :] for s in starts]
+    vs = [v_ref[pl.ds(s, spec.w), :] for s in starts]
+
+    def body(i, carry):
+        dks, dvs = carry
+        rows = pl.ds(i * spec.bq, spec.bq)
+        q, do = q_ref[rows, :], do_ref[rows, :]
+        s, allowed = _scores(spec, q, k_ref, bias_ref, mask_ref, rows, starts)
+        p = [jnp.exp(x - lse_ref[rows][:, None]) for x in s]
+        keeps = _keeps(spec, key_ref, _row_index(spec, b, h, i * spec.bq), n * spec.w) if spec.rate > 0 else None
+        new_dks, new_dvs = [], []
+        for t in range(4):
+            pd = jnp.where(keeps[t], p[t] * spec.inv_keep, 0.0) if keeps else p[t]
+            new_dvs.append(dvs[t] + jax.lax.dot_general(pd.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                                                        preferred_element_type=jnp.float32))
+            dp = jax.lax.dot_general(do, vs[t], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            if keeps:
+                dp = jnp.where(keeps[t], dp * spec.inv_keep, 0.0)
+            ds = p[t] * (dp - delta_ref[rows][:, None])
+            if allowed[t] is not None:
+                ds = jnp.where(allowed[t], ds, 0.0)
+            if bias_grad:
+                dbias[0][rows, pl.ds(starts[t], spec.w)] = ds
+            new_dks.append(dks[t] + jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                                        preferred_element_type=jnp.float32))
+        return new_dks, new_dvs
+
+    zeros = [jnp.zeros((spec.w, spec.dim), jnp.float32) for _ in range(4)]
+    dks, dvs = jax.lax.fori_loop(0, spec.length // spec.bq, body, (zeros, list(zeros)))
+    for start, dk, dv in zip(starts, dks, dvs):
+        dk_ref[pl.ds(start, spec.w), :] = (dk * spec.scale).astype(dk_ref.dtype)
+        dv_ref[pl.ds(start, spec.w), :] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do_ref, lse_ref, delta_ref, dq_ref):
+    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    row_part = _row_index(spec, b, h, i * spec.bq) if spec.rate > 0 else None
+
+    def body(n, dq):
+        starts = [t * spec.quarter + n * spec.w for t in range(4)]
+        s, allowed = _scores(spec, q, k_ref, bias_ref, mask_ref, slice(None), starts)
+        keeps = _keeps(spec, key_ref, row_part, n * spec.w) if spec.rate > 0 else None
+        for t, start in enumerate(starts):
+            p = jnp.exp(s[t] - lse[:, None])
+            dp = jax.lax.dot_general(do, v_ref[pl.ds(start, spec.w), :], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+            if keeps:
+                dp = jnp.where(keeps[t], dp * spec.inv_keep, 0.0)
+            ds = p * (dp - delta[:, None])
+            if allowed[t] is not None:
+                ds = jnp.where(allowed[t], ds, 0.0)
+            dq = dq + jnp.dot(ds.astype(q.dtype), k_ref[pl.ds(start, spec.w), :], preferred_element_type=jnp.float32)
+        return dq
+
+    dq = jax.lax.fori_loop(0, spec.length // spec.bk, body, jnp.zeros((spec.bq, spec.dim), jnp.float32))
+    dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
+
+
+# ================================================================================================ calls
+def _inputs(spec: _Spec, full_q: bool, full_rows: bool):
+    """BlockSpecs for (q, k, v, bias, mask, key) over a (tile, b, h) grid; `full_q`: q (and dO) whole per (b, h);
+    `full_rows`: bias and mask rows whole (else the program's query tile)."""
+    L, d, bq = spec.length, spec.dim, spec.bq
+    q = pl.BlockSpec((None, L, None, d), lambda n, b, h: (b, 0, h, 0)) if full_q else \
+        pl.BlockSpec((None, bq, None, d), lambda n, b, h: (b, n, h, 0))
+    kv = pl.BlockSpec((None, L, None, d), lambda n, b, h: (b, 0, h, 0))
+    rows = L if full_rows else bq
+    bias = pl.BlockSpec((None, None, rows, L), lambda n, b, h: (b if spec.bias_batched else 0,
+                                                              h if spec.bias_headed else 0,
+                                                              0 if full_rows else n, 0))
+    mask = pl.BlockSpec((None, None, rows, L), lambda n, b, h: (b if spec.mask_batched else 0, 0,
+                                                              0 if full_rows else n, 0))
+    key = pl.BlockSpec((2,), lambda n, b, h: (0,))
+    return q, kv, bias, mask, key
+
+
+def _run(kernel, spec: _Spec, grid, in_specs, args, out_specs, out_shape, interpret: bool, name: str):
+    """pallas_call over the present inputs; absent ones (None) reach the kernel as None."""
+    present = [i for i, a in enumerate(args) if a is not None]
+
+    def wrapped(*refs):
+        it = iter(refs[:len(present)])
+        full = [next(it) if i in present else None for i in range(len(args))]
+        kernel(*full, *refs[len(present):])
+
+    return pl.pallas_call(
+        wrapped, grid=grid, in_specs=[in_specs[i] for i in present], out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2), interpret=interpret, name=name,
+    )(*[args[i] for i in present])
+
+
+def _forward(spec: _Spec, q, k, v, bias, mask, key, interpret: bool):
+    q_spec, kv, bias_spec, mask_spec, key_spec = _inputs(spec, full_q=False, full_rows=False)
+    out_specs = [pl.BlockSpec((None, spec.bq, None, spec.dim), lambda n, b, h: (b, n, h, 0)),
+                 pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((spec.batch, spec.heads, spec.length), jnp.float32)]
+    grid = (spec.length // spec.bq, spec.batch, spec.heads)
+    return _run(functools.partial(_forward_kernel, spec), spec, grid,
+                [q_spec, kv, kv, bias_spec, mask_spec, key_spec], [q, k, v, bias, mask, key], out_specs,
+                out_shape, interpret, "flash_forward")
+
+
+def _backward(spec: _Spec, bias_grad: bool, q, k, v, bias, mask, key, out, lse, do, interpret: bool):
+    delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
+    L, d = spec.length, spec.dim
+    row = pl.BlockSpec((None, None, L), lambda n, b, h: (b, h, 0))
+    full = pl.BlockSpec((None, L, None, d), lambda n, b, h: (b, 0, h, 0))
+    q_full, kv, bias_full, mask_full, key_spec = _inputs(spec, full_q=True, full_rows=True)
+    out_specs = [full, full]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if bias_grad:
+        out_specs.append(pl.BlockSpec((None, None, L, L), lambda n, b, h: (b, h, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.heads, L, L), jnp.float32))
+    grid_k = (L // spec.bk, spec.batch, spec.heads)
+    dk, dv, *dbias = _run(functools.partial(_dkv_kernel, spec, bias_grad), spec, grid_k,
+                          [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row],
+                          [q, k, v, bias, mask, key, do, lse, delta], out_specs, out_shape, interpret, "flash_dkv")
+    q_tile, kv, bias_rows, mask_rows, key_spec = _inputs(spec, full_q=False, full_rows=False)
+    row_tile = pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))
+    dq = _run(functools.partial(_dq_kernel, spec), spec, (L // spec.bq, spec.batch, spec.heads),
+              [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile],
+              [q, k, v, bias, mask, key, do, lse, delta], q_tile, jax.ShapeDtypeStruct(q.shape, q.dtype),
+              interpret, "flash_dq")
+    dbias_out = None
+    if bias_grad:
+        dbias_out = dbias[0]
+        if not spec.bias_batched:
+            dbias_out = jnp.sum(dbias_out, axis=0, keepdims=True)
+        if not spec.bias_headed:
+            dbias_out = jnp.sum(dbias_out, axis=1, keepdims=True)
+    return dq, dk, dv, dbias_out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _flash(q, k, v, bias, mask, key, scale, rate, block_q, block_k, interpret):
+    spec = _Spec(q, bias, mask, scale, rate, block_q, block_k)
+    return _forward(spec, q, k, v, bias, mask, key, interpret)[0]
+
+
+def _flash_fwd(*primals):
+    """`symbolic_zeros`: each array comes as (value, perturbed); an absent input (None) comes as None."""
+    (q, k, v, bias, mask, key), static = [getattr(x, "value", x) for x in primals[:6]], primals[6:]
+    spec = _Spec(q, bias, mask, *static[:4])
+    out, lse = _forward(spec, q, k, v, bias, mask, key, static[4])
+    bias_grad = bias is not None and bool(primals[3].perturbed)
+    return out, (q, k, v, bias, mask, key, out, lse, bias_grad)
+
+
+def _flash_bwd(scale, rate, block_q, block_k, interpret, residuals, do):
+    q, k, v, bias, mask, key, out, lse, bias_grad = residuals
+    if isinstance(do, jax.custom_derivatives.SymbolicZero):
+        do = jnp.zeros(do.shape, do.dtype)
+    spec = _Spec(q, bias, mask, scale, rate, block_q, block_k)
+    dq, dk, dv, dbias = _backward(spec, bias_grad, q, k, v, bias, mask, key, out, lse, do, interpret)
+    return dq, dk, dv, (dbias.astype(bias.dtype) if dbias is not None else None), None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: Optional[jax.Array] = None,
+                    mask: Optional[jax.Array] = None, key: Optional[jax.Array] = None, *, scale: float,
+                    dropout_rate: float = 0.0, block_q: int = 64, block_k: int = 64,
+                    interpret: bool = False) -> jax.Array:
+    """(B, L, H, d) q, k, v -> (B, L, H, d) attention output (module docstring). `key`: the dropout rng's
+    threefry key data, uint32 (2,), needed when `dropout_rate` > 0."""
+    length, dim = q.shape[1], q.shape[-1]
+    if not supported(length, block_k) or length % block_q:
+        raise ValueError(f"flash_attention: length {length} does not tile into blocks {block_q}x{block_k}")
+    if dropout_rate > 0 and key is None:
+        raise ValueError("flash_attention: dropout needs the rng's key data")
+    padded = max(MIN_TILE, 1 << math.ceil(math.log2(dim)))
+    if padded != dim:    # zeros in the head dimension change no dot product; the output's extra columns are sliced
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, padded - dim))) for x in (q, k, v))
+    key = key.astype(jnp.uint32) if dropout_rate > 0 else None
+    mask = mask.astype(jnp.int8) if mask is not None else None
+    bias = bias.astype(jnp.float32) if bias is not None else None
+    out = _flash(q, k, v, bias, mask, key, float(scale), float(dropout_rate), block_q, block_k, interpret)
+    return out[..., :dim]
