@@ -1,12 +1,15 @@
 """On a GPU: the fused attention paths compute the same model as the explicit one; not a test (CI has no GPU).
 
     python benchmarks/gpu_check_fused.py [--backends cudnn,xla] [--json out.json]
+    python benchmarks/gpu_check_fused.py --backends pallas --attention_dropout 0.1    # the kernel with dropout
 
 For bert_a, tupe_a (bias and concat forms) and tupe_r, a BERT-base-width model (2 layers, d 768, 12 heads, seq 512,
 batch 4, bfloat16 compute, dropout 0) is run with `attention_backend=einsum` (explicit float32 logits + softmax,
 the bias gradient through `attention.add_shared_bias`) and with each fused backend. Reported: the MLM loss, the
 max relative difference of the loss and the relative L2 difference of the full gradient against the einsum path,
 and pass/fail at bf16 tolerance (loss 1e-2, gradient 5e-2). Exit 1 if any comparison fails or errors.
+`--attention_dropout R` runs both in training mode with attention dropout R and 16-bit masks: only `pallas` keeps
+its kernel then, drawing the einsum path's masks from the same key (the others run the einsum path).
 `--smoke` runs a tiny float32 model on any backend (CPU: --backends xla).
 """
 from __future__ import annotations
@@ -33,7 +36,8 @@ def loss_and_grads(scheme: str, form: str, backend: str, args):
     width = dict(hidden_size=64, num_heads=4, mlp_dim=128, vocab_size=512) if args.smoke else \
         dict(hidden_size=768, num_heads=12, mlp_dim=3072, vocab_size=30522)
     cfg = ModelConfig(pe=scheme, num_layers=2, max_len=args.seq, dtype=args.dtype, dropout_rate=0.0,
-                      attention_dropout_rate=0.0, tupe_form=form, attention_backend=backend, **width)
+                      attention_dropout_rate=args.attention_dropout, dropout_bits=16, tupe_form=form,
+                      attention_backend=backend, **width)
     model = TransformerLM(cfg)
     params = init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
@@ -43,8 +47,11 @@ def loss_and_grads(scheme: str, form: str, backend: str, args):
     batch = LMBatch(inputs=inputs, targets=None, weights=None, mlm_positions=positions,
                     mlm_labels=np.take_along_axis(inputs, positions, 1), mlm_weights=np.ones((args.batch, 16),
                                                                                               np.float32))
-    fn = jax.jit(jax.value_and_grad(lambda p: batch_loss(model, p, batch, jax.random.PRNGKey(1), True)[0] / 16
-                                    / args.batch))
+    deterministic = args.attention_dropout == 0.0
+    fn = jax.jit(jax.value_and_grad(lambda p: batch_loss(model, p, batch, jax.random.PRNGKey(1), deterministic)[0]
+                                    / 16 / args.batch))
+    if backend == "pallas" and "__gpu$xla.gpu.triton" not in fn.lower(params).as_text():
+        raise RuntimeError("the pallas kernel is not in the compiled step (the einsum path would run)")
     loss, grads = fn(params)
     return float(loss), np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree_util.tree_leaves(grads)])
 
@@ -55,6 +62,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention_dropout", type=float, default=0.0)
+    ap.add_argument("--cases", default="", help="subset of scheme:form, e.g. bert_a:bias,tupe_r:bias (default: all)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -63,7 +72,8 @@ def main() -> None:
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     rows, ok = [], True
-    for scheme, form in CASES:
+    cases = [tuple(c.split(":")) for c in args.cases.split(",")] if args.cases else CASES
+    for scheme, form in cases:
         ref_loss, ref_grad = loss_and_grads(scheme, form, "einsum", args)
         for backend in args.backends.split(","):
             row = {"scheme": scheme, "form": form, "backend": backend, "einsum_loss": ref_loss}

@@ -75,6 +75,9 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
     tx, schedule = make_optimizer(config.train)
     state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, cfg.max_len)(r)))(jax.random.PRNGKey(0))
     step_fn = jax.jit(make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
+    if args.pallas_blocks:   # QxK tiles of the pallas kernel (tupe_jax/kernels/flash.py)
+        from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel
+        flash.BLOCK_Q, flash.BLOCK_K = (int(x) for x in args.pallas_blocks.split("x"))
     predictions = -(-15 * args.seq // 100)
     rng = np.random.default_rng(0)
     batches = []
@@ -85,6 +88,8 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
         batches.append(jax.device_put(LMBatch(
             inputs=inputs, targets=None, weights=None, mlm_positions=positions,
             mlm_labels=np.take_along_axis(inputs, positions, 1), mlm_weights=np.ones(positions.shape, np.float32))))
+    lowered = step_fn.lower(state, batches[0]).as_text()
+    kernels = [name for name, call in (("pallas", "__gpu$xla.gpu.triton"), ("cudnn", "__cudnn$fmha")) if call in lowered]
     t0 = time.perf_counter()
     for i in range(args.warmup):
         state, metrics = step_fn(state, batches[i % 2])
@@ -112,7 +117,9 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
                                        args.batch, causal=False, mlm_predictions=predictions)
     return {"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl,
             "attention_dropout": args.attention_dropout,
-            "fused_attention_ran": backend != "einsum" and args.attention_dropout == 0.0, "step_ms": 1e3 * step_s,
+            "attention_kernels": kernels,   # the fused kernels in the compiled step (none: the einsum path ran)
+            "fused_attention_ran": bool(kernels) or (backend == "xla" and args.attention_dropout == 0.0),
+            "pallas_blocks": args.pallas_blocks, "step_ms": 1e3 * step_s,
             "min_step_ms": 1e3 * min(times), "tokens_per_s": args.batch * args.seq / step_s,
             "model_tflops_per_s": flops / step_s / 1e12, "model_tflop_per_step": flops / 1e12,
             "loss_after_warmup": loss0, "final_loss": float(metrics["loss"]),
@@ -130,7 +137,10 @@ def main() -> None:
     ap.add_argument("--configs", default="", help="subset, e.g. 'bert_a:bias:cudnn,tupe_a:concat:cudnn:rbg' "
                     "(scheme:tupe_form:attention_backend[:dropout_rng])")
     ap.add_argument("--attention_dropout", type=float, default=0.0,
-                    help="0.1 = the paper's recipe (the fused backends then fall back to the einsum path in training)")
+                    help="0.1 = the paper's recipe (xla/cudnn then fall back to the einsum path in training; pallas "
+                         "keeps its kernel, with the einsum path's masks)")
+    ap.add_argument("--pallas_blocks", default="", help="QxK tiles of the pallas kernel, e.g. 64x128 (default: "
+                    "tupe_jax/kernels/flash.py's BLOCK_Q x BLOCK_K)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, seq 128, batch 4, float32, 2 steps")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile_dir", default="", help="also write a 3-step jax.profiler trace per configuration")

@@ -1,21 +1,40 @@
 #!/usr/bin/env bash
-# Issue #18's GPU checks in one prepared script (NOT yet run: no GPU was lent to the session that wrote it).
-# From the repo root on the device machine (about 8 minutes on an H200; outputs in $OUT, else benchmarks/):
-#   0. whether cuDNN's fused attention can carry attention dropout in training (gpu_cudnn_dropout_probe.py)
-#   1. the fused paths' bias precision (gpu_bias_precision.py: xla float32 bias, cudnn shifted bf16 bias)
-#   2. MFU at the default settings (attention dropout 0: fused cuDNN attention) for bert_a, tupe_a, tupe_r
-#   3. MFU at the paper's recipe (attention dropout 0.1: the einsum path) for the same three
+# Issue #18's GPU checks in one prepared script (NOT yet run: no GPU was lent to the sessions that wrote it).
+# Here, once: `bash benchmarks/gpu_wheels.sh` (the four wheels the H200 machine lacks, into the git-ignored .whl/).
+# Then with the device tool, from the repo root: run(command="bash benchmarks/gpu_round2.sh", carry=[".whl"],
+# timeout_s=600). Steps in order of importance, each under its own timeout (550 s in all at most):
+#   1. the pallas kernel compiles (Triton) and computes the einsum model with attention dropout 0.1: 2 layers of
+#      BERT-base width, seq 512, bf16, the same masks from the same key (gpu_check_fused.py)
+#   2. MFU at the paper's recipe (attention dropout 0.1): bert_a on the einsum path, then bert_a, tupe_a and tupe_r
+#      on the pallas kernel (gpu_mfu.py; `attention_kernels` in each row says which kernel ran)
+#   3. MFU at the default settings (attention dropout 0): cuDNN for the three, and pallas for bert_a
+#   4. the fused paths' bias precision (gpu_bias_precision.py: xla float32 bias, cudnn shifted bf16 bias)
+#   5. whether cuDNN's own attention dropout could serve training (gpu_cudnn_dropout_probe.py)
+# Outputs in $OUT (the device tool brings back at most 8 files): five JSON files and gpu_round2.log.
 set -u
 OUT=${OUT:-benchmarks}
-export OUT
-# needs .whl/ (the pure-Python wheels gpu_device_run.sh installs; carry it to the device machine)
+LOG="$OUT/gpu_round2.log"
+export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-PYTHONPATH=/tmp/site:$PWD timeout 60 python3 benchmarks/gpu_cudnn_dropout_probe.py \
-  --json "$OUT/results_gpu_cudnn_dropout_probe.json" 2>&1 | tee "$OUT/gpu_cudnn_dropout_probe.log"
-PYTHONPATH=/tmp/site:$PWD timeout 120 python3 benchmarks/gpu_bias_precision.py --backends xla,cudnn \
-  --json "$OUT/results_gpu_bias_precision.json" 2>&1 | tee "$OUT/gpu_bias_precision.log"
-CONFIGS=bert_a:bias:cudnn,tupe_a:bias:cudnn,tupe_r:bias:cudnn
-GPU_SKIP_SMOKE=1 GPU_BENCH_CONFIGS=$CONFIGS GPU_BENCH_BUDGET=120 GPU_BENCH_TIMEOUT=200 GPU_BENCH_TAG=_default \
-  bash benchmarks/gpu_device_run.sh
-GPU_SKIP_SMOKE=1 GPU_BENCH_CONFIGS=$CONFIGS GPU_BENCH_BUDGET=120 GPU_BENCH_TIMEOUT=200 GPU_BENCH_TAG=_paper \
-  GPU_ATTN_DROPOUT=0.1 bash benchmarks/gpu_device_run.sh
+export PYTHONPATH=/tmp/site:$PWD
+step() {  # step SECONDS NAME COMMAND...: run with a timeout, everything into the one log
+  local seconds=$1 name=$2; shift 2
+  echo "=== $name ($(date -u +%H:%M:%S), timeout ${seconds}s): $*" | tee -a "$LOG"
+  timeout "$seconds" "$@" 2>&1 | tee -a "$LOG"
+  echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee -a "$LOG"
+python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
+  2>&1 | tee -a "$LOG"
+step 120 "1 pallas = einsum with dropout" python3 benchmarks/gpu_check_fused.py --backends pallas \
+  --attention_dropout 0.1 --cases bert_a:bias,tupe_r:bias --json "$OUT/results_gpu_pallas_check.json"
+step 190 "2 MFU, paper recipe" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s 150 \
+  --attention_dropout 0.1 --configs bert_a:bias:einsum,bert_a:bias:pallas,tupe_r:bias:pallas,tupe_a:bias:pallas \
+  --json "$OUT/results_gpu_mfu_paper.json"
+step 140 "3 MFU, default settings" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s 100 \
+  --configs bert_a:bias:cudnn,tupe_a:bias:cudnn,tupe_r:bias:cudnn,bert_a:bias:pallas \
+  --json "$OUT/results_gpu_mfu_default.json"
+step 60 "4 bias precision" python3 benchmarks/gpu_bias_precision.py --backends xla,cudnn \
+  --json "$OUT/results_gpu_bias_precision.json"
+step 40 "5 cuDNN dropout probe" python3 benchmarks/gpu_cudnn_dropout_probe.py \
+  --json "$OUT/results_gpu_cudnn_dropout_probe.json"
