@@ -39,6 +39,7 @@ from tupe_jax.kernels.threefry import threefry2x32
 NEG_INF = -1e30        # attention.NEG_INF: finite, so fully masked rows stay NaN-free (a uniform softmax)
 MIN_TILE = 16          # Triton's smallest dot operand side: a quarter of a key tile is at least this wide
 BLOCK_Q, BLOCK_K = 64, 128   # tile sizes (`blocks`); the GPU benchmark may set others
+NUM_WARPS, NUM_STAGES = 4, 2   # Triton's launch settings: a first guess, not tuned on a GPU yet
 
 
 def blocks(length: int) -> tuple[int, int]:
@@ -93,12 +94,12 @@ def _keeps(spec: _Spec, key_ref, row_part, column_start):
             (w1 >> jnp.uint32(16)) < t)
 
 
-def _scores(spec: _Spec, q, k_ref, bias_ref, mask_ref, rows, starts):
-    """The four (bq, w) logit tiles of one key tile: scale·q kᵀ + bias, NEG_INF where masked; and the masks."""
+def _scores(spec: _Spec, q, ks, bias_ref, mask_ref, rows, starts):
+    """The four (bq, w) logit tiles of one key tile (its quarters' keys `ks` at columns `starts`): scale·q kᵀ +
+    bias, NEG_INF where masked; and the masks."""
     out, kept = [], []
-    for start in starts:
-        s = jax.lax.dot_general(q, k_ref[pl.ds(start, spec.w), :], (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * spec.scale
+    for k, start in zip(ks, starts):
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * spec.scale
         if spec.has_bias:
             s = s + bias_ref[rows, pl.ds(start, spec.w)]
         allowed = None
@@ -119,7 +120,7 @@ def _forward_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_re
     def body(n, carry):
         m, l, acc = carry
         starts = [t * spec.quarter + n * spec.w for t in range(4)]
-        s, _ = _scores(spec, q, k_ref, bias_ref, mask_ref, rows, starts)
+        s, _ = _scores(spec, q, [k_ref[pl.ds(x, spec.w), :] for x in starts], bias_ref, mask_ref, rows, starts)
         m_new = jnp.maximum(m, functools.reduce(jnp.maximum, [jnp.max(x, axis=1) for x in s]))
         alpha = jnp.exp(m - m_new)
         p = [jnp.exp(x - m_new[:, None]) for x in s]
@@ -151,7 +152,7 @@ def _dkv_kernel(spec: _Spec, bias_grad: bool, q_ref, k_ref, v_ref, bias_ref, mas
         dks, dvs = carry
         rows = pl.ds(i * spec.bq, spec.bq)
         q, do = q_ref[rows, :], do_ref[rows, :]
-        s, allowed = _scores(spec, q, k_ref, bias_ref, mask_ref, rows, starts)
+        s, allowed = _scores(spec, q, ks, bias_ref, mask_ref, rows, starts)
         p = [jnp.exp(x - lse_ref[rows][:, None]) for x in s]
         keeps = _keeps(spec, key_ref, _row_index(spec, b, h, i * spec.bq), n * spec.w) if spec.rate > 0 else None
         new_dks, new_dvs = [], []
@@ -186,7 +187,8 @@ def _dq_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do
 
     def body(n, dq):
         starts = [t * spec.quarter + n * spec.w for t in range(4)]
-        s, allowed = _scores(spec, q, k_ref, bias_ref, mask_ref, slice(None), starts)
+        ks = [k_ref[pl.ds(x, spec.w), :] for x in starts]
+        s, allowed = _scores(spec, q, ks, bias_ref, mask_ref, slice(None), starts)
         keeps = _keeps(spec, key_ref, row_part, n * spec.w) if spec.rate > 0 else None
         for t, start in enumerate(starts):
             p = jnp.exp(s[t] - lse[:, None])
@@ -197,7 +199,7 @@ def _dq_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do
             ds = p * (dp - delta[:, None])
             if allowed[t] is not None:
                 ds = jnp.where(allowed[t], ds, 0.0)
-            dq = dq + jnp.dot(ds.astype(q.dtype), k_ref[pl.ds(start, spec.w), :], preferred_element_type=jnp.float32)
+            dq = dq + jnp.dot(ds.astype(q.dtype), ks[t], preferred_element_type=jnp.float32)
         return dq
 
     dq = jax.lax.fori_loop(0, spec.length // spec.bk, body, jnp.zeros((spec.bq, spec.dim), jnp.float32))
@@ -222,7 +224,7 @@ def _inputs(spec: _Spec, full_q: bool, full_rows: bool):
     return q, kv, bias, mask, key
 
 
-def _run(kernel, spec: _Spec, grid, in_specs, args, out_specs, out_shape, interpret: bool, name: str):
+def _run(kernel, grid, in_specs, args, out_specs, out_shape, interpret: bool, name: str):
     """pallas_call over the present inputs; absent ones (None) reach the kernel as None."""
     present = [i for i, a in enumerate(args) if a is not None]
 
@@ -233,7 +235,8 @@ def _run(kernel, spec: _Spec, grid, in_specs, args, out_specs, out_shape, interp
 
     return pl.pallas_call(
         wrapped, grid=grid, in_specs=[in_specs[i] for i in present], out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2), interpret=interpret, name=name,
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES), interpret=interpret,
+        name=name,
     )(*[args[i] for i in present])
 
 
@@ -244,29 +247,28 @@ def _forward(spec: _Spec, q, k, v, bias, mask, key, interpret: bool):
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((spec.batch, spec.heads, spec.length), jnp.float32)]
     grid = (spec.length // spec.bq, spec.batch, spec.heads)
-    return _run(functools.partial(_forward_kernel, spec), spec, grid,
+    return _run(functools.partial(_forward_kernel, spec), grid,
                 [q_spec, kv, kv, bias_spec, mask_spec, key_spec], [q, k, v, bias, mask, key], out_specs,
                 out_shape, interpret, "flash_forward")
 
 
 def _backward(spec: _Spec, bias_grad: bool, q, k, v, bias, mask, key, out, lse, do, interpret: bool):
     delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
-    L, d = spec.length, spec.dim
+    L = spec.length
     row = pl.BlockSpec((None, None, L), lambda n, b, h: (b, h, 0))
-    full = pl.BlockSpec((None, L, None, d), lambda n, b, h: (b, 0, h, 0))
     q_full, kv, bias_full, mask_full, key_spec = _inputs(spec, full_q=True, full_rows=True)
-    out_specs = [full, full]
+    out_specs = [kv, kv]     # dK, dV: each program writes the four quarter slices of its key tile
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if bias_grad:
         out_specs.append(pl.BlockSpec((None, None, L, L), lambda n, b, h: (b, h, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.heads, L, L), jnp.float32))
     grid_k = (L // spec.bk, spec.batch, spec.heads)
-    dk, dv, *dbias = _run(functools.partial(_dkv_kernel, spec, bias_grad), spec, grid_k,
+    dk, dv, *dbias = _run(functools.partial(_dkv_kernel, spec, bias_grad), grid_k,
                           [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row],
                           [q, k, v, bias, mask, key, do, lse, delta], out_specs, out_shape, interpret, "flash_dkv")
     q_tile, kv, bias_rows, mask_rows, key_spec = _inputs(spec, full_q=False, full_rows=False)
     row_tile = pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))
-    dq = _run(functools.partial(_dq_kernel, spec), spec, (L // spec.bq, spec.batch, spec.heads),
+    dq = _run(functools.partial(_dq_kernel, spec), (L // spec.bq, spec.batch, spec.heads),
               [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile],
               [q, k, v, bias, mask, key, do, lse, delta], q_tile, jax.ShapeDtypeStruct(q.shape, q.dtype),
               interpret, "flash_dq")
