@@ -19,6 +19,7 @@ from tupe_jax.dropout import apply_mask16, keep_mask16
 from tupe_jax.kernels import flash
 from tupe_jax.kernels.threefry import threefry2x32
 from tupe_jax.model import ModelConfig, TransformerLM
+from tests.attention_fixtures import alibi_cases, bf16_bound, einsum_reference, max_err, tupe_r_terms
 
 SCALE = 0.125
 KEY = jax.random.PRNGKey(42)
@@ -209,3 +210,29 @@ def test_where_the_kernel_does_not_run_the_einsum_path_does_with_the_same_masks(
     _, got = loss_and_grads("pallas", params)
     for e, g in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+def test_the_kernel_keeps_long_alibi_and_tupe_r_biases_exact_enough():
+    """The bias precision checks of tests/test_perf.py for the xla path, on the kernel: bf16 q/k/v against the
+    float32 einsum path on the same values, within `bf16_bound` (the kernel's own bf16 roundings: probabilities
+    before P·V and the output; the float32 bias adds nothing): causal ALiBi at 1024 tokens (bias down to −511,
+    'random' and 'far keys' q/k) and TUPE-R's bias grown to about ±34 at 512 tokens (random q/k and q = 0). The
+    same kernel given the ALiBi bias rounded to bf16 exceeds the bound on the far keys."""
+    def run(terms, mask):
+        return jax.jit(lambda q, k, v: attention.pallas_attention(q, k, v, terms, mask, 0.0, None))
+
+    cases, terms, mask = alibi_cases(1024, 8, 8)
+    for name, (q, k, v) in cases.items():
+        q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+        ref = einsum_reference(q, k, v, terms, mask)
+        err = max_err(run(terms, mask)(q, k, v), ref)
+        assert err <= bf16_bound(v), f"ALiBi {name}: {err:.4f} > {bf16_bound(v):.4f}"
+        if name == "far keys":   # the check can fail: the same kernel given a bias rounded to bf16 exceeds it
+            rounded = dataclasses.replace(terms, logit_bias=terms.logit_bias.astype(jnp.bfloat16).astype(jnp.float32))
+            assert max_err(run(rounded, mask)(q, k, v), ref) > bf16_bound(v)
+    terms = tupe_r_terms(512, 8, 256, kernel_growth=9.0)
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 512, 8, 32)), jnp.bfloat16) for _ in range(3))
+    for qq in (q, jnp.zeros_like(q)):
+        err = max_err(run(terms, None)(qq, k, v), einsum_reference(qq, k, v, terms, None))
+        assert err <= bf16_bound(v), f"TUPE-R: {err:.4f} > {bf16_bound(v):.4f}"
