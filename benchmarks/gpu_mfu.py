@@ -75,9 +75,11 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
     tx, schedule = make_optimizer(config.train)
     state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, cfg.max_len)(r)))(jax.random.PRNGKey(0))
     step_fn = jax.jit(make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
-    if args.pallas_blocks:   # QxK tiles of the pallas kernel (tupe_jax/kernels/flash.py)
+    if args.pallas_blocks:   # QxK[xKb] tiles of the pallas kernel (tupe_jax/kernels/flash.py)
         from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel
-        flash.BLOCK_Q, flash.BLOCK_K = (int(x) for x in args.pallas_blocks.split("x"))
+        tiles = [int(x) for x in args.pallas_blocks.split("x")]
+        flash.BLOCK_Q, flash.BLOCK_K = tiles[:2]
+        flash.BACKWARD_BLOCK_K = tiles[2] if len(tiles) > 2 else flash.BACKWARD_BLOCK_K
     predictions = -(-15 * args.seq // 100)
     rng = np.random.default_rng(0)
     batches = []
@@ -139,8 +141,9 @@ def main() -> None:
     ap.add_argument("--attention_dropout", type=float, default=0.0,
                     help="0.1 = the paper's recipe (xla/cudnn then fall back to the einsum path in training; pallas "
                          "keeps its kernel, with the einsum path's masks)")
-    ap.add_argument("--pallas_blocks", default="", help="QxK tiles of the pallas kernel, e.g. 64x128 (default: "
-                    "tupe_jax/kernels/flash.py's BLOCK_Q x BLOCK_K)")
+    ap.add_argument("--pallas_blocks", default="", help="QxK[xKb] tiles of the pallas kernel: query and key tile "
+                    "of the forward [and the backward's key tile], e.g. 64x128x64 (default: tupe_jax/kernels/flash.py's "
+                    "BLOCK_Q, BLOCK_K, BACKWARD_BLOCK_K)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, seq 128, batch 4, float32, 2 steps")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile_dir", default="", help="also write a 3-step jax.profiler trace per configuration")

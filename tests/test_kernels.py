@@ -78,32 +78,34 @@ def _inputs(batch=2, length=128, heads=2, dim=24, dtype=jnp.float32, seed=0):
     return q, k, v, g, bias, padding[:, None, None, :] & jnp.ones((1, 1, length, length), bool)
 
 
-CASES = {   # name -> (bias, mask, dropout rate, mask kind)
-    "plain": (False, None, 0.0),
-    "bias, padding, dropout": (True, "padding", 0.1),
-    "causal, dropout": (False, "causal", 0.1),
-    "bias, causal and padding, dropout 0.3": (True, "both", 0.3),
+CASES = {   # name -> (bias, mask kind, dropout rate, (query tile, key tile))
+    "plain": (False, None, 0.0, (64, 64)),
+    "bias, padding, dropout": (True, "padding", 0.1, (64, 64)),
+    "causal, dropout": (False, "causal", 0.1, (64, 64)),
+    "bias, causal and padding, dropout 0.3": (True, "both", 0.3, (64, 64)),
+    "bias, padding, dropout; key tiles 128 forward, 64 backward": (True, "padding", 0.1, (64, 128)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_kernel_equals_the_einsum_path_with_its_gradients(case):
     """float32: output and the gradients of q, k, v (and the bias) within 1e-5 of the einsum path's, at a head dim
-    (24) padded to 32, two query and two key tiles."""
-    use_bias, mask_kind, rate = CASES[case]
+    (24) padded to 32, two query tiles and two key tiles (or one of 128 keys in the forward and the backward's two
+    of 64: `flash.BACKWARD_BLOCK_K`)."""
+    use_bias, mask_kind, rate, blocks = CASES[case]
     q, k, v, g, bias, padding = _inputs()
     causal = jnp.tril(jnp.ones((128, 128), bool))[None, None]
     mask = {None: None, "padding": padding, "causal": causal, "both": padding & causal}[mask_kind]
     bias = bias if use_bias else None
     args = (0, 1, 2, 3) if use_bias else (0, 1, 2)
 
-    def loss(fn):
-        return lambda q, k, v, b: jnp.sum(fn(q, k, v, b, mask, rate) * g)
+    def loss(fn, **kw):
+        return lambda q, k, v, b: jnp.sum(fn(q, k, v, b, mask, rate, **kw) * g)
 
-    np.testing.assert_allclose(kernel(q, k, v, bias, mask, rate), reference(q, k, v, bias, mask, rate),
+    np.testing.assert_allclose(kernel(q, k, v, bias, mask, rate, blocks), reference(q, k, v, bias, mask, rate),
                                atol=1e-5, rtol=1e-5)
     expected = jax.grad(loss(reference), args)(q, k, v, bias)
-    got = jax.grad(loss(kernel), args)(q, k, v, bias)
+    got = jax.grad(loss(kernel, blocks=blocks), args)(q, k, v, bias)
     for name, e, o in zip("q k v bias".split(), expected, got):
         scale = float(jnp.abs(e).max())
         assert scale > 0

@@ -39,7 +39,10 @@ from tupe_jax.kernels.threefry import threefry2x32
 NEG_INF = -1e30        # attention.NEG_INF: finite, so fully masked rows stay NaN-free (a uniform softmax)
 MIN_TILE = 16          # Triton's smallest dot operand side: a quarter of a key tile is at least this wide
 BLOCK_Q, BLOCK_K = 64, 128   # tile sizes (`blocks`); the GPU benchmark may set others
-NUM_WARPS, NUM_STAGES = 4, 2   # Triton's launch settings: a first guess, not tuned on a GPU yet
+# the backward's key tile: its dK/dV kernel keeps 2 × block_k × d float32 accumulators per program; 64 keys at d 64
+# are 8192 floats, 64 registers a thread at 4 warps (FlashAttention-2's usual); 128 would double that
+BACKWARD_BLOCK_K = 64
+NUM_WARPS, NUM_STAGES = 4, 2   # Triton's launch settings: first guesses, not tuned on a GPU yet
 
 
 def blocks(length: int) -> tuple[int, int]:
@@ -301,7 +304,7 @@ def _flash_bwd(scale, rate, block_q, block_k, interpret, residuals, do):
     q, k, v, bias, mask, key, out, lse, bias_grad = residuals
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
         do = jnp.zeros(do.shape, do.dtype)
-    spec = _Spec(q, bias, mask, scale, rate, block_q, block_k)
+    spec = _Spec(q, bias, mask, scale, rate, block_q, min(block_k, BACKWARD_BLOCK_K))
     dq, dk, dv, dbias = _backward(spec, bias_grad, q, k, v, bias, mask, key, out, lse, do, interpret)
     return dq, dk, dv, (dbias.astype(bias.dtype) if dbias is not None else None), None, None
 
