@@ -134,17 +134,22 @@ def test_unsupported_lengths_and_missing_keys_are_refused():
 
 
 def test_the_kernels_lower_to_triton_for_cuda():
-    """Lowered for CUDA on this CPU-only machine (no compile): the forward is one Triton call, the gradient three
-    (forward, dK/dV, dQ); bf16 at BERT-base's head size, bias, mask and dropout on."""
-    q = jnp.zeros((2, 512, 12, 64), jnp.bfloat16)
-    bias, mask, key = jnp.zeros((1, 12, 512, 512)), jnp.ones((2, 1, 512, 512), bool), jnp.zeros((2,), jnp.uint32)
+    """Lowered for CUDA on this CPU-only machine (no compile), for an abstract H200 (JAX ≥ 0.11 asks for the target
+    device; the device tool's H200 runs 0.11.2): the forward is one Triton call, the gradient three (forward,
+    dK/dV, dQ); bf16 at BERT-base's head size, bias, mask and dropout on."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    q = jax.ShapeDtypeStruct((2, 512, 12, 64), jnp.bfloat16)
+    bias, mask = jax.ShapeDtypeStruct((1, 12, 512, 512), jnp.float32), jax.ShapeDtypeStruct((2, 1, 512, 512), bool)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
-    def forward(q, k, v, b):
-        return flash.flash_attention(q, k, v, b, mask, key, scale=SCALE, dropout_rate=0.1, block_q=64, block_k=128)
+    def forward(q, k, v, b, m, key):
+        return flash.flash_attention(q, k, v, b, m, key, scale=SCALE, dropout_rate=0.1, block_q=64, block_k=128)
 
     grad = jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), (0, 1, 2, 3))
     for fn, calls in ((forward, 1), (grad, 3)):
-        text = jax.jit(fn).trace(q, q, q, bias).lower(lowering_platforms=("cuda",)).as_text()
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(fn).trace(q, q, q, bias, mask, key).lower(lowering_platforms=("cuda",)).as_text()
         assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"] * calls
 
 
