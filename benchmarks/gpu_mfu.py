@@ -1,5 +1,5 @@
-"""BERT-base MLM training-step MFU on one GPU (seq 512, bfloat16): bert_a and tupe_a, bias vs concat form,
-XLA vs cuDNN attention. Prepared to finish in under 5 minutes on an H100/H200; not a test.
+"""BERT-base MLM training-step MFU on one GPU (seq 512, bfloat16): bert_a, tupe_a and tupe_r, bias vs concat form,
+XLA, cuDNN or the pallas kernel for attention. Prepared to finish in under 5 minutes on an H100/H200; not a test.
 
     pip install -e ".[bench]" "jax[cuda12]"     # on the GPU machine
     python benchmarks/gpu_mfu.py [--batch 32] [--steps 20] [--budget_s 270] [--json gpu_mfu.json]
@@ -7,8 +7,8 @@ XLA vs cuDNN attention. Prepared to finish in under 5 minutes on an H100/H200; n
 
 Per configuration: `configs/pretrain.py:pe=<scheme>,size=base` (12 layers, d 768, 12 heads, MLP 3072, vocab 30522),
 max_len 512, dtype bfloat16 (params float32), attention-probability dropout `--attention_dropout` (default 0: the
-fused paths run only without it; 0.1 = the paper's recipe, which then trains through the einsum path; hidden dropout
-stays 0.1), no padding (input_mask None, so no mask reaches the kernel), MLM head on the P = 77
+xla and cudnn paths run only without it; 0.1 = the paper's recipe, which they train through the einsum path and the
+pallas kernel keeps, with the einsum path's masks; hidden dropout stays 0.1), no padding (input_mask None, so no mask reaches the kernel), MLM head on the P = 77
 masked positions. The full jitted train step (forward + backward + clip + AdamW, donated state, batches already
 on the device) is timed over `--steps` steps after `--warmup` steps; step time = median, each step synced.
 Model FLOPs from `tupe_jax.metrics.transformer_training_flops`; MFU against (a) the device's dense bf16 peak from
