@@ -50,7 +50,8 @@ def loss_and_grads(scheme: str, form: str, backend: str, args):
     deterministic = args.attention_dropout == 0.0
     fn = jax.jit(jax.value_and_grad(lambda p: batch_loss(model, p, batch, jax.random.PRNGKey(1), deterministic)[0]
                                     / 16 / args.batch))
-    if backend == "pallas" and "__gpu$xla.gpu.triton" not in fn.lower(params).as_text():
+    from tupe_jax.kernels.flash import TRITON_CALL  # pylint: disable=import-outside-toplevel
+    if backend == "pallas" and TRITON_CALL not in fn.lower(params).as_text():
         raise RuntimeError("the pallas kernel is not in the compiled step (the einsum path would run)")
     loss, grads = fn(params)
     return float(loss), np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree_util.tree_leaves(grads)])

@@ -38,6 +38,15 @@ def test_threefry_is_jaxs_primitive_bit_for_bit():
             np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
 
 
+def test_the_kernel_masks_logits_as_the_einsum_path_does():
+    """Its own copy of the masked-logit value (the kernel module must not import attention.py) equals the einsum
+    path's, and its 16-bit threshold is keep_mask16's (`dropout.threshold16`) for the same rate."""
+    assert flash.NEG_INF == attention.NEG_INF
+    spec = flash._Spec(jnp.zeros((1, 64, 1, 16)), None, None, 1.0, 0.1, 64, 64)  # pylint: disable=protected-access
+    keep, p = keep_mask16(KEY, (4,), 0.9)
+    assert spec.threshold / 65536 == p and spec.inv_keep == 1.0 / p and keep.dtype == bool
+
+
 def reference(q, k, v, bias, mask, rate):
     """The einsum path's maths: softmax(scale·q kᵀ + bias, NEG_INF where masked), keep_mask16 dropout, · v."""
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * SCALE

@@ -163,19 +163,19 @@ class SelfAttention(nn.Module):
         probs, out = None, None
         drop = make_dropout(self.dropout_rate, self.dropout_bits)
         dropping = not deterministic and self.dropout_rate > 0.0
+        dropped = lambda p: drop(p, deterministic=deterministic)  # noqa: E731
         if (self.backend == "pallas" and not return_probs and pallas_runs(q.shape[1])
                 and (not dropping or self.dropout_bits == 16)):
             key = drop.key() if dropping else None          # the rng drop() would draw: the same masks
             if key is None or threefry_words(key) is not None:
                 out = pallas_attention(q, k, v, terms, mask, self.dropout_rate, key)
-            else:   # an rbg key: its masks come from XLA's bit generator, so this draw goes to the einsum path
-                probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
-                out = jnp.einsum("bhqk,bkhd->bqhd", apply_mask16(probs, key, self.dropout_rate).astype(self.dtype), v)
+            else:   # an rbg key: XLA's bit generator makes its masks, so the einsum path below applies this draw
+                dropped = lambda p: apply_mask16(p, key, self.dropout_rate)  # noqa: E731
         elif self.backend in ("xla", "cudnn") and not return_probs and not dropping:
             out = fused_attention(q, k, v, terms, mask, self.backend)
         if out is None:
             probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
-            out = jnp.einsum("bhqk,bkhd->bqhd", drop(probs, deterministic=deterministic).astype(self.dtype), v)
+            out = jnp.einsum("bhqk,bkhd->bqhd", dropped(probs).astype(self.dtype), v)
         out = nn.DenseGeneral(
             x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out", dot_general=dense_dot_general,
             kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("heads", "kv", "embed")),

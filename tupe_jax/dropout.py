@@ -16,6 +16,7 @@ rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per wor
 
     make_dropout(rate, bits) -> nn.Module          nn.Dropout for 32, Dropout16 for 16
     keep_mask16(rng, shape, keep_prob) -> (bool mask, realised keep probability)
+    threshold16(keep_prob) -> t, the 16-bit threshold of keep_mask16 (and of kernels/flash.py's masks)
     apply_mask16(x, rng, rate) -> x masked and scaled (what Dropout16 does with the rng it draws)
 """
 from __future__ import annotations
@@ -47,6 +48,11 @@ def threefry_words(rng: jax.Array):
     return raw if raw.shape == (2,) else None
 
 
+def threshold16(keep_prob: float) -> int:
+    """The 16-bit threshold t = round(keep_prob·2¹⁶): a 16-bit uniform u is kept when u < t, so P(keep) = t/2¹⁶."""
+    return int(round(keep_prob * 65536))
+
+
 def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tuple[jax.Array, float]:
     """Boolean `shape` mask with P(True) = round(keep_prob·2¹⁶)/2¹⁶, and that probability.
 
@@ -55,7 +61,7 @@ def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tup
     counters have the mask's leading axes, so a mask sharded over the batch is made shard by shard (no device
     computes another's bits). Counters are unique for up to 2³² hashes per call."""
     out_shape, shape = tuple(shape), tuple(shape) or (1,)
-    threshold = int(round(keep_prob * 65536))
+    threshold = threshold16(keep_prob)
     quarter = -(-shape[-1] // 4)
     counter_shape = shape[:-1] + (quarter,)
     raw = threefry_words(rng)

@@ -34,10 +34,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tupe_jax.dropout import threshold16
 from tupe_jax.kernels.threefry import threefry2x32
 
 NEG_INF = -1e30        # attention.NEG_INF: finite, so fully masked rows stay NaN-free (a uniform softmax)
 MIN_TILE = 16          # Triton's smallest dot operand side: a quarter of a key tile is at least this wide
+TRITON_CALL = "__gpu$xla.gpu.triton"   # the custom call a Triton kernel lowers to (the GPU scripts look for it)
 BLOCK_Q, BLOCK_K = 64, 128   # tile sizes (`blocks`); the GPU benchmark may set others
 # the backward's key tile: its dK/dV kernel keeps 2 × block_k × d float32 accumulators per program; 64 keys at d 64
 # are 8192 floats, 64 registers a thread at 4 warps (FlashAttention-2's usual); 128 would double that
@@ -59,13 +61,6 @@ def supported(length: int, block_k: int = 64) -> bool:
     return length % block_k == 0 and block_k % (4 * MIN_TILE) == 0
 
 
-@functools.lru_cache(maxsize=None)
-def _threshold(rate: float) -> tuple[int, float]:
-    """keep_mask16's 16-bit threshold t = round((1 − rate)·2¹⁶) and the scale 2¹⁶/t of a kept value."""
-    t = int(round((1.0 - rate) * 65536))
-    return t, 65536.0 / t
-
-
 class _Spec:
     """The static description of one call: sizes, which optional inputs exist, dropout, tiles."""
 
@@ -78,7 +73,8 @@ class _Spec:
         self.mask_batched = mask is not None and mask.shape[0] > 1
         self.bq, self.bk = block_q, block_k
         self.quarter, self.w = self.length // 4, block_k // 4
-        self.threshold, self.inv_keep = _threshold(rate) if rate > 0 else (0, 1.0)
+        self.threshold = threshold16(1.0 - rate) if rate > 0 else 0     # keep_mask16's, for the same rate
+        self.inv_keep = 65536.0 / self.threshold if rate > 0 else 1.0     # the scale of a kept value
 
 
 def _row_index(spec: _Spec, b, h, start):
