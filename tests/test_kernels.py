@@ -6,6 +6,7 @@ whose masks come from `dropout.keep_mask16` for the same key — in values and i
 bias (float32 to 1e-5; bf16 within its rounding). It must also still lower to Triton for CUDA.
 """
 import dataclasses
+import functools
 import re
 
 import jax
@@ -87,26 +88,30 @@ def _inputs(batch=2, length=128, heads=2, dim=24, dtype=jnp.float32, seed=0):
     return q, k, v, g, bias, padding[:, None, None, :] & jnp.ones((1, 1, length, length), bool)
 
 
-CASES = {   # name -> (bias, mask kind, dropout rate, (query tile, key tile))
-    "plain": (False, None, 0.0, (64, 64)),
-    "bias, padding, dropout": (True, "padding", 0.1, (64, 64)),
-    "causal, dropout": (False, "causal", 0.1, (64, 64)),
-    "bias, causal and padding, dropout 0.3": (True, "both", 0.3, (64, 64)),
-    "bias, padding, dropout; key tiles 128 forward, 64 backward": (True, "padding", 0.1, (64, 128)),
+CASES = {   # name -> (bias's (batch, heads) or None, mask kind, dropout rate, (query tile, key tile))
+    "plain": (None, None, 0.0, (64, 64)),
+    "bias, padding, dropout": ((1, 2), "padding", 0.1, (64, 64)),
+    "causal, dropout": (None, "causal", 0.1, (64, 64)),
+    "bias, causal and padding, dropout 0.3": ((1, 2), "both", 0.3, (64, 64)),
+    "bias, padding, dropout; key tiles 128 forward, 64 backward": ((1, 2), "padding", 0.1, (64, 128)),
+    "bias per row, causal and padding, dropout": ((2, 2), "both", 0.1, (64, 64)),
+    "bias per row shared over heads, padding, dropout": ((2, 1), "padding", 0.1, (64, 64)),
+    "one bias plane for all rows and heads, causal": ((1, 1), "causal", 0.0, (64, 64)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_kernel_equals_the_einsum_path_with_its_gradients(case):
-    """float32: output and the gradients of q, k, v (and the bias) within 1e-5 of the einsum path's, at a head dim
-    (24) padded to 32, two query tiles and two key tiles (or one of 128 keys in the forward and the backward's two
-    of 64: `flash.BACKWARD_BLOCK_K`)."""
-    use_bias, mask_kind, rate, blocks = CASES[case]
-    q, k, v, g, bias, padding = _inputs()
+    """float32: output and the gradients of q, k, v (and the bias, whichever of its batch and head axes it has:
+    the bias-gradient kernel sums over the others) within 1e-5 of the einsum path's, at a head dim (24) padded to
+    32, two query tiles and two key tiles (or one of 128 keys in the forward and the backward's two of 64:
+    `flash.BACKWARD_BLOCK_K`)."""
+    bias_axes, mask_kind, rate, blocks = CASES[case]
+    q, k, v, g, _, padding = _inputs()
     causal = jnp.tril(jnp.ones((128, 128), bool))[None, None]
     mask = {None: None, "padding": padding, "causal": causal, "both": padding & causal}[mask_kind]
-    bias = bias if use_bias else None
-    args = (0, 1, 2, 3) if use_bias else (0, 1, 2)
+    bias = None if bias_axes is None else jax.random.normal(jax.random.PRNGKey(5), (*bias_axes, 128, 128)) * 2.0
+    args = (0, 1, 2) if bias is None else (0, 1, 2, 3)
 
     def loss(fn, **kw):
         return lambda q, k, v, b: jnp.sum(fn(q, k, v, b, mask, rate, **kw) * g)
@@ -145,7 +150,8 @@ def test_unsupported_lengths_and_missing_keys_are_refused():
 def test_the_kernels_lower_to_triton_for_cuda():
     """Lowered for CUDA on this CPU-only machine (no compile), for an abstract H200 (JAX ≥ 0.11 asks for the target
     device; the device tool's H200 runs 0.11.2): the forward is one Triton call, the gradient three (forward,
-    dK/dV, dQ); bf16 at BERT-base's head size, bias, mask and dropout on."""
+    dK/dV, dQ) and a fourth (the bias gradient) when the bias is differentiated; bf16 at BERT-base's head size,
+    bias, mask and dropout on."""
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     q = jax.ShapeDtypeStruct((2, 512, 12, 64), jnp.bfloat16)
@@ -155,11 +161,12 @@ def test_the_kernels_lower_to_triton_for_cuda():
     def forward(q, k, v, b, m, key):
         return flash.flash_attention(q, k, v, b, m, key, scale=SCALE, dropout_rate=0.1, block_q=64, block_k=128)
 
-    grad = jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), (0, 1, 2, 3))
-    for fn, calls in ((forward, 1), (grad, 3)):
+    grad = functools.partial(jax.grad, lambda *a: jnp.sum(forward(*a).astype(jnp.float32)))
+    for fn, calls in ((forward, 1), (grad((0, 1, 2)), 3), (grad((0, 1, 2, 3)), 4)):
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(q, q, q, bias, mask, key).lower(lowering_platforms=("cuda",)).as_text()
         assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"] * calls
+        assert "2x12x512x512xf32" not in text     # no per-row buffer of dS for a bias shared over the batch
 
 
 # ----------------------------------------------------------------------------------------------- in the model

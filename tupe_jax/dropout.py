@@ -21,7 +21,6 @@ rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per wor
 """
 from __future__ import annotations
 
-import math
 
 import flax.linen as nn
 import jax

@@ -16,7 +16,11 @@ w = block_k/4, and each hash serves four of its elements, as in the einsum path.
 Shapes: q, k, v (B, L, H, d); bias (B|1, H|1, L, L) float32; mask (B|1, 1, L, L) bool; key uint32 (2,) (the
 threefry key data of the dropout rng); out (B, L, H, d). d is padded with zeros to a power of two ≥ 16 (exact).
 L must be a multiple of 64 (`supported`). The bias gradient is computed only where the bias is differentiated
-(`custom_vjp` symbolic zeros); it passes through a (B, H, L, L) float32 buffer of dS tiles, summed over the batch.
+(`custom_vjp` symbolic zeros), by a kernel of its own: each program owns one (query tile, key tile) of one bias
+entry and walks the (b, h) pairs that share it (the whole batch for a bias shared over it), recomputing P and dP
+there (two tile products a pair: the dK/dV and dQ kernels take seven) and summing dS in registers, in a fixed
+order. No (B, H, L, L) buffer of dS is written (at BERT-base, seq 512, batch 32: 400 MB a layer, written then
+summed), and the sum is deterministic.
 Written for one device: no sharding rule tells XLA how to split the kernel over several. `interpret=True` runs it
 through Pallas' interpreter (any platform; the CPU tests), otherwise Pallas lowers it to Triton (GPU only).
 
@@ -93,17 +97,18 @@ def _keeps(spec: _Spec, key_ref, row_part, column_start):
             (w1 >> jnp.uint32(16)) < t)
 
 
-def _scores(spec: _Spec, q, ks, bias_ref, mask_ref, rows, starts):
+def _scores(spec: _Spec, q, ks, bias_ref, mask_ref, rows, starts, bias_at=(), mask_at=()):
     """The four (bq, w) logit tiles of one key tile (its quarters' keys `ks` at columns `starts`): scale·q kᵀ +
-    bias, NEG_INF where masked; and the masks."""
+    bias, NEG_INF where masked; and the masks. `bias_at`, `mask_at`: leading indices into a bias or mask ref
+    that holds more than the program's (rows, keys) plane."""
     out, kept = [], []
     for k, start in zip(ks, starts):
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * spec.scale
         if spec.has_bias:
-            s = s + bias_ref[rows, pl.ds(start, spec.w)]
+            s = s + bias_ref[(*bias_at, rows, pl.ds(start, spec.w))]
         allowed = None
         if spec.has_mask:
-            allowed = mask_ref[rows, pl.ds(start, spec.w)] != 0
+            allowed = mask_ref[(*mask_at, rows, pl.ds(start, spec.w))] != 0
             s = jnp.where(allowed, s, NEG_INF)
         out.append(s)
         kept.append(allowed)
@@ -140,8 +145,8 @@ def _forward_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_re
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dkv_kernel(spec: _Spec, bias_grad: bool, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do_ref, lse_ref,
-                delta_ref, dk_ref, dv_ref, *dbias):
+def _dkv_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref):
     n, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     starts = [t * spec.quarter + n * spec.w for t in range(4)]
     ks = [k_ref[pl.ds(s, spec.w), :] for s in starts]
@@ -165,8 +170,6 @@ def _dkv_kernel(spec: _Spec, bias_grad: bool, q_ref, k_ref, v_ref, bias_ref, mas
             ds = p[t] * (dp - delta_ref[rows][:, None])
             if allowed[t] is not None:
                 ds = jnp.where(allowed[t], ds, 0.0)
-            if bias_grad:
-                dbias[0][rows, pl.ds(starts[t], spec.w)] = ds
             new_dks.append(dks[t] + jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
                                                         preferred_element_type=jnp.float32))
         return new_dks, new_dvs
@@ -203,6 +206,44 @@ def _dq_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do
 
     dq = jax.lax.fori_loop(0, spec.length // spec.bk, body, jnp.zeros((spec.bq, spec.dim), jnp.float32))
     dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
+
+
+def _dbias_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do_ref, lse_ref, delta_ref,
+                  dbias_ref):
+    """dS summed over the (b, h) pairs that share bias entry g, on one (query tile i, key tile n) of it. q, k, v,
+    dO, lse, delta, the bias and the mask come whole; dbias as the entry's (bq, L) rows."""
+    i, n, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = pl.ds(i * spec.bq, spec.bq)
+    starts = [t * spec.quarter + n * spec.w for t in range(4)]
+    per_b = 1 if spec.bias_batched else spec.batch
+    per_h = 1 if spec.bias_headed else spec.heads
+    b0 = g // (spec.heads if spec.bias_headed else 1) if spec.bias_batched else 0
+    h0 = g % spec.heads if spec.bias_headed else 0
+
+    def body(j, acc):
+        b, h = (b0 + j // per_h, h0 + j % per_h) if per_h > 1 else (b0 + j, h0)   # (no `% 1`: Triton's lowering)
+        q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
+        ks = [k_ref[b, pl.ds(x, spec.w), h, :] for x in starts]
+        s, allowed = _scores(spec, q, ks, bias_ref, mask_ref, rows, starts, bias_at=(b0, h0),
+                             mask_at=(b if spec.mask_batched else 0, 0))
+        lse, delta = lse_ref[b, h, rows], delta_ref[b, h, rows]
+        keeps = _keeps(spec, key_ref, _row_index(spec, b, h, i * spec.bq), n * spec.w) if spec.rate > 0 else None
+        out = []
+        for t, start in enumerate(starts):
+            p = jnp.exp(s[t] - lse[:, None])
+            dp = jax.lax.dot_general(do, v_ref[b, pl.ds(start, spec.w), h, :], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+            if keeps:
+                dp = jnp.where(keeps[t], dp * spec.inv_keep, 0.0)
+            ds = p * (dp - delta[:, None])
+            if allowed[t] is not None:
+                ds = jnp.where(allowed[t], ds, 0.0)
+            out.append(acc[t] + ds)
+        return out
+
+    acc = jax.lax.fori_loop(0, per_b * per_h, body, [jnp.zeros((spec.bq, spec.w), jnp.float32) for _ in range(4)])
+    for start, x in zip(starts, acc):
+        dbias_ref[:, pl.ds(start, spec.w)] = x
 
 
 # ================================================================================================ calls
@@ -254,31 +295,32 @@ def _forward(spec: _Spec, q, k, v, bias, mask, key, interpret: bool):
 def _backward(spec: _Spec, bias_grad: bool, q, k, v, bias, mask, key, out, lse, do, interpret: bool):
     delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
     L = spec.length
+    args = [q, k, v, bias, mask, key, do, lse, delta]
     row = pl.BlockSpec((None, None, L), lambda n, b, h: (b, h, 0))
     q_full, kv, bias_full, mask_full, key_spec = _inputs(spec, full_q=True, full_rows=True)
-    out_specs = [kv, kv]     # dK, dV: each program writes the four quarter slices of its key tile
-    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    if bias_grad:
-        out_specs.append(pl.BlockSpec((None, None, L, L), lambda n, b, h: (b, h, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.heads, L, L), jnp.float32))
-    grid_k = (L // spec.bk, spec.batch, spec.heads)
-    dk, dv, *dbias = _run(functools.partial(_dkv_kernel, spec, bias_grad), grid_k,
-                          [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row],
-                          [q, k, v, bias, mask, key, do, lse, delta], out_specs, out_shape, interpret, "flash_dkv")
+    dk, dv = _run(functools.partial(_dkv_kernel, spec), (L // spec.bk, spec.batch, spec.heads),
+                  [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row], args,
+                  [kv, kv],    # dK, dV: each program writes the four quarter slices of its key tile
+                  [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)], interpret,
+                  "flash_dkv")
     q_tile, kv, bias_rows, mask_rows, key_spec = _inputs(spec, full_q=False, full_rows=False)
     row_tile = pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))
     dq = _run(functools.partial(_dq_kernel, spec), (L // spec.bq, spec.batch, spec.heads),
-              [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile],
-              [q, k, v, bias, mask, key, do, lse, delta], q_tile, jax.ShapeDtypeStruct(q.shape, q.dtype),
-              interpret, "flash_dq")
-    dbias_out = None
-    if bias_grad:
-        dbias_out = dbias[0]
-        if not spec.bias_batched:
-            dbias_out = jnp.sum(dbias_out, axis=0, keepdims=True)
-        if not spec.bias_headed:
-            dbias_out = jnp.sum(dbias_out, axis=1, keepdims=True)
-    return dq, dk, dv, dbias_out
+              [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile], args, q_tile,
+              jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "flash_dq")
+    return dq, dk, dv, (_bias_grad(spec, args, interpret) if bias_grad else None)
+
+
+def _bias_grad(spec: _Spec, args, interpret: bool):
+    """dbias, the bias's shape: `_dbias_kernel` over a (query tile, key tile, bias entry) grid."""
+    L, bias = spec.length, args[3]
+    entries = bias.shape[0] * bias.shape[1]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, n, g: (0,) * x.ndim)  # noqa: E731  indexed inside
+    rows = pl.BlockSpec((None, None, spec.bq, L),
+                         lambda i, n, g: (g // bias.shape[1], g % bias.shape[1], i, 0))
+    specs = [whole(x) if x is not None else None for x in args]
+    return _run(functools.partial(_dbias_kernel, spec), (L // spec.bq, L // spec.bk, entries), specs, args, rows,
+                jax.ShapeDtypeStruct(bias.shape, jnp.float32), interpret, "flash_dbias")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
