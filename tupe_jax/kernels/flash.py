@@ -15,13 +15,9 @@ w = block_k/4, and each hash serves four of its elements, as in the einsum path.
 
 Shapes: q, k, v (B, L, H, d); bias (B|1, H|1, L, L) float32; mask (B|1, 1, L, L) bool; key uint32 (2,) (the
 threefry key data of the dropout rng); out (B, L, H, d). d is padded with zeros to a power of two ≥ 16 (exact).
-L must be a multiple of 64 (`supported`). The bias gradient is computed only where the bias is differentiated
-(`custom_vjp` symbolic zeros), by a kernel of its own: each program owns one (query tile, key tile) of one bias
-entry and walks the (b, h) pairs that share it (the whole batch for a bias shared over it), recomputing P and dP
-there (two tile products a pair: the dK/dV and dQ kernels take seven) and summing dS in registers, in a fixed
-order. No (B, H, L, L) buffer of dS is written (at BERT-base, seq 512, batch 32: 400 MB a layer, written then
-summed), and the sum is deterministic.
-Written for one device: no sharding rule tells XLA how to split the kernel over several. `interpret=True` runs it
+L must be a multiple of 64 (`supported`). The bias gradient, only where the bias is differentiated (`custom_vjp`
+symbolic zeros), has a kernel of its own: per tile of a bias entry, dS summed in a fixed order over the (b, h)
+pairs that share it, P and dP recomputed there; no (B, H, L, L) array of dS is written. Written for one device: no sharding rule tells XLA how to split the kernel over several. `interpret=True` runs it
 through Pallas' interpreter (any platform; the CPU tests), otherwise Pallas lowers it to Triton (GPU only).
 
     flash_attention(q, k, v, bias, mask, key, *, scale, dropout_rate, block_q, block_k, interpret) -> out
@@ -115,6 +111,19 @@ def _scores(spec: _Spec, q, ks, bias_ref, mask_ref, rows, starts, bias_at=(), ma
     return out, kept
 
 
+def _ds(spec: _Spec, s, allowed, keep, lse, delta, do, v):
+    """One (bq, w) tile's P = exp(s − lse) and dS = P ∘ (dP − delta), zero where masked, with dP = dO vᵀ taken
+    through the dropout mask `keep` (None: no dropout). lse, delta: the tile's (bq,) rows."""
+    p = jnp.exp(s - lse[:, None])
+    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if keep is not None:
+        dp = jnp.where(keep, dp * spec.inv_keep, 0.0)
+    ds = p * (dp - delta[:, None])
+    if allowed is not None:
+        ds = jnp.where(allowed, ds, 0.0)
+    return p, ds
+
+
 def _forward_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, o_ref, lse_ref):
     i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = q_ref[...]
@@ -157,19 +166,14 @@ def _dkv_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, d
         rows = pl.ds(i * spec.bq, spec.bq)
         q, do = q_ref[rows, :], do_ref[rows, :]
         s, allowed = _scores(spec, q, ks, bias_ref, mask_ref, rows, starts)
-        p = [jnp.exp(x - lse_ref[rows][:, None]) for x in s]
         keeps = _keeps(spec, key_ref, _row_index(spec, b, h, i * spec.bq), n * spec.w) if spec.rate > 0 else None
         new_dks, new_dvs = [], []
         for t in range(4):
-            pd = jnp.where(keeps[t], p[t] * spec.inv_keep, 0.0) if keeps else p[t]
+            keep = keeps[t] if keeps else None
+            p, ds = _ds(spec, s[t], allowed[t], keep, lse_ref[rows], delta_ref[rows], do, vs[t])
+            pd = jnp.where(keep, p * spec.inv_keep, 0.0) if keeps else p
             new_dvs.append(dvs[t] + jax.lax.dot_general(pd.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                                         preferred_element_type=jnp.float32))
-            dp = jax.lax.dot_general(do, vs[t], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            if keeps:
-                dp = jnp.where(keeps[t], dp * spec.inv_keep, 0.0)
-            ds = p[t] * (dp - delta_ref[rows][:, None])
-            if allowed[t] is not None:
-                ds = jnp.where(allowed[t], ds, 0.0)
             new_dks.append(dks[t] + jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
                                                         preferred_element_type=jnp.float32))
         return new_dks, new_dvs
@@ -193,14 +197,8 @@ def _dq_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do
         s, allowed = _scores(spec, q, ks, bias_ref, mask_ref, slice(None), starts)
         keeps = _keeps(spec, key_ref, row_part, n * spec.w) if spec.rate > 0 else None
         for t, start in enumerate(starts):
-            p = jnp.exp(s[t] - lse[:, None])
-            dp = jax.lax.dot_general(do, v_ref[pl.ds(start, spec.w), :], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-            if keeps:
-                dp = jnp.where(keeps[t], dp * spec.inv_keep, 0.0)
-            ds = p * (dp - delta[:, None])
-            if allowed[t] is not None:
-                ds = jnp.where(allowed[t], ds, 0.0)
+            _, ds = _ds(spec, s[t], allowed[t], keeps[t] if keeps else None, lse, delta, do,
+                        v_ref[pl.ds(start, spec.w), :])
             dq = dq + jnp.dot(ds.astype(q.dtype), ks[t], preferred_element_type=jnp.float32)
         return dq
 
@@ -228,18 +226,8 @@ def _dbias_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref,
                              mask_at=(b if spec.mask_batched else 0, 0))
         lse, delta = lse_ref[b, h, rows], delta_ref[b, h, rows]
         keeps = _keeps(spec, key_ref, _row_index(spec, b, h, i * spec.bq), n * spec.w) if spec.rate > 0 else None
-        out = []
-        for t, start in enumerate(starts):
-            p = jnp.exp(s[t] - lse[:, None])
-            dp = jax.lax.dot_general(do, v_ref[b, pl.ds(start, spec.w), h, :], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-            if keeps:
-                dp = jnp.where(keeps[t], dp * spec.inv_keep, 0.0)
-            ds = p * (dp - delta[:, None])
-            if allowed[t] is not None:
-                ds = jnp.where(allowed[t], ds, 0.0)
-            out.append(acc[t] + ds)
-        return out
+        return [acc[t] + _ds(spec, s[t], allowed[t], keeps[t] if keeps else None, lse, delta, do,
+                             v_ref[b, pl.ds(start, spec.w), h, :])[1] for t, start in enumerate(starts)]
 
     acc = jax.lax.fori_loop(0, per_b * per_h, body, [jnp.zeros((spec.bq, spec.w), jnp.float32) for _ in range(4)])
     for start, x in zip(starts, acc):
