@@ -3,5 +3,6 @@
 - `threefry.py`: Threefry-2x32-20 as plain uint32 array operations (usable inside a Pallas kernel), bit for bit
   `jax.extend.random.threefry2x32_p`;
 - `flash.py`: a Pallas flash-attention kernel (Triton on GPU) with the positional bias, a mask and 16-bit
-  attention dropout whose masks are exactly `dropout.keep_mask16`'s: `model.attention_backend=pallas`.
+  attention dropout whose masks are exactly `dropout.keep_mask16`'s: `model.attention_backend=pallas`;
+- `calls.py`: its pallas_call plumbing (BlockSpecs, absent inputs, Triton's launch settings).
 """

@@ -32,9 +32,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from tupe_jax.dropout import threshold16
+from tupe_jax.kernels.calls import block_specs, run
 from tupe_jax.kernels.threefry import threefry2x32
 
 NEG_INF = -1e30        # attention.NEG_INF: finite, so fully masked rows stay NaN-free (a uniform softmax)
@@ -44,7 +44,6 @@ BLOCK_Q, BLOCK_K = 64, 128   # tile sizes (`blocks`); the GPU benchmark may set 
 # the backward's key tile: its dK/dV kernel keeps 2 × block_k × d float32 accumulators per program; 64 keys at d 64
 # are 8192 floats, 64 registers a thread at 4 warps (FlashAttention-2's usual); 128 would double that
 BACKWARD_BLOCK_K = 64
-NUM_WARPS, NUM_STAGES = 4, 2   # Triton's launch settings: first guesses, not tuned on a GPU yet
 
 
 def blocks(length: int) -> tuple[int, int]:
@@ -235,47 +234,14 @@ def _dbias_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref,
 
 
 # ================================================================================================ calls
-def _inputs(spec: _Spec, full_q: bool, full_rows: bool):
-    """BlockSpecs for (q, k, v, bias, mask, key) over a (tile, b, h) grid; `full_q`: q (and dO) whole per (b, h);
-    `full_rows`: bias and mask rows whole (else the program's query tile)."""
-    L, d, bq = spec.length, spec.dim, spec.bq
-    q = pl.BlockSpec((None, L, None, d), lambda n, b, h: (b, 0, h, 0)) if full_q else \
-        pl.BlockSpec((None, bq, None, d), lambda n, b, h: (b, n, h, 0))
-    kv = pl.BlockSpec((None, L, None, d), lambda n, b, h: (b, 0, h, 0))
-    rows = L if full_rows else bq
-    bias = pl.BlockSpec((None, None, rows, L), lambda n, b, h: (b if spec.bias_batched else 0,
-                                                              h if spec.bias_headed else 0,
-                                                              0 if full_rows else n, 0))
-    mask = pl.BlockSpec((None, None, rows, L), lambda n, b, h: (b if spec.mask_batched else 0, 0,
-                                                              0 if full_rows else n, 0))
-    key = pl.BlockSpec((2,), lambda n, b, h: (0,))
-    return q, kv, bias, mask, key
-
-
-def _run(kernel, grid, in_specs, args, out_specs, out_shape, interpret: bool, name: str):
-    """pallas_call over the present inputs; absent ones (None) reach the kernel as None."""
-    present = [i for i, a in enumerate(args) if a is not None]
-
-    def wrapped(*refs):
-        it = iter(refs[:len(present)])
-        full = [next(it) if i in present else None for i in range(len(args))]
-        kernel(*full, *refs[len(present):])
-
-    return pl.pallas_call(
-        wrapped, grid=grid, in_specs=[in_specs[i] for i in present], out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES), interpret=interpret,
-        name=name,
-    )(*[args[i] for i in present])
-
-
 def _forward(spec: _Spec, q, k, v, bias, mask, key, interpret: bool):
-    q_spec, kv, bias_spec, mask_spec, key_spec = _inputs(spec, full_q=False, full_rows=False)
+    q_spec, kv, bias_spec, mask_spec, key_spec = block_specs(spec, full_q=False, full_rows=False)
     out_specs = [pl.BlockSpec((None, spec.bq, None, spec.dim), lambda n, b, h: (b, n, h, 0)),
                  pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((spec.batch, spec.heads, spec.length), jnp.float32)]
     grid = (spec.length // spec.bq, spec.batch, spec.heads)
-    return _run(functools.partial(_forward_kernel, spec), grid,
+    return run(functools.partial(_forward_kernel, spec), grid,
                 [q_spec, kv, kv, bias_spec, mask_spec, key_spec], [q, k, v, bias, mask, key], out_specs,
                 out_shape, interpret, "flash_forward")
 
@@ -285,15 +251,15 @@ def _backward(spec: _Spec, bias_grad: bool, q, k, v, bias, mask, key, out, lse, 
     L = spec.length
     args = [q, k, v, bias, mask, key, do, lse, delta]
     row = pl.BlockSpec((None, None, L), lambda n, b, h: (b, h, 0))
-    q_full, kv, bias_full, mask_full, key_spec = _inputs(spec, full_q=True, full_rows=True)
-    dk, dv = _run(functools.partial(_dkv_kernel, spec), (L // spec.bk, spec.batch, spec.heads),
+    q_full, kv, bias_full, mask_full, key_spec = block_specs(spec, full_q=True, full_rows=True)
+    dk, dv = run(functools.partial(_dkv_kernel, spec), (L // spec.bk, spec.batch, spec.heads),
                   [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row], args,
                   [kv, kv],    # dK, dV: each program writes the four quarter slices of its key tile
                   [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)], interpret,
                   "flash_dkv")
-    q_tile, kv, bias_rows, mask_rows, key_spec = _inputs(spec, full_q=False, full_rows=False)
+    q_tile, kv, bias_rows, mask_rows, key_spec = block_specs(spec, full_q=False, full_rows=False)
     row_tile = pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))
-    dq = _run(functools.partial(_dq_kernel, spec), (L // spec.bq, spec.batch, spec.heads),
+    dq = run(functools.partial(_dq_kernel, spec), (L // spec.bq, spec.batch, spec.heads),
               [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile], args, q_tile,
               jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "flash_dq")
     return dq, dk, dv, (_bias_grad(spec, args, interpret) if bias_grad else None)
@@ -307,7 +273,7 @@ def _bias_grad(spec: _Spec, args, interpret: bool):
     rows = pl.BlockSpec((None, None, spec.bq, L),
                          lambda i, n, g: (g // bias.shape[1], g % bias.shape[1], i, 0))
     specs = [whole(x) if x is not None else None for x in args]
-    return _run(functools.partial(_dbias_kernel, spec), (L // spec.bq, L // spec.bk, entries), specs, args, rows,
+    return run(functools.partial(_dbias_kernel, spec), (L // spec.bq, L // spec.bk, entries), specs, args, rows,
                 jax.ShapeDtypeStruct(bias.shape, jnp.float32), interpret, "flash_dbias")
 
 
