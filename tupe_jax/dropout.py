@@ -21,7 +21,6 @@ rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per wor
 """
 from __future__ import annotations
 
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -48,7 +47,7 @@ def threefry_words(rng: jax.Array):
 
 
 def threshold16(keep_prob: float) -> int:
-    """The 16-bit threshold t = round(keep_prob·2¹⁶): a 16-bit uniform u is kept when u < t, so P(keep) = t/2¹⁶."""
+    """The 16-bit threshold t = round(keep_prob·2¹⁶): a 16-bit uniform u is kept when u < t (P(keep) = t/2¹⁶)."""
     return int(round(keep_prob * 65536))
 
 

@@ -17,8 +17,9 @@ Shapes: q, k, v (B, L, H, d); bias (B|1, H|1, L, L) float32; mask (B|1, 1, L, L)
 threefry key data of the dropout rng); out (B, L, H, d). d is padded with zeros to a power of two ≥ 16 (exact).
 L must be a multiple of 64 (`supported`). The bias gradient, only where the bias is differentiated (`custom_vjp`
 symbolic zeros), has a kernel of its own: per tile of a bias entry, dS summed in a fixed order over the (b, h)
-pairs that share it, P and dP recomputed there; no (B, H, L, L) array of dS is written. Written for one device: no sharding rule tells XLA how to split the kernel over several. `interpret=True` runs it
-through Pallas' interpreter (any platform; the CPU tests), otherwise Pallas lowers it to Triton (GPU only).
+pairs that share it, P and dP recomputed there; no (B, H, L, L) array of dS is written. Written for one device:
+no sharding rule tells XLA how to split the kernel over several. `interpret=True` runs it through Pallas'
+interpreter (any platform; the CPU tests), otherwise Pallas lowers it to Triton (GPU only).
 
     flash_attention(q, k, v, bias, mask, key, *, scale, dropout_rate, block_q, block_k, interpret) -> out
     supported(length, block_k) -> bool;   blocks(length) -> (block_q, block_k)
@@ -165,11 +166,12 @@ def _dkv_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, d
         rows = pl.ds(i * spec.bq, spec.bq)
         q, do = q_ref[rows, :], do_ref[rows, :]
         s, allowed = _scores(spec, q, ks, bias_ref, mask_ref, rows, starts)
+        lse, delta = lse_ref[rows], delta_ref[rows]
         keeps = _keeps(spec, key_ref, _row_index(spec, b, h, i * spec.bq), n * spec.w) if spec.rate > 0 else None
         new_dks, new_dvs = [], []
         for t in range(4):
             keep = keeps[t] if keeps else None
-            p, ds = _ds(spec, s[t], allowed[t], keep, lse_ref[rows], delta_ref[rows], do, vs[t])
+            p, ds = _ds(spec, s[t], allowed[t], keep, lse, delta, do, vs[t])
             pd = jnp.where(keep, p * spec.inv_keep, 0.0) if keeps else p
             new_dvs.append(dvs[t] + jax.lax.dot_general(pd.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                                         preferred_element_type=jnp.float32))
@@ -205,6 +207,11 @@ def _dq_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do
     dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
 
 
+def _bias_entry(spec: _Spec, g):
+    """Bias entry g (of the bias's batch × heads entries, row-major) -> its (batch, head) indices."""
+    return (g, 0) if not spec.bias_headed else (g // spec.heads, g % spec.heads)   # (no `% 1`: Triton's lowering)
+
+
 def _dbias_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do_ref, lse_ref, delta_ref,
                   dbias_ref):
     """dS summed over the (b, h) pairs that share bias entry g, on one (query tile i, key tile n) of it. q, k, v,
@@ -214,8 +221,7 @@ def _dbias_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref,
     starts = [t * spec.quarter + n * spec.w for t in range(4)]
     per_b = 1 if spec.bias_batched else spec.batch
     per_h = 1 if spec.bias_headed else spec.heads
-    b0 = g // (spec.heads if spec.bias_headed else 1) if spec.bias_batched else 0
-    h0 = g % spec.heads if spec.bias_headed else 0
+    b0, h0 = _bias_entry(spec, g)
 
     def body(j, acc):
         b, h = (b0 + j // per_h, h0 + j % per_h) if per_h > 1 else (b0 + j, h0)   # (no `% 1`: Triton's lowering)
@@ -242,8 +248,8 @@ def _forward(spec: _Spec, q, k, v, bias, mask, key, interpret: bool):
                  jax.ShapeDtypeStruct((spec.batch, spec.heads, spec.length), jnp.float32)]
     grid = (spec.length // spec.bq, spec.batch, spec.heads)
     return run(functools.partial(_forward_kernel, spec), grid,
-                [q_spec, kv, kv, bias_spec, mask_spec, key_spec], [q, k, v, bias, mask, key], out_specs,
-                out_shape, interpret, "flash_forward")
+               [q_spec, kv, kv, bias_spec, mask_spec, key_spec], [q, k, v, bias, mask, key], out_specs,
+               out_shape, interpret, "flash_forward")
 
 
 def _backward(spec: _Spec, bias_grad: bool, q, k, v, bias, mask, key, out, lse, do, interpret: bool):
@@ -253,15 +259,15 @@ def _backward(spec: _Spec, bias_grad: bool, q, k, v, bias, mask, key, out, lse, 
     row = pl.BlockSpec((None, None, L), lambda n, b, h: (b, h, 0))
     q_full, kv, bias_full, mask_full, key_spec = block_specs(spec, full_q=True, full_rows=True)
     dk, dv = run(functools.partial(_dkv_kernel, spec), (L // spec.bk, spec.batch, spec.heads),
-                  [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row], args,
-                  [kv, kv],    # dK, dV: each program writes the four quarter slices of its key tile
-                  [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)], interpret,
-                  "flash_dkv")
+                 [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row], args,
+                 [kv, kv],    # dK, dV: each program writes the four quarter slices of its key tile
+                 [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)], interpret,
+                 "flash_dkv")
     q_tile, kv, bias_rows, mask_rows, key_spec = block_specs(spec, full_q=False, full_rows=False)
     row_tile = pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))
     dq = run(functools.partial(_dq_kernel, spec), (L // spec.bq, spec.batch, spec.heads),
-              [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile], args, q_tile,
-              jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "flash_dq")
+             [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile], args, q_tile,
+             jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "flash_dq")
     return dq, dk, dv, (_bias_grad(spec, args, interpret) if bias_grad else None)
 
 
@@ -270,11 +276,10 @@ def _bias_grad(spec: _Spec, args, interpret: bool):
     L, bias = spec.length, args[3]
     entries = bias.shape[0] * bias.shape[1]
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, n, g: (0,) * x.ndim)  # noqa: E731  indexed inside
-    rows = pl.BlockSpec((None, None, spec.bq, L),
-                         lambda i, n, g: (g // bias.shape[1], g % bias.shape[1], i, 0))
+    rows = pl.BlockSpec((None, None, spec.bq, L), lambda i, n, g: (*_bias_entry(spec, g), i, 0))
     specs = [whole(x) if x is not None else None for x in args]
     return run(functools.partial(_dbias_kernel, spec), (L // spec.bq, L // spec.bk, entries), specs, args, rows,
-                jax.ShapeDtypeStruct(bias.shape, jnp.float32), interpret, "flash_dbias")
+               jax.ShapeDtypeStruct(bias.shape, jnp.float32), interpret, "flash_dbias")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
