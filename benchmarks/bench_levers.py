@@ -9,12 +9,14 @@ rounds with its min–max (the machine may be shared: the spread is the noise) a
 interval (`rounds.spread`). `--slots`: MLM head slots per row
 (20 = the default head on the masked positions, 128 = equal work with HF). Variants:
 - current: the code as it is;
-- argmax (before): the accuracy metric via `jnp.argmax` instead of `pretrain.steps.argmax_hits`;
+- argmax (before): the accuracy metric via `jnp.argmax` instead of `head.argmax_hits`;
 - two-pass accuracy (before): `argmax_hits` as it was before its one-pass form (a max over the vocabulary, then a
   check for an earlier index tying it);
 - uint32 mask halves (before): `dropout.keep_mask16` as it was before it compared the 16-bit halves before putting
   them side by side (a uint32 concatenation of the halves, then the compare; the same masks);
 - rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
+- logits head (before): the loss and accuracy from the full (M, V) logits (`head.tied_logits`, optax's cross
+  entropy, `argmax_hits`) instead of `head.tied_cross_entropy`'s chunks with the gradient in the forward;
 - plain head (before): the tied output projection as `nn.Embed.attend` (XLA's own layouts) instead of
   `tupe_jax.head.tied_logits` (`projection.matmul` against a materialised Eᵀ; at commit 59d342f this lever was
   the variant "head custom VJP (tried)" against the plain head, results_levers_*.json);
@@ -52,7 +54,7 @@ from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
           plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
-          matmul_bwd=None, scheme: str = "bert_a") -> dict:
+          matmul_bwd=None, scheme: str = "bert_a", logits_head: bool = False) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -78,8 +80,10 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
     from tupe_jax import dropout as dropout_lib  # pylint: disable=import-outside-toplevel
-    kept, kept_attend, kept_dot, kept_gelu = (steps.argmax_hits, Transformer.attend, model_lib.dense_dot_general,
+    from tupe_jax import head as head_lib  # pylint: disable=import-outside-toplevel
+    kept, kept_attend, kept_dot, kept_gelu = (head_lib.argmax_hits, Transformer.attend, model_lib.dense_dot_general,
                                               model_lib.gelu)
+    kept_loss = steps.batch_loss
     kept_mask = dropout_lib.keep_mask16
     from tupe_jax import projection  # pylint: disable=import-outside-toplevel
     if matmul_bwd is not None:
@@ -87,9 +91,11 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     if uint32_halves:
         dropout_lib.keep_mask16 = uint32_halves_mask
     if plain_argmax:
-        steps.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+        head_lib.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     if two_pass_accuracy:
-        steps.argmax_hits = two_pass_hits
+        head_lib.argmax_hits = two_pass_hits
+    if logits_head:
+        steps.batch_loss = logits_batch_loss
     if plain_head:      # the code before head.tied_logits: nn.Embed.attend, XLA's own layouts
         Transformer.attend = lambda self, h: self.embed.attend(h)
     if plain_projections:   # the code before projection.dense_dot_general: XLA's own layouts
@@ -103,7 +109,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         variant = {"state": state, "step": step, "batches": batches, "i": 0}
         run(variant, 2)   # compile (traced while the patch is in place) + one warm step
     finally:
-        steps.argmax_hits, Transformer.attend = kept, kept_attend
+        head_lib.argmax_hits, Transformer.attend, steps.batch_loss = kept, kept_attend, kept_loss
         model_lib.dense_dot_general = attention_lib.dense_dot_general = kept_dot
         model_lib.gelu = kept_gelu
         dropout_lib.keep_mask16 = kept_mask
@@ -127,8 +133,23 @@ def matmul_bwd_variant(dx_through_transpose: bool = False, dw_tn: bool = False):
     return bwd
 
 
+def logits_batch_loss(model, params, batch, rng, deterministic):
+    """`pretrain.steps.batch_loss` before `head.tied_cross_entropy` (MLM only, as the benchmark): the full logits."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    import optax  # pylint: disable=import-outside-toplevel
+    from tupe_jax import head as head_lib  # pylint: disable=import-outside-toplevel
+    logits = model.apply({"params": params}, batch.inputs, input_mask=batch.input_mask,
+                         mlm_positions=batch.mlm_positions, deterministic=deterministic,
+                         rngs={"dropout": rng})["logits"]
+    labels, weights = batch.mlm_labels, batch.mlm_weights
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    correct = head_lib.argmax_hits(jax.lax.optimization_barrier(logits), labels)
+    return jnp.sum(nll * weights), {"weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
+
+
 def two_pass_hits(logits, labels):
-    """`pretrain.steps.argmax_hits` before its one-pass form (same values): the max, then a tie check against it."""
+    """`head.argmax_hits` before its one-pass form (same values): the max, then a tie check against it."""
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     top = jnp.max(logits, axis=-1)
     at_label = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
@@ -180,11 +201,13 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     load_before = os.getloadavg()
-    makers = {"current": lambda: build(args.slots), "argmax (before)": lambda: build(args.slots, plain_argmax=True),
+    makers = {"current": lambda: build(args.slots),
+              "argmax (before)": lambda: build(args.slots, plain_argmax=True, logits_head=True),
               "rbg": lambda: build(args.slots, "rbg"), "unsafe_rbg": lambda: build(args.slots, "unsafe_rbg"),
-              "two-pass accuracy (before)": lambda: build(args.slots, two_pass_accuracy=True),
+              "two-pass accuracy (before)": lambda: build(args.slots, two_pass_accuracy=True, logits_head=True),
               "uint32 mask halves (before)": lambda: build(args.slots, uint32_halves=True),
-              "plain head (before)": lambda: build(args.slots, plain_head=True),
+              "logits head (before)": lambda: build(args.slots, logits_head=True),
+              "plain head (before)": lambda: build(args.slots, plain_head=True, logits_head=True),
               "plain projections (before)": lambda: build(args.slots, plain_projections=True),
               "jax.nn.gelu (before)": lambda: build(args.slots, plain_gelu=True),
               "dX through Wᵀ (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(dx_through_transpose=True)),

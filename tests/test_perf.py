@@ -9,8 +9,9 @@
    for TUPE's bias and concat forms and for bert_a.
 4. (issue #18) The fused paths keep the positional bias exact enough in bf16: float32 on `xla`, a softmax-invariant
    row-max shift before cuDNN's bf16 bias; checked against the float32 einsum path on long ALiBi and TUPE-R inputs.
-5. (issue #18) The optimised train step (gather head, 1ᵀ·g bias gradient, `argmax_hits`, fused backend, CPU
-   projection layouts, GELU's erf form) matches a plain step in float32: loss, accuracy and gradients.
+5. (issue #18) The optimised train step (gather head, 1ᵀ·g bias gradient, `argmax_hits`, the chunked loss,
+   fused backend, CPU projection layouts, GELU's erf form) matches a plain step in float32: loss, accuracy and
+   gradients.
 """
 import dataclasses
 import functools
@@ -336,9 +337,9 @@ def _grads_recorder():
         lambda grads, state, params=None: (jax.tree_util.tree_map(jnp.zeros_like, grads), grads))
 
 
-@pytest.mark.parametrize("pe,backend", [("bert_a", "einsum"), ("tupe_r", "einsum"), ("tupe_r", "xla"),
-                                        ("alibi", "xla")])
-def test_optimised_train_step_matches_the_plain_step(pe, backend, monkeypatch):
+@pytest.mark.parametrize("pe,backend,chunk_rows", [("bert_a", "einsum", 0), ("tupe_r", "einsum", 0),
+                                                   ("tupe_r", "einsum", 3), ("tupe_r", "xla", 0), ("alibi", "xla", 0)])
+def test_optimised_train_step_matches_the_plain_step(pe, backend, chunk_rows, monkeypatch):
     """The pretraining train step as it runs — MLM head on the gathered slots, the bias gradient as 1ᵀ·g
     (`add_shared_bias`), accuracy by `argmax_hits`, the fused attention backend when asked (float32 bias), the
     XLA:CPU layouts of the tied output projection (`head.tied_logits`) and of every Dense layer
@@ -346,10 +347,15 @@ def test_optimised_train_step_matches_the_plain_step(pe, backend, monkeypatch):
     any of them: head on every position with dense label/weight grids, a broadcast `logits + bias`, `jnp.argmax`
     accuracy, einsum attention, `h · Eᵀ`, `lax.dot_general` and `jax.nn.gelu`. Same params, batch and dropout
     key (hidden dropout 0.1; attention dropout 0 so that the fused path really runs), float32: loss, accuracy and
-    every gradient leaf within 1e-5 (the formulations differ only in float32 rounding)."""
+    every gradient leaf within 1e-5 (the formulations differ only in float32 rounding). `chunk_rows` > 0: the
+    loss in `head.tied_cross_entropy`'s chunks with the gradient in the forward (8 rows: 4 chunks of 2), as at
+    the benchmark's equal-work shape; 0: the tiny head's logits fit one chunk, so the plain form runs."""
     from tupe_jax import attention as attention_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax.pretrain.steps import make_train_step  # pylint: disable=import-outside-toplevel
+    from tupe_jax import head as head_lib  # pylint: disable=import-outside-toplevel
+    if chunk_rows:
+        monkeypatch.setattr(head_lib, "CHUNK_BYTES", 4 * TINY["vocab_size"] * chunk_rows)
     cfg = config(pe, num_layers=2, dropout_rate=0.1, attention_dropout_rate=0.0, attention_backend=backend)
     params = init_params(cfg, jax.random.key(11))
     batch = jax.tree_util.tree_map(jnp.asarray, mlm_batch(seed=5))
@@ -393,7 +399,7 @@ def test_optimised_train_step_matches_the_plain_step(pe, backend, monkeypatch):
 def test_argmax_hits_is_argmax_with_first_index_ties():
     """`argmax_hits` equals `argmax(logits) == label` including ties (the first maximal index wins), at random
     logits (several keys) and at rows built with exact ties before, at and after the label, and with ±inf logits."""
-    from tupe_jax.pretrain.steps import argmax_hits  # pylint: disable=import-outside-toplevel
+    from tupe_jax.head import argmax_hits  # pylint: disable=import-outside-toplevel
     cases = []
     for seed in range(4):
         logits = jax.random.normal(jax.random.key(seed), (4, 6, 16))

@@ -23,7 +23,7 @@ from tupe_jax.activations import gelu
 from tupe_jax.attention import ATTENTION_BACKENDS, SelfAttention, attention_mask
 from tupe_jax.dropout import DROPOUT_BITS, make_dropout
 from tupe_jax.errors import require
-from tupe_jax.head import tied_logits
+from tupe_jax.head import tied_cross_entropy, tied_logits
 from tupe_jax.positional import PositionalSettings, canonical_name, make_positional
 from tupe_jax.projection import dense_dot_general
 
@@ -197,6 +197,10 @@ class Transformer(nn.Module):
         """Logits against the (tied) token embedding (`head.tied_logits`: nn.Embed.attend's maths)."""
         return tied_logits(h, self.embed.embedding, self.cfg.compute_dtype)
 
+    def cross_entropy(self, h: jax.Array, bias: Optional[jax.Array], labels: jax.Array, weights: jax.Array):
+        """(Σ w·NLL, Σ w·hit) of those logits (+ bias) (`head.tied_cross_entropy`)."""
+        return tied_cross_entropy(h, self.embed.embedding, bias, labels, weights, self.cfg.compute_dtype)
+
     def positional_terms(self, length: int, position_offset: int = 0):
         """The scheme's terms for a given length (for analysis)."""
         return self.positional(length, position_offset)
@@ -207,6 +211,8 @@ class TransformerLM(nn.Module):
 
     `mlm_positions` (B, P): run the MLM head only at those positions (the gather form); logits (B, P, V).
     Otherwise logits (B, L, V). Logits are float32.
+    `labels` and `label_weights` (B, P) or (B, L): return the loss sums instead of the logits, {'nll_sum':
+    Σ w·NLL, 'correct': Σ w·(argmax = label)} (`head.tied_cross_entropy`: on CPU the logits are never stored).
     """
 
     cfg: ModelConfig
@@ -214,19 +220,25 @@ class TransformerLM(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, input_mask: Optional[jax.Array] = None,
                  mlm_positions: Optional[jax.Array] = None, deterministic: bool = True, position_offset: int = 0,
-                 return_hidden: bool = False, return_attention: bool = False) -> dict:
+                 return_hidden: bool = False, return_attention: bool = False,
+                 labels: Optional[jax.Array] = None, label_weights: Optional[jax.Array] = None) -> dict:
         cfg = self.cfg
         encoder = Transformer(cfg, name="encoder")
         h, extras = encoder(tokens, input_mask, deterministic, position_offset, return_hidden, return_attention)
         if mlm_positions is not None:
             h = jnp.take_along_axis(h, mlm_positions[..., None].astype(jnp.int32), axis=1)
+        bias = None
         if not cfg.causal:
             h = dense(cfg.hidden_size, ("embed", "mlp"), cfg, "head_dense")(h)
             h = layer_norm(cfg, "head_ln")(gelu(h))
+            bias = self.param("head_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                              (cfg.vocab_size,), jnp.float32)
+        if labels is not None:
+            nll_sum, correct = encoder.cross_entropy(h, bias, labels, label_weights)
+            return {"nll_sum": nll_sum, "correct": correct, **extras}
         logits = encoder.attend(h).astype(jnp.float32)
-        if not cfg.causal:
-            logits = logits + self.param("head_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
-                                         (cfg.vocab_size,), jnp.float32)
+        if bias is not None:
+            logits = logits + bias
         return {"logits": logits, **extras}
 
 

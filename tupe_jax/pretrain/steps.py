@@ -14,7 +14,6 @@ from typing import Any, Callable, Iterable
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
 
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import sharding as sharding_lib
@@ -24,40 +23,19 @@ from tupe_jax.data.pipeline import resolve_max_predictions
 from tupe_jax.model import TransformerLM
 
 
-def argmax_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """float32 (argmax(logits, -1) == labels), first index winning ties, as `jnp.argmax`.
-
-    label = argmax  ⇔  no j < label has logits[j] ≥ logits[label]  and  no j > label has logits[j] > logits[label]:
-    one compare against the label's logit and one boolean reduce, a single pass over the (…, vocab) logits. Same
-    values as the argmax form, ±inf included (NaN rows aside: a non-finite loss stops the run anyway). XLA:CPU
-    lowers argmax to a variadic (value, index) reduce several times slower (the step with the head on all 128
-    positions ran 1.074× longer, benchmarks/results_levers_cpu.json), and the form before this one (a max, then
-    a tie check against it: two passes) ran 1.02× longer (benchmarks/results_levers_accuracy_*.json).
-    `batch_loss` passes the logits through an optimization barrier first: without it XLA re-fuses the loss
-    around this pass, which is slower, and the loss's float32 value moves by an ulp (tests/test_behaviour.py).
-    """
-    label = labels[..., None].astype(jnp.int32)
-    at_label = jnp.take_along_axis(logits, label, axis=-1)
-    index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-    beaten = jnp.where(index < label, logits >= at_label, logits > at_label)
-    return (~jnp.any(beaten, axis=-1)).astype(jnp.float32)
-
-
 def batch_loss(model: TransformerLM, params: Any, batch: LMBatch, rng: jax.Array, deterministic: bool):
     """(Σ token NLL, {'weight': Σ weights, 'correct': Σ weighted hits}) for an MLM or CLM batch. MLM scores the
-    gathered prediction slots (`mlm_positions`), CLM every next token."""
+    gathered prediction slots (`mlm_positions`), CLM every next token (`head.tied_cross_entropy`)."""
     if model.cfg.causal:
-        logits = model.apply({"params": params}, batch.inputs, deterministic=deterministic,
-                             rngs={"dropout": rng})["logits"]
         labels, weights = batch.targets, batch.weights
+        out = model.apply({"params": params}, batch.inputs, deterministic=deterministic, rngs={"dropout": rng},
+                          labels=labels, label_weights=weights)
     else:
-        logits = model.apply({"params": params}, batch.inputs, input_mask=batch.input_mask,
-                             mlm_positions=batch.mlm_positions, deterministic=deterministic,
-                             rngs={"dropout": rng})["logits"]
         labels, weights = batch.mlm_labels, batch.mlm_weights
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    correct = argmax_hits(jax.lax.optimization_barrier(logits), labels)   # the loss fuses as before
-    return jnp.sum(nll * weights), {"weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
+        out = model.apply({"params": params}, batch.inputs, input_mask=batch.input_mask,
+                          mlm_positions=batch.mlm_positions, deterministic=deterministic, rngs={"dropout": rng},
+                          labels=labels, label_weights=weights)
+    return out["nll_sum"], {"weight": jnp.sum(weights), "correct": out["correct"]}
 
 
 def make_train_step(model: TransformerLM, tx: optax.GradientTransformation, schedule: optax.Schedule,

@@ -1,0 +1,101 @@
+"""In-process A/B of the MLM head's loss and gradient: the plain form against `head.tied_cross_entropy`'s chunks.
+
+    python benchmarks/bench_head.py --rows 320,640,1024,2048 --chunks 0,128,256,512 --rounds 11 \
+        --json benchmarks/results_head_chunks.json
+
+The head alone at the benchmark's width (D 256, V 8192, float32, the MLM bias), value and gradient with respect
+to h, E and b, for each row count M in `--rows` (the benchmark's equal work is 16 × 128 = 2048 rows, its default
+head 16 × 20 = 320). Variants: `plain` (the full (M, V) logits, `head._plain`) and `chunks=<r>`, the chunked
+gradient form forced at about r rows a chunk (`head.chunking`; 0: one chunk of all M rows). Each round runs every
+variant in turn, `--steps` synced calls each; a variant's ratio to `plain` is taken within each round; reported:
+the median over rounds with its min–max and, from 6 rounds, the median's 95% interval (`rounds.spread`). Also
+checked before timing: every variant's loss and gradients match `plain` within 1e-5 relative. Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
+
+D, V = 256, 8192
+
+
+def variants(m: int, chunks: list[int]) -> dict:
+    """{name: jitted (h, E, b) -> (loss, grads)} for m rows (module docstring)."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from tupe_jax import head  # pylint: disable=import-outside-toplevel
+
+    k = jax.random.split(jax.random.PRNGKey(m), 2)
+    labels = jax.random.randint(k[0], (m,), 0, V)
+    weights = (jax.random.uniform(k[1], (m,)) > 0.15).astype(jnp.float32)
+
+    def grad(fn):
+        return jax.jit(jax.value_and_grad(lambda h, e, b: fn(h, e, b)[0], argnums=(0, 1, 2)))
+
+    out = {"plain": grad(lambda h, e, b: head._plain(h, e, b, labels, weights))}  # pylint: disable=protected-access
+    for rows in chunks:
+        out[f"chunks={rows}"] = grad(lambda h, e, b, r=rows or m: head.tied_cross_entropy(
+            h, e, b, labels, weights, jnp.float32, rows=r))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="320,640,1024,2048")
+    ap.add_argument("--chunks", default="0,128,256,512")
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    import jax  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from tupe_jax.host import cpu_description  # pylint: disable=import-outside-toplevel
+    load_before = os.getloadavg()
+    out = {"command": "python benchmarks/bench_head.py " + " ".join(sys.argv[1:]), "cpu": cpu_description(),
+           "jax": jax.__version__, "loadavg_before": load_before, "shapes": {}}
+    for m in (int(x) for x in args.rows.split(",")):
+        chunks = [int(x) for x in args.chunks.split(",") if int(x) < m]
+        fns = variants(m, chunks)
+        k = jax.random.split(jax.random.PRNGKey(0), 3)
+        inputs = (jax.random.normal(k[0], (m, D)), jax.random.normal(k[1], (V, D)) * 0.05,
+                  jax.random.normal(k[2], (V,)) * 0.1)
+        want = jax.tree_util.tree_leaves(fns["plain"](*inputs))
+        for name, fn in fns.items():
+            for got, ref in zip(jax.tree_util.tree_leaves(fn(*inputs)), want):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5,
+                                           atol=1e-5 * float(np.max(np.abs(ref))), err_msg=f"{name} at {m} rows")
+        times = {name: [] for name in fns}
+        for i in range(args.rounds):
+            for name, fn in fns.items():
+                jax.block_until_ready(fn(*inputs))
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    result = fn(*inputs)
+                jax.block_until_ready(result)
+                times[name].append(1e3 * (time.perf_counter() - t0) / args.steps)
+            print(f"{m} rows: round {i + 1}/{args.rounds}", flush=True)
+        entry = {"ms_per_round": times, "ratio_to_plain": {}}
+        for name, values in times.items():
+            r = spread([a / b for a, b in zip(values, times["plain"])])
+            entry["ratio_to_plain"][name] = r
+            ci = f", 95% interval {r['ci95'][0]:.3f}–{r['ci95'][1]:.3f}" if r["ci95"] else ""
+            print(f"  {m} rows, {name}: {statistics.median(values):.1f} ms; {r['median']:.3f}× plain "
+                  f"({r['min']:.3f}–{r['max']:.3f}{ci})", flush=True)
+        out["shapes"][str(m)] = entry
+    out["loadavg_after"] = os.getloadavg()
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
