@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -60,7 +61,7 @@ def main() -> None:
     import numpy as np  # pylint: disable=import-outside-toplevel
     from tupe_jax.host import cpu_description  # pylint: disable=import-outside-toplevel
     load_before = os.getloadavg()
-    out = {"command": "python benchmarks/bench_head.py " + " ".join(sys.argv[1:]), "cpu": cpu_description(),
+    out = {"command": "python benchmarks/bench_head.py " + shlex.join(sys.argv[1:]), "cpu": cpu_description(),
            "jax": jax.__version__, "loadavg_before": load_before, "shapes": {}}
     for m in (int(x) for x in args.rows.split(",")):
         chunks = [int(x) for x in args.chunks.split(",") if int(x) < m]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -230,7 +231,7 @@ def main() -> None:
             per[name].append(1e3 * run(variant, args.steps))
             cpu[name].append(1e3 * run(variant, args.steps, cpu=True))
         loads.append(os.getloadavg()[0])
-    out = {"command": "python benchmarks/bench_levers.py " + " ".join(sys.argv[1:]), "slots": args.slots,
+    out = {"command": "python benchmarks/bench_levers.py " + shlex.join(sys.argv[1:]), "slots": args.slots,
            "loadavg_before": load_before, "loadavg_per_round": loads, "step_ms_per_round": per,
            "cpu_ms_per_round": cpu, "ratios": {}, "cpu_ratios": {}}
     for name, values in per.items():

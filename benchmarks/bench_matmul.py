@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -61,7 +62,7 @@ def main() -> None:
             per[name].append(2 * m * k * f / statistics.median(times) / 1e9)
         print(f"# round {r}: " + ", ".join(f"{v[-1]:.0f}" for v in per.values()) + " GFLOP/s", flush=True)
     from tupe_jax.host import cpu_description  # pylint: disable=import-outside-toplevel
-    out = {"command": "python benchmarks/bench_matmul.py " + " ".join(sys.argv[1:]), "jax": jax.__version__,
+    out = {"command": "python benchmarks/bench_matmul.py " + shlex.join(sys.argv[1:]), "jax": jax.__version__,
            "cpu": cpu_description(),
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),

@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -311,7 +312,7 @@ def main() -> None:
     sys.path.insert(0, ROOT)
     from tupe_jax import host  # pylint: disable=import-outside-toplevel
     with open(out, "w", encoding="utf-8") as f:
-        json.dump({"command": "python benchmarks/bench_train.py " + " ".join(sys.argv[1:]), "started": started,
+        json.dump({"command": "python benchmarks/bench_train.py " + shlex.join(sys.argv[1:]), "started": started,
                    "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "shape": s,
                    "args": vars(args), "machine": f"{platform.processor() or platform.machine()}, "
                    f"{os.cpu_count()} cores", "cpu": host.cpu_description(), "peaks_flops": peaks,

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -209,7 +210,7 @@ def main() -> None:
         elapsed = time.perf_counter() - t0
         jax.profiler.stop_trace()
         trace = json.load(gzip.open(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)[0]))
-    out = {"command": "python benchmarks/profile_step.py " + " ".join(sys.argv[1:]), "slots": args.slots,
+    out = {"command": "python benchmarks/profile_step.py " + shlex.join(sys.argv[1:]), "slots": args.slots,
            "cpu": cpu_kind(), "cpu_description": cpu_description(), "jax": jax.__version__, "wall_ms_per_step_median": 1e3 * wall,
            "wall_ms_per_step_mean": 1e3 * elapsed / args.steps,
            **summarise(hlo, *busy_per_instruction(trace, args.steps))}
