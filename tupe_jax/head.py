@@ -80,7 +80,7 @@ def tied_cross_entropy(h: jax.Array, embedding: jax.Array, bias: Optional[jax.Ar
     h, embedding = h.astype(dtype), embedding.astype(dtype)
     d, v = h.shape[-1], embedding.shape[0]
     m = h.size // d
-    if jax.default_backend() != "cpu" or m == 0 or (rows <= 0 and m * v * 4 <= 2 * CHUNK_BYTES):
+    if jax.default_backend() != "cpu" or m == 0 or (rows <= 0 and m <= 2 * default_rows(v)):
         return _plain(h, embedding, bias, labels, weights)
     has_bias = bias is not None
     bias = jnp.zeros((v,), jnp.float32) if bias is None else bias.astype(jnp.float32)
@@ -89,10 +89,15 @@ def tied_cross_entropy(h: jax.Array, embedding: jax.Array, bias: Optional[jax.Ar
                     weights.reshape(m).astype(jnp.float32))
 
 
+def default_rows(v: int) -> int:
+    """Rows of a default chunk: `CHUNK_BYTES` of float32 logits over a vocabulary of v."""
+    return max(1, CHUNK_BYTES // (4 * v))
+
+
 def chunking(m: int, v: int, rows: int = 0) -> tuple[int, int]:
-    """(chunks, rows per chunk) covering m rows: about `rows` (0: CHUNK_BYTES // 4v) rows each, a divisor of m
+    """(chunks, rows per chunk) covering m rows: about `rows` (0: `default_rows(v)`) rows each, a divisor of m
     where one is near (within 2×), else the last chunk padded with weight-0 rows."""
-    want = max(1, min(m, rows if rows > 0 else CHUNK_BYTES // (4 * v)))
+    want = min(m, rows if rows > 0 else default_rows(v))
     n = -(-m // want)
     for k in range(n, min(2 * n, m) + 1):
         if m % k == 0:
@@ -101,12 +106,14 @@ def chunking(m: int, v: int, rows: int = 0) -> tuple[int, int]:
 
 
 def _plain(h, embedding, bias, labels, weights):
-    """The reference form: full logits, optax's cross entropy, `argmax_hits`."""
+    """The reference form: full logits, optax's cross entropy, `argmax_hits`. The barrier before the accuracy:
+    without it XLA re-fuses the loss around that pass, slower, and the loss's float32 value moves by an ulp
+    (tests/test_behaviour.py)."""
     logits = tied_logits(h, embedding, embedding.dtype).astype(jnp.float32)
     if bias is not None:
         logits = logits + bias
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    hits = argmax_hits(jax.lax.optimization_barrier(logits), labels)   # XLA re-fuses the loss slower without it
+    hits = argmax_hits(jax.lax.optimization_barrier(logits), labels)
     return jnp.sum(nll * weights), jnp.sum(hits * weights)
 
 
@@ -138,7 +145,7 @@ def _chunked_fwd(n, size, has_bias, h, embedding, bias, labels, weights):
         nll = jnp.sum((top[:, 0] + jnp.log(total) - at_label) * wc)
         hits = jnp.sum(argmax_hits(z, lc) * wc)
         dz = e * (wc / total)[:, None] - jnp.where(index == lc[:, None], wc[:, None], 0.0)
-        dh = (dz.astype(embedding.dtype) @ embedding).astype(h.dtype)
+        dh = dz.astype(embedding.dtype) @ embedding        # h and E share the compute dtype
         d_et = d_et + jnp.matmul(hc.T, dz.astype(hc.dtype), preferred_element_type=jnp.float32)
         if has_bias:
             d_b = d_b + jnp.sum(dz, axis=0)

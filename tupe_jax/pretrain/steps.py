@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
 
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import sharding as sharding_lib
@@ -27,14 +28,12 @@ def batch_loss(model: TransformerLM, params: Any, batch: LMBatch, rng: jax.Array
     """(Σ token NLL, {'weight': Σ weights, 'correct': Σ weighted hits}) for an MLM or CLM batch. MLM scores the
     gathered prediction slots (`mlm_positions`), CLM every next token (`head.tied_cross_entropy`)."""
     if model.cfg.causal:
-        labels, weights = batch.targets, batch.weights
-        out = model.apply({"params": params}, batch.inputs, deterministic=deterministic, rngs={"dropout": rng},
-                          labels=labels, label_weights=weights)
+        labels, weights, inputs = batch.targets, batch.weights, {}
     else:
         labels, weights = batch.mlm_labels, batch.mlm_weights
-        out = model.apply({"params": params}, batch.inputs, input_mask=batch.input_mask,
-                          mlm_positions=batch.mlm_positions, deterministic=deterministic, rngs={"dropout": rng},
-                          labels=labels, label_weights=weights)
+        inputs = {"input_mask": batch.input_mask, "mlm_positions": batch.mlm_positions}
+    out = model.apply({"params": params}, batch.inputs, deterministic=deterministic, rngs={"dropout": rng},
+                      labels=labels, label_weights=weights, **inputs)
     return out["nll_sum"], {"weight": jnp.sum(weights), "correct": out["correct"]}
 
 
