@@ -20,11 +20,17 @@ demo: $(STAMP)
 TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=900 \
 	--xla_cpu_collective_call_warn_stuck_timeout_seconds=300
 
+# One pytest worker per core (pytest-xdist), a test file per worker at a time: most of a test's time is
+# single-threaded tracing and compiling, so two workers on two cores take ~0.6x the serial time.
+# `make test WORKERS=0` runs in one process.
+WORKERS ?= auto
+PYTEST := XLA_FLAGS="$(TEST_XLA_FLAGS)" GLIBC_TUNABLES=glibc.malloc.hugetlb=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+
 test: $(STAMP)
-	XLA_FLAGS="$(TEST_XLA_FLAGS)" GLIBC_TUNABLES=glibc.malloc.hugetlb=1 $(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: $(STAMP)
-	XLA_FLAGS="$(TEST_XLA_FLAGS)" GLIBC_TUNABLES=glibc.malloc.hugetlb=1 $(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) runs
