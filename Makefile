@@ -21,7 +21,8 @@ TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_cpu_collective_
 	--xla_cpu_collective_call_warn_stuck_timeout_seconds=300
 
 # One pytest worker per core (pytest-xdist), a test file per worker at a time: most of a test's time is
-# single-threaded tracing and compiling, so two workers on two cores take ~0.6x the serial time.
+# single-threaded tracing and compiling, so two workers on two cores take ~0.7x the serial time
+# (benchmarks/results_suite_time_avx2.json).
 # `make test WORKERS=0` runs in one process.
 WORKERS ?= auto
 PYTEST := XLA_FLAGS="$(TEST_XLA_FLAGS)" GLIBC_TUNABLES=glibc.malloc.hugetlb=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
