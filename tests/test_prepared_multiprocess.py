@@ -1,5 +1,6 @@
 """Two real JAX processes (jax.distributed, gloo) on one prepared directory: disjoint rows whose union is the
-single-process global batch bitwise, and a kill -9 of both + resume that continues exactly."""
+single-process global batch bitwise, and a kill -9 of both + resume that continues exactly (the first run
+started staggered, process 1 only once process 0 waits for it)."""
 import json
 import os
 import signal
@@ -80,10 +81,40 @@ def pretrain_cmd(workdir, folder, port=None, pid=None, steps=24):
     return cmd
 
 
-def two_processes(workdir, folder):
+# process 1 of a staggered run, as a host that boots late on a pod: `python -m launch` whose workdir checks begin
+# only once process 0 is past its own (waiting for process 1, or — were it not to wait — creating `checkpoints/`)
+LATE = r"""
+import importlib, os, runpy, time
+claim = importlib.import_module("tupe_jax.workdir.claim")   # the module (the package exports the function)
+checks, log = claim.check_config, os.environ["STAGGER_LOG"]
+def late(workdir, *args, **kwargs):
+    deadline = time.time() + 300
+    while time.time() < deadline and not os.path.exists(os.path.join(workdir, "checkpoints")) and \
+            "waiting for the other processes" not in open(log, encoding="utf-8").read():
+        time.sleep(0.05)
+    return checks(workdir, *args, **kwargs)
+claim.check_config = late
+runpy.run_module("launch", run_name="__main__", alter_sys=True)
+"""
+
+
+def two_processes(workdir, folder, stagger_log=None):
+    """The two processes of one run; with `stagger_log` (a file for process 0's stdout) process 1 is `LATE`. The
+    folder must not change under a late process's checks: Orbax's reads there are collective, and are made only
+    when `checkpoints/` exists."""
     port = free_port()
-    return [subprocess.Popen(pretrain_cmd(workdir, folder, port, i), cwd=ROOT, env=env(2), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True) for i in range(2)]
+    procs = []
+    for i in range(2):
+        cmd, out, extra = pretrain_cmd(workdir, folder, port, i), subprocess.PIPE, {}
+        if stagger_log and i == 0:
+            out = open(stagger_log, "w", encoding="utf-8")   # pylint: disable=consider-using-with
+        elif stagger_log:
+            cmd, extra = [sys.executable, "-c", LATE] + cmd[3:], {"STAGGER_LOG": str(stagger_log)}
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**env(2), **extra}, stdout=out, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))
+        if out is not subprocess.PIPE:
+            out.close()
+    return procs
 
 
 def losses(workdir):
@@ -102,7 +133,8 @@ def finish(procs):
 
 @pytest.mark.slow
 def test_two_processes_kill_9_and_resume_continue_exactly(folder, tmp_path):
-    finish(two_processes(tmp_path / "straight", folder))
+    finish(two_processes(tmp_path / "straight", folder, stagger_log=tmp_path / "straight0.out"))
+    assert "waiting for the other processes" in (tmp_path / "straight0.out").read_text(encoding="utf-8")
     procs = two_processes(tmp_path / "killed", folder)
     ckpt = tmp_path / "killed" / "checkpoints"
     deadline = time.time() + 600

@@ -1,11 +1,13 @@
 """`claim(workdir, config)`: the one way a command takes a run folder.
 
-In order, before the command computes anything: the folder path is usable (`check_folder`), no other process
-holds it (process 0: `lock.refuse_if_held`, read only, so a live run's pruning of old checkpoints cannot race
-the gate's reads), the config passes the gate (`gate.check_config`: nothing written yet), the folder's lock is
-taken (`lock.RunLock`), config.json is stored and a provenance row appended (process 0; `provenance.py`). If the
-command then fails — a UserError or anything unexpected, but not an interrupt — what it created in the folder is
-removed unless it holds checkpoints or results; what was there before is never touched.
+In order, before the command computes anything: the folder path is usable (`check_folder`), no other process holds
+it (process 0: `lock.refuse_if_held`, read only, so a live run's pruning of old checkpoints cannot race the gate's
+reads), the config passes the gate (`gate.check_config`: nothing written yet), every process has passed it
+(`wait_for_all_processes`: a multi-process run decides from the folder which collective reads to make, so it must
+not change under a late process's checks), the folder's lock is taken (`lock.RunLock`), config.json is stored and a
+provenance row appended (process 0; `provenance.py`). If the command then fails — a UserError or anything
+unexpected, but not an interrupt — what it created in the folder is removed unless it holds checkpoints or results;
+what was there before is never touched.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Iterator, Optional
 
 import jax
 import ml_collections
+from jax.experimental import multihost_utils
 
 from tupe_jax import files
 from tupe_jax.errors import UserError
@@ -99,6 +102,18 @@ def remove_partial_outputs(workdir: str, before: Optional[set[str]]) -> None:
         os.rmdir(workdir)
 
 
+def wait_for_all_processes(workdir: str) -> None:
+    """A multi-process run: return once every process has passed the checks. They read the folder, and what they
+    find decides which collective calls follow (Orbax's reads of `checkpoints/`, which each begin with a barrier,
+    run only if it exists), so no process may write it — process 0 takes the lock, then creates `checkpoints/` —
+    while another, started late, is still checking."""
+    if jax.process_count() == 1:
+        return
+    print(f"{workdir}: process {jax.process_index()} of {jax.process_count()} passed the workdir checks; waiting for "
+          "the other processes", flush=True)
+    multihost_utils.sync_global_devices(f"tupe_jax.claim {files.absolute(workdir)}")
+
+
 _CLAIMED: set[str] = set()   # folders this process is inside a claim of
 
 
@@ -115,6 +130,7 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
     if lead:                         # before the gate reads checkpoints that a live run may be pruning (the
         refuse_if_held(workdir)      # other processes of this run find the lock that process 0 takes: not theirs)
     changes = check_config(workdir, config, overwrite=overwrite)   # refuse before anything (even the lock) is written
+    wait_for_all_processes(workdir)
     before = set(files.listdir(workdir)) if files.isdir(workdir) else None
     lock = RunLock(workdir) if lead else contextlib.nullcontext()
     try:
