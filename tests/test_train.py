@@ -17,7 +17,6 @@ from tupe_jax.errors import UserError
 from tupe_jax.pretrain import evaluate as evaluate_lib
 from tupe_jax.pretrain import loop as pretrain_loop
 from tupe_jax.metrics import read_metrics
-from tupe_jax.positional import SCHEMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,10 +50,11 @@ def losses(workdir):
     return [m["loss"] for m in read_metrics(str(workdir)) if "loss" in m]
 
 
+# every scheme in both families is pinned by the golden run (tests/test_behaviour.py: its exact 20-step losses,
+# which are asserted to fall); here the default config (16-bit dropout masks, batch 16) over 50 steps, one per family
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["mlm", "clm"])
-@pytest.mark.parametrize("pe", SCHEMES)
-def test_loss_falls_for_every_scheme(pe, objective, cache_dir, tmp_path):
+@pytest.mark.parametrize("pe,objective", [("tupe_r", "mlm"), ("rope", "clm")])
+def test_loss_falls_with_the_default_config(pe, objective, cache_dir, tmp_path):
     config = tiny_config(f"pe={pe},objective={objective}", cache_dir, steps=50)
     pretrain_loop.pretrain(config, str(tmp_path), devices=jax.devices()[:1])   # speed: sharding is tested below
     curve = losses(tmp_path)
