@@ -1,5 +1,6 @@
 """The run-folder gate: what may change on resume (recorded), what is refused (naming key and values, nothing
 written), the checkpoint checks, claim's clean-up and provenance (one run per folder: test_lock.py)."""
+import importlib
 import json
 import os
 import platform
@@ -109,6 +110,43 @@ def test_claim_cleans_up_after_a_failure_but_keeps_what_was_there(tmp_path):
     after = tree(wd)
     assert "metrics.jsonl" not in after and after["notes.txt"] == before["notes.txt"]
     assert not os.path.exists(os.path.join(wd, ".lock"))
+
+
+def as_process_0_of_2(monkeypatch, barrier):
+    """claim in a (simulated) 2-process run whose cross-process barrier is `barrier(name)`."""
+    claim_module = importlib.import_module("tupe_jax.workdir.claim")   # the package exports the function
+    monkeypatch.setattr(claim_module.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(claim_module.multihost_utils, "sync_global_devices", barrier)
+
+
+def test_a_multi_process_claim_writes_only_once_every_process_passed_the_checks(tmp_path, monkeypatch, capsys):
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    before, at_barrier = tree(wd), []
+    as_process_0_of_2(monkeypatch, lambda name: at_barrier.append((name, tree(wd))))
+    with workdir_lib.claim(wd, load_config(**{"train.steps": 2000})):   # an allowed change: config.json is rewritten
+        assert os.path.exists(os.path.join(wd, ".lock"))
+    assert at_barrier == [(f"tupe_jax.claim {os.path.abspath(wd)}", before)]   # nothing written before it
+    assert "process 0 of 2 passed the workdir checks; waiting for the other processes" in capsys.readouterr().out
+    assert tree(wd) != before
+
+
+def test_processes_given_different_workdirs_are_refused_with_nothing_written(tmp_path, monkeypatch):
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    before = tree(wd)
+
+    def mismatch(name):   # what jax's barrier raises when the processes' names differ
+        raise AssertionError(f"sync_global_devices name mismatch ('{name}')")
+
+    as_process_0_of_2(monkeypatch, mismatch)
+    with pytest.raises(UserError) as info:
+        with workdir_lib.claim(wd, load_config(**{"train.steps": 2000})):
+            pytest.fail("the command ran")
+    assert str(info.value) == (f"error: the processes of this run were given different workdirs ({os.path.abspath(wd)}"
+                               " on process 0), --workdir, give every process the same --workdir: a folder they "
+                               "share or a gs:// path")
+    assert tree(wd) == before
 
 
 def test_nothing_outside_the_workdir_and_no_downloading_line(tmp_path):

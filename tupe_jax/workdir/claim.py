@@ -111,7 +111,12 @@ def wait_for_all_processes(workdir: str) -> None:
         return
     print(f"{workdir}: process {jax.process_index()} of {jax.process_count()} passed the workdir checks; waiting for "
           "the other processes", flush=True)
-    multihost_utils.sync_global_devices(f"tupe_jax.claim {files.absolute(workdir)}")
+    try:   # the folder is part of the barrier's name: processes sent to different folders stop here, all of them
+        multihost_utils.sync_global_devices(f"tupe_jax.claim {files.absolute(workdir)}")
+    except AssertionError:
+        raise UserError(f"the processes of this run were given different workdirs ({files.absolute(workdir)} on "
+                        f"process {jax.process_index()})", "--workdir",
+                        "give every process the same --workdir: a folder they share or a gs:// path") from None
 
 
 _CLAIMED: set[str] = set()   # folders this process is inside a claim of
