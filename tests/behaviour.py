@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 
@@ -29,8 +30,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the suite's 8 fake devices (tests/conftest.py): the recording must come from the device count the test runs on,
-# since the sharded weight-gradient sums (projection.dense_dot_general) round differently on one device
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# since the sharded weight-gradient sums (projection.dense_dot_general) round differently on one device; and XLA's
+# default optimisation level (the suite compiles at -O0, whose machine code rounds differently: `record_at_default`)
+RECORDING_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("XLA_FLAGS", RECORDING_XLA_FLAGS)
 from tupe_jax import host  # noqa: E402  pylint: disable=wrong-import-position
 
 GOLDEN = os.path.join(ROOT, "tests", "data", "behaviour.json")
@@ -135,7 +138,10 @@ def run_finetune(pretrain_workdir: str, workdir: str, cache_dir: str) -> dict:
 
 
 def record(root: str, schemes=SCHEMES, objectives=OBJECTIVES, finetune: bool = True) -> dict:
-    """Run the loops under `root` and return the fingerprint."""
+    """Run the loops under `root` and return the fingerprint (at XLA's default optimisation level only)."""
+    if "optimization_level" in os.environ["XLA_FLAGS"]:
+        sys.exit(f"error: XLA_FLAGS sets an optimisation level ({os.environ['XLA_FLAGS']!r}), a recording is made at "
+                 f"XLA's default ({RECORDING_XLA_FLAGS!r}), unset XLA_FLAGS (or use record_at_default)")
     cache = os.path.join(root, "cache")
     os.environ["TUPE_JAX_CACHE"] = cache
     out: dict = {"stack": stack(), "pretrain": {}, "finetune": {}}
@@ -151,6 +157,18 @@ def record(root: str, schemes=SCHEMES, objectives=OBJECTIVES, finetune: bool = T
         print("behaviour: finetune wordorder from tupe_r-mlm", flush=True)
         out["finetune"]["wordorder-tupe_r"] = run_finetune(pre, os.path.join(root, "ft"), cache)
     return out
+
+
+def record_at_default(root: str, schemes=SCHEMES, objectives=OBJECTIVES, finetune: bool = True) -> dict:
+    """`record` in a fresh process with `RECORDING_XLA_FLAGS` (what a recording was made with), from a test process
+    that compiles at -O0 (tests/conftest.py)."""
+    out = os.path.join(root, "record.json")
+    code = ("import json, sys; from tests import behaviour as B; a = sys.argv[1:]; json.dump(B.record(a[0], "
+            "tuple(a[1].split(',')), tuple(a[2].split(',')), a[3] == '1'), open(a[4], 'w', encoding='utf-8'))")
+    subprocess.run([sys.executable, "-c", code, root, ",".join(schemes), ",".join(objectives), str(int(finetune)), out],
+                   cwd=ROOT, env={**os.environ, "XLA_FLAGS": RECORDING_XLA_FLAGS}, check=True, timeout=3000)
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _write(path: str, result: dict) -> None:

@@ -52,7 +52,7 @@ def test_agrees_is_relative_to_1e5():
 
 
 def test_two_schemes_and_a_finetune_reproduce_the_golden_run(tmp_path):
-    got = B.record(str(tmp_path), schemes=("tupe_r",), objectives=("mlm", "clm"), finetune=True)
+    got = B.record_at_default(str(tmp_path), schemes=("tupe_r",), objectives=("mlm", "clm"), finetune=True)
     check("pretrain", got)
     check("finetune", got)
 
@@ -60,7 +60,7 @@ def test_two_schemes_and_a_finetune_reproduce_the_golden_run(tmp_path):
 @pytest.mark.slow
 def test_every_scheme_reproduces_the_golden_run(tmp_path):
     schemes = tuple(s for s in B.SCHEMES if s != "tupe_r")
-    check("pretrain", B.record(str(tmp_path), schemes=schemes, finetune=False))
+    check("pretrain", B.record_at_default(str(tmp_path), schemes=schemes, finetune=False))
 
 
 def _fake_golden(tmp_path, monkeypatch, result: dict):

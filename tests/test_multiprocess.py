@@ -32,7 +32,8 @@ def command(workdir, cache_dir, extra=()):
 
 
 def env(devices):
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_cpu_collective_call_terminate_timeout_seconds=900"
+    flags = (f"--xla_force_host_platform_device_count={devices} "   # -O0: as tests/conftest.py
+             "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_backend_optimization_level=0")
     return {**os.environ, "XLA_FLAGS": flags, "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
             "JAX_PLATFORMS": "cpu"}
 

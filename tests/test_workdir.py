@@ -160,7 +160,8 @@ def test_nothing_outside_the_workdir_and_no_downloading_line(tmp_path):
             "--config.model.mlp_dim=64", "--config.model.vocab_size=512", "--config.model.max_len=32",
             "--config.train.steps=1", "--config.train.batch_size=8", "--config.train.eval_every=0",
             "--config.checkpoint.async_save=false", f"--config.data.cache_dir={tmp_path / 'cache'}"]
-    env = {**os.environ, "TMPDIR": str(scratch), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "TMPDIR": str(scratch),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
     env.pop("GLIBC_TUNABLES", None)             # the launcher sets the huge-page tunable itself (allocator.py)
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
