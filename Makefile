@@ -15,18 +15,15 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) -m launch demo --workdir=runs/demo
 
-# 8 fake CPU devices (set before JAX starts); a long collective timeout because 8 devices share 2 cores; XLA's
-# backend at -O0, which halves compile times (tests/conftest.py says why the numbers tests compare still hold).
+# XLA_FLAGS: the suite's own (tests/xla_flags.py: 8 fake CPU devices, -O0), not one from the caller's shell.
 # GLIBC_TUNABLES: huge pages for XLA:CPU's per-call buffers, as `python -m launch` sets for itself (tupe_jax/allocator.py).
-TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=900 \
-	--xla_cpu_collective_call_warn_stuck_timeout_seconds=300 --xla_backend_optimization_level=0
 
 # One pytest worker per core (pytest-xdist), a test file per worker at a time: most of a test's time is
 # single-threaded tracing and compiling, so two workers on two cores take ~0.7x the serial time
 # (benchmarks/results_suite_time_avx2.json).
 # `make test WORKERS=0` runs in one process.
 WORKERS ?= auto
-PYTEST := XLA_FLAGS="$(TEST_XLA_FLAGS)" GLIBC_TUNABLES=glibc.malloc.hugetlb=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+PYTEST := env -u XLA_FLAGS GLIBC_TUNABLES=glibc.malloc.hugetlb=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
 test: $(STAMP)
 	$(PYTEST) tests

@@ -2,22 +2,16 @@
 import os
 import sys
 
-# 8 fake CPU devices; on a loaded 2-core machine a collective can wait far longer than XLA's default 40 s
-# before every fake device reaches it, so the termination timeout is raised (it only ever aborts, never helps).
-# XLA's LLVM backend at -O0: compiling is most of a test's time, and -O0 halves it (test_model + test_kernels:
-# 378 -> 177 s on 2 cores). The optimised HLO is the same, only the machine code (and so the last bit of some
-# sums) differs; the golden run, compared bitwise, is made at the default level in its own process (behaviour.py).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                      "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
-                      "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300 "
-                      "--xla_backend_optimization_level=0")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import xla_flags  # noqa: E402  (nothing of jax imported yet)
+
+os.environ.setdefault("XLA_FLAGS", xla_flags.SUITE)   # 8 fake CPU devices, -O0 (tests/xla_flags.py says why)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same tiny programs again (each pretrain() call builds fresh closures): a persistent
 # compilation cache shared by the test processes turns those recompiles into disk reads.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                                  f"tupe_jax_test_xla_cache_{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pytest_configure(config):

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests import xla_flags
 from tests.gcs_fixtures import BUCKET, gcs  # noqa: F401  (the fixture)
 from tupe_jax import config as config_lib
 from tupe_jax import files
@@ -133,8 +134,7 @@ def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resu
     flags = [f"--config.{k}={v}" for k, v in {**TINY, "train.steps": "12"}.items()] + \
         [f"--config.data.cache_dir={tmp_path / 'cache'}"]
     argv = [sys.executable, "-m", "launch", "pretrain", "--config=configs/pretrain.py:pe=tupe_r", *flags]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
-           "TUPE_JAX_LEASE_SECONDS": "4"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags.devices(1), "TUPE_JAX_LEASE_SECONDS": "4"}
     subprocess.run(argv + [f"--workdir={tmp_path / 'local'}"], cwd=ROOT, env=env, check=True, capture_output=True,
                    timeout=600)
     child = subprocess.Popen(argv + [f"--workdir={remote}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -12,6 +12,7 @@ import pytest
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
 from tests.workdir_fixtures import ROOT, load_config, tree
+from tests import xla_flags
 
 LOCKER = r'''
 import sys, time
@@ -110,7 +111,7 @@ def test_two_pretrain_processes_on_one_workdir_then_kill_9_and_resume(tmp_path):
             "--config.train.steps=100000", "--config.train.batch_size=8", "--config.train.log_every=1",
             "--config.checkpoint.every=5", "--config.checkpoint.async_save=false",
             f"--config.data.cache_dir={tmp_path / 'cache'}"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags.devices(1)}
     first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in first.stdout:            # wait until it trains (and so holds the folder)

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests import xla_flags
 from tupe_jax.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,9 +33,7 @@ def command(workdir, cache_dir, extra=()):
 
 
 def env(devices):
-    flags = (f"--xla_force_host_platform_device_count={devices} "   # -O0: as tests/conftest.py
-             "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_backend_optimization_level=0")
-    return {**os.environ, "XLA_FLAGS": flags, "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+    return {**os.environ, "XLA_FLAGS": xla_flags.devices(devices), "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
             "JAX_PLATFORMS": "cpu"}
 
 

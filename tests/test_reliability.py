@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from configs import pretrain as pretrain_config
+from tests import xla_flags
 from tupe_jax import checkpoint as ckpt
 from tupe_jax import config as config_lib
 from tupe_jax import trainer as trainer_lib
@@ -104,8 +105,8 @@ def cache_dir(tmp_path_factory):
 
 
 def run_child(workdir, kill=None, timeout=300):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
-               KILL=json.dumps(kill), PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=xla_flags.devices(1), KILL=json.dumps(kill),
+               PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-c", CHILD, str(workdir)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
@@ -466,7 +467,7 @@ def test_demo_pipeline_runs_without_network(tmp_path):
             f"rc = launch.main(['pretrain', '--config=configs/pretrain.py:pe=tupe_r', '--workdir={wd}'] + {overrides!r})"
             f"\nrc = rc or launch.main(['evaluate', '--workdir={wd}'])\nsys.exit(rc)\n")
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}", TUPE_JAX_CACHE=str(cache),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0", NO_PROXY="*")
+               XLA_FLAGS=xla_flags.devices(1), NO_PROXY="*")
     for key in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
         env.pop(key, None)
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

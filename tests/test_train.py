@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from configs import pretrain as pretrain_config
+from tests import xla_flags
 from tupe_jax import config as config_lib
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
@@ -72,7 +73,7 @@ def test_losses_equal_across_meshes(cache_dir, tmp_path):
     # one device, in a fresh process (the device count is fixed when JAX starts)
     config = tiny_config("pe=tupe_r", cache_dir, steps=5)
     workdir_lib.write_config(str(tmp_path / "one"), config)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags.devices(1)}
     code = ("from tupe_jax.pretrain import loop; from tupe_jax import workdir; import sys; "
             "loop.pretrain(workdir.read_config(sys.argv[1]), sys.argv[1])")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "one")], check=True, cwd=ROOT, env=env,

@@ -18,6 +18,7 @@ from tupe_jax import host
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
 from tests.workdir_fixtures import ROOT, load_config, tree
+from tests import xla_flags
 
 
 def fake_checkpoint(workdir, config, step):
@@ -160,8 +161,7 @@ def test_nothing_outside_the_workdir_and_no_downloading_line(tmp_path):
             "--config.model.mlp_dim=64", "--config.model.vocab_size=512", "--config.model.max_len=32",
             "--config.train.steps=1", "--config.train.batch_size=8", "--config.train.eval_every=0",
             "--config.checkpoint.async_save=false", f"--config.data.cache_dir={tmp_path / 'cache'}"]
-    env = {**os.environ, "TMPDIR": str(scratch),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+    env = {**os.environ, "TMPDIR": str(scratch), "XLA_FLAGS": xla_flags.devices(1)}
     env.pop("GLIBC_TUNABLES", None)             # the launcher sets the huge-page tunable itself (allocator.py)
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
