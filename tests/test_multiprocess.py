@@ -57,3 +57,31 @@ def test_two_processes_match_one_process(tmp_path):
     assert len(one) == len(two) == 5
     np.testing.assert_allclose(two, one, atol=1e-5, rtol=0)
     assert sorted(os.listdir(tmp_path / "multi" / "checkpoints"))[-1] == "5"
+
+
+@pytest.mark.slow
+def test_a_folder_locked_for_process_0_stops_both_processes_with_its_line(tmp_path):
+    """Only process 0 checks the lock; process 1 must not be left waiting for it at a collective call."""
+    from tests.test_lock import LOCKER
+    from tests.workdir_fixtures import tree
+    wd = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", LOCKER, str(wd), "600"], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    procs = []
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before, port = tree(wd), free_port()
+        procs = [subprocess.Popen(command(wd, tmp_path / "cache", [f"--coordinator_address=127.0.0.1:{port}",
+                                                                   "--num_processes=2", f"--process_id={i}"]),
+                                  cwd=ROOT, env=env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        outs = [p.communicate(timeout=180) for p in procs]
+        lines = [(err.strip().splitlines() or [""])[-1] for _, err in outs]
+        assert [p.returncode for p in procs] == [2, 2], lines
+        assert f"is in use by process {holder.pid} on" in lines[0] and lines[0].startswith("error: ")
+        assert lines[1].replace(" (found by process 0; this is process 1)", "", 1) == lines[0] != lines[1]
+        assert tree(wd) == before
+    finally:
+        for p in procs + [holder]:
+            p.kill()
+            p.wait()

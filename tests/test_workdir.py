@@ -113,41 +113,102 @@ def test_claim_cleans_up_after_a_failure_but_keeps_what_was_there(tmp_path):
     assert not os.path.exists(os.path.join(wd, ".lock"))
 
 
-def as_process_0_of_2(monkeypatch, barrier):
-    """claim in a (simulated) 2-process run whose cross-process barrier is `barrier(name)`."""
+def as_process_0_of_2(monkeypatch, barrier, process_1=lambda mine: mine):
+    """claim in a (simulated) 2-process run whose cross-process barrier is `barrier(name)` and whose process 1
+    contributes `process_1(process 0's row)` to the agreement; returns the rows process 0 gathered."""
     claim_module = importlib.import_module("tupe_jax.workdir.claim")   # the package exports the function
     monkeypatch.setattr(claim_module.jax, "process_count", lambda: 2)
     monkeypatch.setattr(claim_module.multihost_utils, "sync_global_devices", barrier)
+    gathered = []
+
+    def gather(mine):
+        gathered.append(mine)
+        return [mine, process_1(dict(mine))]
+    monkeypatch.setattr(claim_module, "gather", gather)
+    return gathered
 
 
 def test_a_multi_process_claim_writes_only_once_every_process_passed_the_checks(tmp_path, monkeypatch, capsys):
     wd = str(tmp_path / "run")
     workdir_lib.write_config(wd, load_config())
     before, at_barrier = tree(wd), []
-    as_process_0_of_2(monkeypatch, lambda name: at_barrier.append((name, tree(wd))))
+    gathered = as_process_0_of_2(monkeypatch, lambda name: at_barrier.append((name, tree(wd))))
     with workdir_lib.claim(wd, load_config(**{"train.steps": 2000})):   # an allowed change: config.json is rewritten
         assert os.path.exists(os.path.join(wd, ".lock"))
     assert at_barrier == [(f"tupe_jax.claim {os.path.abspath(wd)}", before)]   # nothing written before it
+    assert [(g["sees"], g["error"]) for g in gathered] == [("config.json, no checkpoints/", None)]
     assert "process 0 of 2 passed the workdir checks; waiting for the other processes" in capsys.readouterr().out
     assert tree(wd) != before
+
+
+def refused(wd, config):
+    with pytest.raises(UserError) as info:
+        with workdir_lib.claim(wd, config):
+            pytest.fail("the command ran")
+    return str(info.value)
+
+
+def never(name):
+    raise AssertionError(f"reached the barrier {name}")
 
 
 def test_processes_given_different_workdirs_are_refused_with_nothing_written(tmp_path, monkeypatch):
     wd = str(tmp_path / "run")
     workdir_lib.write_config(wd, load_config())
     before = tree(wd)
-
-    def mismatch(name):   # what jax's barrier raises when the processes' names differ
-        raise AssertionError(f"sync_global_devices name mismatch ('{name}')")
-
-    as_process_0_of_2(monkeypatch, mismatch)
-    with pytest.raises(UserError) as info:
-        with workdir_lib.claim(wd, load_config(**{"train.steps": 2000})):
-            pytest.fail("the command ran")
-    assert str(info.value) == (f"error: the processes of this run were given different workdirs ({os.path.abspath(wd)}"
-                               " on process 0), --workdir, give every process the same --workdir: a folder they "
-                               "share or a gs:// path")
+    as_process_0_of_2(monkeypatch, never, lambda row: {**row, "workdir": "0" * 64})
+    assert refused(wd, load_config(**{"train.steps": 2000})) == (
+        f"error: the processes of this run were given different workdirs ({os.path.abspath(wd)} on process 0), "
+        "--workdir, give every process the same --workdir: a folder they share or a gs:// path")
     assert tree(wd) == before
+
+
+def test_a_check_that_failed_on_another_process_stops_this_one_with_its_line(tmp_path, monkeypatch):
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    before = tree(wd)
+    as_process_0_of_2(monkeypatch, never, lambda row: {**row, "error": ["run folder x is locked", "--workdir", "wait"]})
+    assert refused(wd, load_config()) == \
+        "error: run folder x is locked (found by process 1; this is process 0), --workdir, wait"
+    assert tree(wd) == before
+
+
+def test_a_check_of_process_0_alone_is_shared_with_the_others(tmp_path, monkeypatch):
+    """The gate and the lock check are process 0's; what it finds reaches the gather, not just its own log."""
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    before = tree(wd)
+    gathered = as_process_0_of_2(monkeypatch, never)
+    claim_module = importlib.import_module("tupe_jax.workdir.claim")
+
+    def held(workdir):
+        raise UserError(f"run folder {workdir} is in use by process 7 on h", "--workdir", "wait for it to finish")
+    monkeypatch.setattr(claim_module, "refuse_if_held", held)
+    assert refused(wd, load_config()) == f"error: run folder {wd} is in use by process 7 on h, --workdir, wait for " \
+        "it to finish"
+    assert gathered[0]["error"] == [f"run folder {wd} is in use by process 7 on h", "--workdir", "wait for it to finish"]
+    assert tree(wd) == before
+
+
+def test_processes_that_see_the_folder_differently_are_refused(tmp_path, monkeypatch):
+    """A local --workdir on a pod: each host has its own disk, so process 1 finds nothing where process 0 has a run."""
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    fake_checkpoint(wd, load_config(), 40)
+    before = tree(wd)
+    as_process_0_of_2(monkeypatch, never, lambda row: {**row, "sees": "no folder"})
+    message = refused(wd, load_config())
+    assert message.startswith(f"error: the processes of this run see different contents in {os.path.abspath(wd)} "
+                              "(process 0: config.json, checkpoints/ with 1 steps (newest 40); process 1: no folder)")
+    assert message.endswith("--workdir, give every process one folder they share: a network file system mounted at "
+                            "the same path on every host, or a gs:// path")
+    assert tree(wd) == before
+
+
+def test_gather_round_trips_a_row():
+    claim_module = importlib.import_module("tupe_jax.workdir.claim")
+    row = {"workdir": "ab" * 32, "sees": "no folder", "error": ["é \u0000 \"x\"", "--workdir", ""]}
+    assert claim_module.gather(row) == [row]
 
 
 def test_nothing_outside_the_workdir_and_no_downloading_line(tmp_path):

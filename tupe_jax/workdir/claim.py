@@ -2,22 +2,26 @@
 
 In order, before the command computes anything: the folder path is usable (`check_folder`), no other process holds
 it (process 0: `lock.refuse_if_held`, read only, so a live run's pruning of old checkpoints cannot race the gate's
-reads), the config passes the gate (`gate.check_config`: nothing written yet), every process has passed it
-(`wait_for_all_processes`: a multi-process run decides from the folder which collective reads to make, so it must
-not change under a late process's checks), the folder's lock is taken (`lock.RunLock`), config.json is stored and a
-provenance row appended (process 0; `provenance.py`). If the command then fails — a UserError or anything
-unexpected, but not an interrupt — what it created in the folder is removed unless it holds checkpoints or results;
-what was there before is never touched.
+reads), the processes of a multi-process run agree (`agree`: the same folder, seen alike, and if any process's checks
+failed every process stops with that line), the config passes the gate (`gate.check_config`: nothing written yet),
+every process has passed it (`wait_for_all_processes`: a multi-process run decides from the folder which collective
+reads to make, so it must not change under a late process's checks), the folder's lock is taken (`lock.RunLock`),
+config.json is stored and a provenance row appended (process 0; `provenance.py`). If the command then fails — a
+UserError or anything unexpected, but not an interrupt — what it created in the folder is removed unless it holds
+checkpoints or results; what was there before is never touched.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import tempfile
 from typing import Iterator, Optional
 
 import jax
 import ml_collections
+import numpy as np
 from jax.experimental import multihost_utils
 
 from tupe_jax import files
@@ -102,6 +106,56 @@ def remove_partial_outputs(workdir: str, before: Optional[set[str]]) -> None:
         os.rmdir(workdir)
 
 
+def view(workdir: str) -> str:
+    """What this process sees of `workdir` that decides the gate's reads: the folder, config.json, checkpoint steps."""
+    if not files.isdir(workdir):
+        return "no folder"
+    ckpt = files.join(workdir, "checkpoints")
+    config = "config.json" if files.exists(files.join(workdir, "config.json")) else "no config.json"
+    if not files.isdir(ckpt):
+        return f"{config}, no checkpoints/"
+    steps = sorted(int(d) for d in files.listdir(ckpt) if d.isdigit())
+    return f"{config}, checkpoints/ with {len(steps)} steps" + (f" (newest {steps[-1]})" if steps else "")
+
+
+def gather(mine: dict) -> list[dict]:
+    """Every process's `mine` (a JSON-able dict), in process order: one `process_allgather` of byte rows."""
+    data = json.dumps(mine).encode("utf-8")
+    size = int(multihost_utils.process_allgather(np.asarray([len(data)], np.int32)).max())
+    row = np.zeros(size, np.uint8)
+    row[:len(data)] = np.frombuffer(data, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, size)
+    return [json.loads(bytes(r).rstrip(b"\0").decode("utf-8")) for r in rows]
+
+
+def agree(workdir: str, failure: Optional[UserError], sees: str) -> None:
+    """A multi-process run: every process stops here, with one line, if any process's checks failed (`failure`;
+    some checks are process 0's alone, and a process that stopped alone would leave the others waiting at the next
+    collective call), if the processes were given different workdirs, or if they see the folder differently
+    (`sees`: `view`; a local folder that is not shared between hosts). One process: raise `failure`, if any."""
+    if jax.process_count() == 1:
+        if failure is not None:
+            raise failure
+        return
+    me, path = jax.process_index(), files.absolute(workdir)
+    everyone = gather({"workdir": hashlib.sha256(path.encode("utf-8")).hexdigest(), "sees": sees,
+                       "error": None if failure is None else [failure.what, failure.where, failure.fix]})
+    if len({p["workdir"] for p in everyone}) > 1:
+        raise UserError(f"the processes of this run were given different workdirs ({path} on process {me})",
+                        "--workdir", "give every process the same --workdir: a folder they share or a gs:// path")
+    if failure is not None:
+        raise failure
+    for k, p in enumerate(everyone):
+        if p["error"] is not None:
+            what, where, fix = p["error"]
+            raise UserError(f"{what} (found by process {k}; this is process {me})", where, fix)
+    if len({p["sees"] for p in everyone}) > 1:
+        seen = "; ".join(f"process {k}: {p['sees']}" for k, p in enumerate(everyone))
+        raise UserError(f"the processes of this run see different contents in {path} ({seen})", "--workdir",
+                        "give every process one folder they share: a network file system mounted at the same path "
+                        "on every host, or a gs:// path")
+
+
 def wait_for_all_processes(workdir: str) -> None:
     """A multi-process run: return once every process has passed the checks. They read the folder, and what they
     find decides which collective calls follow (Orbax's reads of `checkpoints/`, which each begin with a barrier,
@@ -111,12 +165,7 @@ def wait_for_all_processes(workdir: str) -> None:
         return
     print(f"{workdir}: process {jax.process_index()} of {jax.process_count()} passed the workdir checks; waiting for "
           "the other processes", flush=True)
-    try:   # the folder is part of the barrier's name: processes sent to different folders stop here, all of them
-        multihost_utils.sync_global_devices(f"tupe_jax.claim {files.absolute(workdir)}")
-    except AssertionError:
-        raise UserError(f"the processes of this run were given different workdirs ({files.absolute(workdir)} on "
-                        f"process {jax.process_index()})", "--workdir",
-                        "give every process the same --workdir: a folder they share or a gs:// path") from None
+    multihost_utils.sync_global_devices(f"tupe_jax.claim {files.absolute(workdir)}")
 
 
 _CLAIMED: set[str] = set()   # folders this process is inside a claim of
@@ -131,9 +180,16 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
     if key in _CLAIMED:   # nested (the launcher's claim, then the loop's), on every process alike: Orbax's reads
         yield             # in the gate are collective in a multi-process run, so all processes must skip it
         return
-    check_folder(workdir, writable=lead)
-    if lead:                         # before the gate reads checkpoints that a live run may be pruning (the
-        refuse_if_held(workdir)      # other processes of this run find the lock that process 0 takes: not theirs)
+    failure, sees = None, ""
+    try:
+        check_folder(workdir, writable=lead)
+        if lead:                         # before the gate reads checkpoints that a live run may be pruning (the
+            refuse_if_held(workdir)      # other processes of this run find the lock that process 0 takes: not theirs)
+        if jax.process_count() > 1:
+            sees = view(workdir)
+    except UserError as err:
+        failure = err
+    agree(workdir, failure, sees)
     changes = check_config(workdir, config, overwrite=overwrite)   # refuse before anything (even the lock) is written
     wait_for_all_processes(workdir)
     before = set(files.listdir(workdir)) if files.isdir(workdir) else None
