@@ -108,21 +108,40 @@ def run_worker(args, kind: str, arg: str, predictions: int, allocator_mode: str 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_loop(args, s: dict, cache_dir: str) -> dict:
-    """The real `python -m launch pretrain` (bert_a, the benchmark's shape, embedded corpus) for `--loop_steps`;
-    steady-state tokens/s = median of its per-step metrics.jsonl rows (`log_every` 1) without the first
-    (compilation) and the last (end of run): the same estimator as the benchmark's median step. This VM now and
-    then stalls one step for 100-250 ms (the benchmark's own steps alike); a median over 5-step windows (the
-    estimator before) let those stalls in. The mean over the same rows is recorded too."""
-    workdir = tempfile.mkdtemp(prefix="bench_loop_")
-    over = {"model.num_layers": s["layers"], "model.hidden_size": s["hidden"], "model.num_heads": s["heads"],
+def loop_overrides(args, s: dict, cache_dir: str) -> dict:
+    """The loop job's `--config.` overrides: bert_a at the benchmark's shape and dropout, a metrics row every step,
+    no evaluation or checkpoint inside the run, the embedded corpus."""
+    return {"model.num_layers": s["layers"], "model.hidden_size": s["hidden"], "model.num_heads": s["heads"],
             "model.mlp_dim": s["mlp"], "model.vocab_size": s["vocab"], "model.max_len": s["seq"],
-            "model.dtype": "float32", "model.dropout_rate": args.dropout, "model.attention_dropout_rate": args.dropout,
-            "model.attention_backend": args.backend, "train.batch_size": s["batch"], "train.steps": args.loop_steps,
-            "train.log_every": 1, "train.eval_every": 10 ** 9, "checkpoint.every": 10 ** 9,
-            "data.name": "embedded", "data.max_predictions": args.predictions, "data.cache_dir": cache_dir}
+            "model.dtype": "float32", "model.dropout_rate": args.dropout,
+            "model.attention_dropout_rate": args.dropout, "model.attention_backend": args.backend,
+            "train.batch_size": s["batch"], "train.steps": args.loop_steps, "train.log_every": 1,
+            "train.eval_every": 10 ** 9, "checkpoint.every": 10 ** 9, "data.name": "embedded",
+            "data.max_predictions": args.predictions, "data.cache_dir": cache_dir}
+
+
+def loop_result(rows: list[dict], s: dict) -> dict:
+    """Steady-state tokens/s of a loop's metrics.jsonl rows: the median of its per-step rows (`log_every` 1)
+    without the first (compilation) and the last (end of run), the same estimator as the benchmark's median step.
+    This VM now and then stalls one step for 100-250 ms (the benchmark's own steps alike); a median over 5-step
+    windows (the estimator before) let those stalls in. The mean over the same rows is recorded too."""
+    windows = [r for r in rows if "tokens_per_sec" in r]
+    steady = windows[1:-1]
+    if not steady:
+        return {"error": [f"only {len(windows)} metrics windows; raise --loop_steps"]}
+    tokens_per_s = statistics.median(r["tokens_per_sec"] for r in steady)
+    return {"tokens_per_s_windows": [r["tokens_per_sec"] for r in windows], "steady_windows": len(steady),
+            "loop_tokens_per_s": tokens_per_s,
+            "loop_tokens_per_s_mean": s["batch"] * s["seq"] / statistics.mean(r["step_time_s"] for r in steady),
+            "step_ms": 1e3 * s["batch"] * s["seq"] / tokens_per_s}
+
+
+def run_loop(args, s: dict, cache_dir: str) -> dict:
+    """The real `python -m launch pretrain` (bert_a, the benchmark's shape, embedded corpus) for `--loop_steps`,
+    in its own process; its steady-state tokens/s (`loop_result`)."""
+    workdir = tempfile.mkdtemp(prefix="bench_loop_")
     cmd = [sys.executable, "-m", "launch", "pretrain", f"--config=configs/pretrain.py:pe=bert_a,size={args.shape}",
-           f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in over.items()]
+           f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in loop_overrides(args, s, cache_dir).items()]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=job_env(args.allocator, "loop"), cwd=ROOT,
                               check=False)
@@ -132,15 +151,8 @@ def run_loop(args, s: dict, cache_dir: str) -> dict:
             rows = [json.loads(line) for line in f]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    windows = [r for r in rows if "tokens_per_sec" in r]
-    steady = windows[1:-1]
-    if not steady:
-        return {"error": [f"only {len(windows)} metrics windows; raise --loop_steps"]}
-    tokens_per_s = statistics.median(r["tokens_per_sec"] for r in steady)
-    return {"tokens_per_s_windows": [r["tokens_per_sec"] for r in windows], "steady_windows": len(steady),
-            "loop_tokens_per_s": tokens_per_s,
-            "loop_tokens_per_s_mean": s["batch"] * s["seq"] / statistics.mean(r["step_time_s"] for r in steady), "step_ms": 1e3 * s["batch"] * s["seq"] / tokens_per_s,
-            "command": " ".join(cmd[1:])}
+    result = loop_result(rows, s)
+    return result if "error" in result else {**result, "command": " ".join(cmd[1:])}
 
 
 # ratio name -> (job whose step time is divided, job it is divided by): a step-time ratio, i.e. the tokens/s
