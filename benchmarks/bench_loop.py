@@ -59,7 +59,9 @@ def host_costs(args, s: dict, cache_dir: str, calls: int = 100, repeats: int = 3
     `repeats` runs of `calls` calls."""
     import resource  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
-    from tupe_jax import config as config_lib, data as data_lib, metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax import data as data_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
     config = config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + f":pe=bert_a,size={args.shape}")
     config = config_lib.apply_overrides(config, {k: str(v) for k, v in loop_overrides(args, s, cache_dir).items()})

@@ -136,7 +136,8 @@ def test_a_multi_process_claim_writes_only_once_every_process_passed_the_checks(
     with workdir_lib.claim(wd, load_config(**{"train.steps": 2000})):   # an allowed change: config.json is rewritten
         assert os.path.exists(os.path.join(wd, ".lock"))
     assert at_barrier == [(f"tupe_jax.claim {os.path.abspath(wd)}", before)]   # nothing written before it
-    assert [(g["sees"], g["error"]) for g in gathered] == [("config.json, no checkpoints/", None)]
+    assert [(g["stage"], g["sees"], g["error"]) for g in gathered] == [("checks", "config.json, no checkpoints/", None),
+                                                                       ("lock", "", None)]
     assert "process 0 of 2 passed the workdir checks; waiting for the other processes" in capsys.readouterr().out
     assert tree(wd) != before
 
@@ -186,7 +187,40 @@ def test_a_check_of_process_0_alone_is_shared_with_the_others(tmp_path, monkeypa
     monkeypatch.setattr(claim_module, "refuse_if_held", held)
     assert refused(wd, load_config()) == f"error: run folder {wd} is in use by process 7 on h, --workdir, wait for " \
         "it to finish"
-    assert gathered[0]["error"] == [f"run folder {wd} is in use by process 7 on h", "--workdir", "wait for it to finish"]
+    assert gathered[0]["error"] == [f"run folder {wd} is in use by process 7 on h", "--workdir",
+                                    "wait for it to finish"]
+    assert tree(wd) == before
+
+
+def test_a_lock_lost_on_process_0_is_shared_and_nothing_is_written(tmp_path, monkeypatch):
+    """Another launch took the lock between process 0's `refuse_if_held` and its `RunLock`."""
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    before = tree(wd)
+    gathered = as_process_0_of_2(monkeypatch, lambda name: None)
+    line = ["run folder x is in use by process 9 on h", "--workdir", "wait for it"]
+
+    def lost(workdir):
+        raise UserError(*line)
+    monkeypatch.setattr(importlib.import_module("tupe_jax.workdir.claim"), "RunLock", lost)
+    assert refused(wd, load_config()) == "error: run folder x is in use by process 9 on h, --workdir, wait for it"
+    assert [(g["stage"], g["error"]) for g in gathered] == [("checks", None), ("lock", line)]
+    assert tree(wd) == before
+
+
+def test_a_lock_lost_on_process_0_stops_process_1_too(tmp_path, monkeypatch):
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    before = tree(wd)
+    claim_module = importlib.import_module("tupe_jax.workdir.claim")
+    monkeypatch.setattr(claim_module.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(claim_module.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(claim_module.multihost_utils, "sync_global_devices", lambda name: None)
+    line = ["run folder x is in use by process 9 on h", "--workdir", "wait for it"]
+    monkeypatch.setattr(claim_module, "gather",   # process 0's row first: its lock step failed
+                        lambda mine: [{**mine, "error": line if mine["stage"] == "lock" else None}, mine])
+    assert refused(wd, load_config()) == ("error: run folder x is in use by process 9 on h (found by process 0; this "
+                                          "is process 1), --workdir, wait for it")
     assert tree(wd) == before
 
 

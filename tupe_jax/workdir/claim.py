@@ -6,7 +6,8 @@ reads), the processes of a multi-process run agree (`agree`: the same folder, se
 failed every process stops with that line), the config passes the gate (`gate.check_config`: nothing written yet),
 every process has passed it (`wait_for_all_processes`: a multi-process run decides from the folder which collective
 reads to make, so it must not change under a late process's checks), the folder's lock is taken (`lock.RunLock`),
-config.json is stored and a provenance row appended (process 0; `provenance.py`). If the command then fails — a
+config.json is stored and a provenance row appended (process 0; `provenance.py`; then `agree` again, so a failure
+there stops every process). If the command then fails — a
 UserError or anything unexpected, but not an interrupt — what it created in the folder is removed unless it holds
 checkpoints or results; what was there before is never touched.
 """
@@ -128,17 +129,18 @@ def gather(mine: dict) -> list[dict]:
     return [json.loads(bytes(r).rstrip(b"\0").decode("utf-8")) for r in rows]
 
 
-def agree(workdir: str, failure: Optional[UserError], sees: str) -> None:
+def agree(workdir: str, failure: Optional[UserError], sees: str, stage: str) -> None:
     """A multi-process run: every process stops here, with one line, if any process's checks failed (`failure`;
     some checks are process 0's alone, and a process that stopped alone would leave the others waiting at the next
     collective call), if the processes were given different workdirs, or if they see the folder differently
-    (`sees`: `view`; a local folder that is not shared between hosts). One process: raise `failure`, if any."""
+    (`sees`: `view`; a local folder that is not shared between hosts). `stage` names the step in the gathered rows
+    ("checks" before the gate, "lock" after process 0 took it). One process: raise `failure`, if any."""
     if jax.process_count() == 1:
         if failure is not None:
             raise failure
         return
     me, path = jax.process_index(), files.absolute(workdir)
-    everyone = gather({"workdir": hashlib.sha256(path.encode("utf-8")).hexdigest(), "sees": sees,
+    everyone = gather({"stage": stage, "workdir": hashlib.sha256(path.encode("utf-8")).hexdigest(), "sees": sees,
                        "error": None if failure is None else [failure.what, failure.where, failure.fix]})
     if len({p["workdir"] for p in everyone}) > 1:
         raise UserError(f"the processes of this run were given different workdirs ({path} on process {me})",
@@ -189,16 +191,21 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
             sees = view(workdir)
     except UserError as err:
         failure = err
-    agree(workdir, failure, sees)
+    agree(workdir, failure, sees, stage="checks")
     changes = check_config(workdir, config, overwrite=overwrite)   # refuse before anything (even the lock) is written
     wait_for_all_processes(workdir)
     before = set(files.listdir(workdir)) if files.isdir(workdir) else None
-    lock = RunLock(workdir) if lead else contextlib.nullcontext()
     try:
-        with lock:
-            if lead:
-                store_config(workdir, config, changes)
-                provenance.record(workdir)
+        with contextlib.ExitStack() as held:
+            failure = None
+            try:                 # process 0 alone; another launch may have taken the lock since refuse_if_held
+                if lead:
+                    held.enter_context(RunLock(workdir))
+                    store_config(workdir, config, changes)
+                    provenance.record(workdir)
+            except UserError as err:
+                failure = err
+            agree(workdir, failure, "", stage="lock")
             _CLAIMED.add(key)
             try:
                 yield
