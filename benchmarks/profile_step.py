@@ -11,7 +11,8 @@ Each instruction is labelled from the optimised HLO:
   threefry loop), `layout` (only copies, transposes, bitcasts, slices, concatenations), `elementwise` (the rest);
 - where: its `op_name` with the layer index dropped (`forward`/`backward` for `jvp(...)`/`transpose(jvp(...))`;
   `outside the model` for the loss, the clipping and AdamW);
-- for a matmul, its FLOPs (2 · output elements · contracted size) and so its rate.
+- for a matmul, its FLOPs (2 · output elements · contracted size, times the runs of its computation per step: a
+  while body's trip count; the `while` itself counts none) and so its rate.
 Two threads can run two instructions at once, so each instruction gets two times: busy (its own duration, summed
 over threads) and its wall share (each moment split evenly between the instructions running then; the shares sum
 to the wall time some instruction covered). A matmul's rate is over its wall share: what the machine did while it
@@ -66,7 +67,17 @@ def parse_hlo(text: str) -> dict:
         operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
         ops[name] = (opcode, operands, rest)
         comps[current].append(name)
-    return {"shapes": shapes, "ops": ops, "comps": comps, "entry": entry}
+    runs = {}   # computation -> times it runs per execution of the step: a while body runs its trip count times
+    for _ in range(4):                       # nested loops: repeat until the products settle
+        for comp, names in comps.items():
+            for name in names:
+                opcode, _, attrs = ops[name]
+                body = re.search(r"body=%([\w.\-]+)", attrs)
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+                if opcode == "while" and body and trips:
+                    runs[body.group(1)] = runs.get(comp, 1) * int(trips.group(1))
+    return {"shapes": shapes, "ops": ops, "comps": comps, "entry": entry, "runs": runs,
+            "home": {name: comp for comp, names in comps.items() for name in names}}
 
 
 def dot_flops(hlo: dict, name: str) -> int:
@@ -96,7 +107,10 @@ def describe(hlo: dict, name: str) -> dict:
     opcode, _, attrs = hlo["ops"][name]
     inner = [name] + called(hlo, name)
     opcodes = {hlo["ops"][n][0] for n in inner}
-    flops = sum(dot_flops(hlo, n) for n in inner if hlo["ops"][n][0] == "dot")
+    # a while loop's body instructions are traced (and counted) on their own, once per iteration: the loop's own
+    # event holds none of their work, and each of them does its FLOPs as many times as its body runs
+    flops = 0 if opcode == "while" else hlo["runs"].get(hlo["home"].get(name), 1) * sum(
+        dot_flops(hlo, n) for n in inner if hlo["ops"][n][0] == "dot")
     if flops:
         kind = "matmul"
     elif opcode == "while" or "threefry" in attrs:
