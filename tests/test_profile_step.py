@@ -87,3 +87,16 @@ def test_a_matmul_event_far_shorter_than_its_work_is_dispatch_only():
     out = summarise(hlo, busy, busy)
     assert out["dispatch_only"]["instructions"] == 1 and out["dispatch_only"]["gflop"] == flops[1] / 1e9
     assert sum(p["gflop"] for p in out["matmuls"].values()) == flops[0] / 1e9
+
+
+def test_a_while_body_does_its_flops_once_per_iteration():
+    """The chunked loss is a while loop: its body's instructions are traced per iteration, the loop's own event
+    holds none of their work."""
+    n = 64
+    hlo = compiled_hlo(lambda x, w: jax.lax.fori_loop(0, 8, lambda i, acc: jnp.tanh(acc @ w), x),
+                       jnp.ones((n, n)), jnp.ones((n, n)))
+    (body,) = hlo["runs"]
+    assert hlo["runs"][body] == 8
+    loops = [m for m in hlo["comps"][hlo["entry"]] if hlo["ops"][m][0] == "while"]
+    assert loops and all(describe(hlo, m)["flops"] == 0 for m in loops)
+    assert sum(describe(hlo, m)["flops"] for m in hlo["comps"][body]) == 8 * 2 * n ** 3
