@@ -37,13 +37,18 @@ from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 from train_workers import shape_args, worker_ours  # noqa: E402  pylint: disable=wrong-import-position
 
 
+def loop_config(args, s: dict, cache_dir: str):
+    """The loop job's config, as `python -m launch pretrain` builds it from bench_train's overrides."""
+    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    config = config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + f":pe=bert_a,size={args.shape}")
+    return config_lib.apply_overrides(config, {k: str(v) for k, v in loop_overrides(args, s, cache_dir).items()})
+
+
 def run_loop_here(args, s: dict, cache_dir: str) -> dict:
     """The pretraining loop in this process on a fresh folder; its metrics.jsonl's steady tokens/s."""
-    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax.metrics import read_metrics  # pylint: disable=import-outside-toplevel
     from tupe_jax.pretrain.loop import pretrain  # pylint: disable=import-outside-toplevel
-    config = config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + f":pe=bert_a,size={args.shape}")
-    config = config_lib.apply_overrides(config, {k: str(v) for k, v in loop_overrides(args, s, cache_dir).items()})
+    config = loop_config(args, s, cache_dir)
     workdir = tempfile.mkdtemp(prefix="bench_loop_")
     try:
         pretrain(config, workdir)
@@ -59,12 +64,10 @@ def host_costs(args, s: dict, cache_dir: str, calls: int = 100, repeats: int = 3
     `repeats` runs of `calls` calls."""
     import resource  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
-    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax import data as data_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
     from tupe_jax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
-    config = config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + f":pe=bert_a,size={args.shape}")
-    config = config_lib.apply_overrides(config, {k: str(v) for k, v in loop_overrides(args, s, cache_dir).items()})
+    config = loop_config(args, s, cache_dir)
     workdir = tempfile.mkdtemp(prefix="bench_loop_host_")
     try:
         batches = data_lib.pretrain_iterator(config, data_lib.get_tokenizer(config, workdir), split="train",

@@ -11,16 +11,8 @@ import pytest
 
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
-from tests.workdir_fixtures import ROOT, load_config, tree
+from tests.workdir_fixtures import LOCKER, ROOT, load_config, tree
 from tests import xla_flags
-
-LOCKER = r'''
-import sys, time
-from tupe_jax.workdir import RunLock
-with RunLock(sys.argv[1]):
-    print("locked", flush=True)
-    time.sleep(float(sys.argv[2]))
-'''
 
 
 def test_one_process_per_folder_and_a_dead_holders_lock_is_taken_over(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests import xla_flags
+from tests.workdir_fixtures import LOCKER, tree
 from tupe_jax.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,8 +63,6 @@ def test_two_processes_match_one_process(tmp_path):
 @pytest.mark.slow
 def test_a_folder_locked_for_process_0_stops_both_processes_with_its_line(tmp_path):
     """Only process 0 checks the lock; process 1 must not be left waiting for it at a collective call."""
-    from tests.test_lock import LOCKER
-    from tests.workdir_fixtures import tree
     wd = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", LOCKER, str(wd), "600"], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True)
@@ -85,3 +84,4 @@ def test_a_folder_locked_for_process_0_stops_both_processes_with_its_line(tmp_pa
         for p in procs + [holder]:
             p.kill()
             p.wait()
+        holder.stdout.close()

@@ -19,5 +19,16 @@ def tree(path):
     for root, _, names in os.walk(path):
         for name in names:
             full = os.path.join(root, name)
-            out[os.path.relpath(full, path)] = hashlib.sha1(open(full, "rb").read()).hexdigest()
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = hashlib.sha1(f.read()).hexdigest()
     return out
+
+
+# a process that holds `RunLock(argv[1])` for argv[2] seconds, printing `locked` once it does
+LOCKER = r'''
+import sys, time
+from tupe_jax.workdir import RunLock
+with RunLock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+'''

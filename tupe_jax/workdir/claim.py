@@ -7,9 +7,9 @@ failed every process stops with that line), the config passes the gate (`gate.ch
 every process has passed it (`wait_for_all_processes`: a multi-process run decides from the folder which collective
 reads to make, so it must not change under a late process's checks), the folder's lock is taken (`lock.RunLock`),
 config.json is stored and a provenance row appended (process 0; `provenance.py`; then `agree` again, so a failure
-there stops every process). If the command then fails — a
-UserError or anything unexpected, but not an interrupt — what it created in the folder is removed unless it holds
-checkpoints or results; what was there before is never touched.
+there stops every process). If the command then fails — a UserError or anything unexpected, but not an interrupt —
+what it created in the folder is removed unless it holds checkpoints or results; what was there before is never
+touched.
 """
 from __future__ import annotations
 
@@ -120,7 +120,8 @@ def view(workdir: str) -> str:
 
 
 def gather(mine: dict) -> list[dict]:
-    """Every process's `mine` (a JSON-able dict), in process order: one `process_allgather` of byte rows."""
+    """Every process's `mine` (a JSON-able dict), in process order: the longest row's length, then the rows as
+    zero-padded bytes (two `process_allgather`s)."""
     data = json.dumps(mine).encode("utf-8")
     size = int(multihost_utils.process_allgather(np.asarray([len(data)], np.int32)).max())
     row = np.zeros(size, np.uint8)
