@@ -2,6 +2,8 @@
 import io
 import json
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,18 @@ def test_writer_jsonl_and_tensorboard(tmp_path):
     assert metrics.read_metrics(str(tmp_path))[1]["loss"] == 2.0
     events = os.listdir(tmp_path / "tensorboard")
     assert events and events[0].startswith("events.out.tfevents")
+
+
+def test_tensorboard_is_written_without_importing_torch_and_torch_still_imports_after(tmp_path):
+    pytest.importorskip("torch")   # the test extras install it: the case where tensorboardX would import it
+    code = ("import sys; from tupe_jax import metrics; w = metrics.MetricsWriter(sys.argv[1], enabled=True); "
+            "w.write(1, {'loss_for_tb': 2.5}); w.close(); print('torch' in sys.modules); "
+            "import torch; print(int(torch.ones(3).sum()))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.split()
+    assert out == ["False", "3"]
+    (events,) = os.listdir(tmp_path / "tensorboard")
+    assert b"loss_for_tb" in (tmp_path / "tensorboard" / events).read_bytes()
 
 
 def test_resume_marker_supersedes_the_redone_steps(tmp_path):

@@ -30,6 +30,25 @@ PEAK_TFLOPS = (
 )
 
 
+def summary_writer_class() -> type:
+    """tensorboardX's `SummaryWriter`, imported without torch unless torch is already loaded.
+
+    tensorboardX imports torch at module level when it is installed (only to accept torch tensors, which we never
+    pass); with torch present (the `fairseq` and `test` extras, most GPU images) that is ~2.5 s of every launch's
+    start-up. A `None` entry in `sys.modules` makes that optional `import torch` raise ImportError, which tensorboardX
+    handles; the entry is removed again, so a later `import torch` (fairseq import) loads it as usual.
+    """
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel,reimported
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 def _scalar(value: Any) -> float | int | str:
     if isinstance(value, (str, bool, int)):
         return value
@@ -63,11 +82,10 @@ class MetricsWriter:
         if not self._remote:
             self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
         if tensorboard:   # in a bucket: events are written to a local staging folder and uploaded at each flush
-            from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
             self._tb_remote = files.join(workdir, "tensorboard") if self._remote else None
             self._tb_local = tempfile.mkdtemp(prefix="tupe-jax-tb-") if self._remote else files.join(workdir,
                                                                                                        "tensorboard")
-            self._tb = SummaryWriter(self._tb_local, flush_secs=30)
+            self._tb = summary_writer_class()(self._tb_local, flush_secs=30)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Log `metrics` (scalars; jax/numpy arrays are converted) at `step`."""
