@@ -72,6 +72,31 @@ def test_restore_onto_other_mesh(tmp_path, standin_model):
         assert got.sharding == want.sharding
 
 
+def test_one_process_writes_each_replicated_array_whole(tmp_path, standin_model, monkeypatch):
+    state, abstract = _build(standin_model(), _mesh(8, 1, 1))     # every array replicated on 8 devices
+    sliced, slice_in_dim = [], jax.lax.slice_in_dim
+    monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: sliced.append(a[0].shape) or slice_in_dim(*a, **k))
+    with ckpt.Checkpointer(str(tmp_path), every=1, keep=2) as c:
+        c.save(1, state, {}, force=True)
+        c.wait()
+        restored, _ = c.restore(1, abstract)
+    assert sliced == []          # Orbax's replica-parallel write slices each array into 8 on-device pieces
+    _assert_equal(state, restored)
+
+
+def test_several_processes_keep_orbaxs_replica_parallel_writes(monkeypatch):
+    registered = []
+    monkeypatch.setattr(ckpt, "_ONE_PROCESS_HANDLER", {"registered": False})
+    monkeypatch.setattr(ckpt.ocp.type_handlers, "register_type_handler", lambda *a, **k: registered.append(a))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    ckpt.write_replicas_whole_in_one_process()
+    assert registered == []
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    ckpt.write_replicas_whole_in_one_process()
+    ckpt.write_replicas_whole_in_one_process()
+    assert len(registered) == 1 and registered[0][0] is jax.Array
+
+
 def test_keep_n_and_interval(tmp_path, standin_model):
     state, _ = _build(standin_model(), _mesh(8, 1, 1))
     with ckpt.Checkpointer(str(tmp_path), every=2, keep=2, async_=False) as c:
