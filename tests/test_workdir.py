@@ -224,6 +224,49 @@ def test_a_lock_lost_on_process_0_stops_process_1_too(tmp_path, monkeypatch):
     assert tree(wd) == before
 
 
+def test_an_unexpected_error_in_process_0s_checks_is_shared_and_raised_as_itself(tmp_path, monkeypatch):
+    """A transport failure (not a UserError) on process 0 alone used to leave the other processes waiting."""
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    before = tree(wd)
+    gathered = as_process_0_of_2(monkeypatch, never)
+
+    def reset(workdir):
+        raise ConnectionError("connection reset by peer\nmore detail")
+    monkeypatch.setattr(importlib.import_module("tupe_jax.workdir.claim"), "refuse_if_held", reset)
+    with pytest.raises(ConnectionError, match="^connection reset by peer"):
+        with workdir_lib.claim(wd, load_config()):
+            pytest.fail("the command ran")
+    assert [(g["stage"], g["error"]) for g in gathered] == [
+        ("checks", ["ConnectionError: connection reset by peer", "--workdir", "see the traceback of that process"])]
+    assert tree(wd) == before
+
+
+def test_an_unexpected_error_in_process_0s_lock_step_stops_process_1_with_its_line(tmp_path, monkeypatch):
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    before = tree(wd)
+    claim_module = importlib.import_module("tupe_jax.workdir.claim")
+    gathered = as_process_0_of_2(monkeypatch, lambda name: None)
+
+    def io_error(*args):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(claim_module, "store_config", io_error)
+    with pytest.raises(OSError, match="Input/output error"):
+        with workdir_lib.claim(wd, load_config()):
+            pytest.fail("the command ran")
+    row = gathered[-1]
+    assert (row["stage"], row["error"]) == ("lock", ["OSError: [Errno 5] Input/output error", "--workdir",
+                                                     "see the traceback of that process"])
+    assert tree(wd) == before
+    monkeypatch.setattr(claim_module.jax, "process_index", lambda: 1)     # process 1 receives that row
+    monkeypatch.setattr(claim_module, "gather", lambda mine: [{**mine, "error": row["error"] if mine["stage"] ==
+                                                               "lock" else None}, mine])
+    assert refused(wd, load_config()) == ("error: OSError: [Errno 5] Input/output error (found by process 0; this is "
+                                          "process 1), --workdir, see the traceback of that process")
+    assert tree(wd) == before
+
+
 def test_processes_that_see_the_folder_differently_are_refused(tmp_path, monkeypatch):
     """A local --workdir on a pod: each host has its own disk, so process 1 finds nothing where process 0 has a run."""
     wd = str(tmp_path / "run")

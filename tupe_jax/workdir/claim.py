@@ -7,7 +7,8 @@ failed every process stops with that line), the config passes the gate (`gate.ch
 every process has passed it (`wait_for_all_processes`: a multi-process run decides from the folder which collective
 reads to make, so it must not change under a late process's checks), the folder's lock is taken (`lock.RunLock`),
 config.json is stored and a provenance row appended (process 0; `provenance.py`; then `agree` again, so a failure
-there stops every process). If the command then fails — a UserError or anything unexpected, but not an interrupt —
+there stops every process; an unexpected error in the checks or this step is shared as well, as its type and
+first line). If the command then fails — a UserError or anything unexpected, but not an interrupt —
 what it created in the folder is removed unless it holds checkpoints or results; what was there before is never
 touched.
 """
@@ -130,19 +131,33 @@ def gather(mine: dict) -> list[dict]:
     return [json.loads(bytes(r).rstrip(b"\0").decode("utf-8")) for r in rows]
 
 
-def agree(workdir: str, failure: Optional[UserError], sees: str, stage: str) -> None:
-    """A multi-process run: every process stops here, with one line, if any process's checks failed (`failure`;
-    some checks are process 0's alone, and a process that stopped alone would leave the others waiting at the next
-    collective call), if the processes were given different workdirs, or if they see the folder differently
-    (`sees`: `view`; a local folder that is not shared between hosts). `stage` names the step in the gathered rows
-    ("checks" before the gate, "lock" after process 0 took it). One process: raise `failure`, if any."""
+def error_row(failure: Optional[Exception]) -> Optional[list[str]]:
+    """The (what, where, fix) another process prints for `failure`: a UserError's own line; for anything
+    unexpected (a storage or transport error, say) its type and first line, pointing at the failing process's
+    traceback."""
+    if failure is None:
+        return None
+    if isinstance(failure, UserError):
+        return [failure.what, failure.where, failure.fix]
+    first = (str(failure).splitlines() or [""])[0][:160]
+    return [f"{type(failure).__name__}: {first}" if first else type(failure).__name__, "--workdir",
+            "see the traceback of that process"]
+
+
+def agree(workdir: str, failure: Optional[Exception], sees: str, stage: str) -> None:
+    """A multi-process run: every process stops here, with one line, if any process's checks failed (`failure`, a
+    UserError or anything unexpected; some checks are process 0's alone, and a process that stopped alone would
+    leave the others waiting at the next collective call), if the processes were given different workdirs, or if
+    they see the folder differently (`sees`: `view`; a local folder that is not shared between hosts). The failing
+    process raises its own `failure`. `stage` names the step in the gathered rows ("checks" before the gate, "lock"
+    after process 0 took it). One process: raise `failure`, if any."""
     if jax.process_count() == 1:
         if failure is not None:
             raise failure
         return
     me, path = jax.process_index(), files.absolute(workdir)
     everyone = gather({"stage": stage, "workdir": hashlib.sha256(path.encode("utf-8")).hexdigest(), "sees": sees,
-                       "error": None if failure is None else [failure.what, failure.where, failure.fix]})
+                       "error": error_row(failure)})
     if len({p["workdir"] for p in everyone}) > 1:
         raise UserError(f"the processes of this run were given different workdirs ({path} on process {me})",
                         "--workdir", "give every process the same --workdir: a folder they share or a gs:// path")
@@ -190,7 +205,7 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
             refuse_if_held(workdir)      # other processes of this run find the lock that process 0 takes: not theirs)
         if jax.process_count() > 1:
             sees = view(workdir)
-    except UserError as err:
+    except Exception as err:  # pylint: disable=broad-except  # shared by `agree`, which raises it here again
         failure = err
     agree(workdir, failure, sees, stage="checks")
     changes = check_config(workdir, config, overwrite=overwrite)   # refuse before anything (even the lock) is written
@@ -204,7 +219,7 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
                     held.enter_context(RunLock(workdir))
                     store_config(workdir, config, changes)
                     provenance.record(workdir)
-            except UserError as err:
+            except Exception as err:  # pylint: disable=broad-except  # as above
                 failure = err
             agree(workdir, failure, "", stage="lock")
             _CLAIMED.add(key)
