@@ -6,6 +6,8 @@ import os
 import platform
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -137,7 +139,7 @@ def test_a_multi_process_claim_writes_only_once_every_process_passed_the_checks(
         assert os.path.exists(os.path.join(wd, ".lock"))
     assert at_barrier == [(f"tupe_jax.claim {os.path.abspath(wd)}", before)]   # nothing written before it
     assert [(g["stage"], g["sees"], g["error"]) for g in gathered] == [("checks", "config.json, no checkpoints/", None),
-                                                                       ("lock", "", None)]
+                                                                       ("lock", "", None), ("shared", "", None)]
     assert "process 0 of 2 passed the workdir checks; waiting for the other processes" in capsys.readouterr().out
     assert tree(wd) != before
 
@@ -265,6 +267,47 @@ def test_an_unexpected_error_in_process_0s_lock_step_stops_process_1_with_its_li
     assert refused(wd, load_config()) == ("error: OSError: [Errno 5] Input/output error (found by process 0; this is "
                                           "process 1), --workdir, see the traceback of that process")
     assert tree(wd) == before
+
+
+def test_a_fresh_run_in_a_folder_process_1_cannot_see_is_refused_on_process_1(tmp_path, monkeypatch):
+    """A local --workdir on a pod, fresh: every process's checks see "no folder" alike, but process 0 then writes
+    config.json on its own disk only."""
+    wd = str(tmp_path / "run")
+    claim_module = importlib.import_module("tupe_jax.workdir.claim")
+    monkeypatch.setattr(claim_module.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(claim_module.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(claim_module.multihost_utils, "sync_global_devices", lambda name: None)
+    monkeypatch.setattr(claim_module, "gather", lambda mine: [{**mine, "error": None}, mine])
+    monkeypatch.setattr(claim_module, "SHARED_WAIT_SECONDS", 0.3)
+    assert refused(wd, load_config()) == (
+        f"error: {wd}/config.json, written by process 0, is not visible on process 1 after 0 s (is {wd} a folder of "
+        "this host's own?), --workdir, give every process one folder they share: a network file system mounted at "
+        "the same path on every host, or a gs:// path")
+    assert not os.path.exists(wd)
+
+
+def test_a_folder_process_1_cannot_see_stops_process_0_and_leaves_nothing(tmp_path, monkeypatch):
+    wd = str(tmp_path / "run")
+    line = [f"{wd}/config.json, written by process 0, is not visible on process 1 after 90 s", "--workdir", "share"]
+    gathered = as_process_0_of_2(monkeypatch, lambda name: None,
+                                 lambda row: {**row, "error": line if row["stage"] == "shared" else None})
+    assert refused(wd, load_config()) == f"error: {line[0]} (found by process 1; this is process 0), --workdir, share"
+    assert [g["stage"] for g in gathered] == ["checks", "lock", "shared"]
+    assert not os.path.exists(wd)       # process 0's config.json, provenance and lock are gone again
+
+
+def test_process_1_waits_for_a_config_json_that_appears_late(tmp_path, monkeypatch):
+    """An NFS client can hide another host's new file for a while: a late file is found, not refused."""
+    wd = tmp_path / "run"
+    wd.mkdir()
+    claim_module = importlib.import_module("tupe_jax.workdir.claim")
+    monkeypatch.setattr(claim_module, "SHARED_WAIT_SECONDS", 30.0)
+    timer = threading.Timer(1.0, lambda: (wd / "config.json").write_text("{}"))
+    timer.start()
+    t0 = time.monotonic()
+    claim_module.see_what_process_0_wrote(str(wd))
+    timer.join()
+    assert 0.9 < time.monotonic() - t0 < 10
 
 
 def test_processes_that_see_the_folder_differently_are_refused(tmp_path, monkeypatch):

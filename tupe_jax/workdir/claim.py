@@ -8,7 +8,8 @@ every process has passed it (`wait_for_all_processes`: a multi-process run decid
 reads to make, so it must not change under a late process's checks), the folder's lock is taken (`lock.RunLock`),
 config.json is stored and a provenance row appended (process 0; `provenance.py`; then `agree` again, so a failure
 there stops every process; an unexpected error in the checks or this step is shared as well, as its type and
-first line). If the command then fails — a UserError or anything unexpected, but not an interrupt —
+first line), and every other process of a run in a local folder sees that config.json (`see_what_process_0_wrote`:
+a folder of each host's own is refused before any compute, even for a fresh run). If the command then fails — a UserError or anything unexpected, but not an interrupt —
 what it created in the folder is removed unless it holds checkpoints or results; what was there before is never
 touched.
 """
@@ -19,6 +20,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from typing import Iterator, Optional
 
 import jax
@@ -174,6 +176,30 @@ def agree(workdir: str, failure: Optional[Exception], sees: str, stage: str) -> 
                         "on every host, or a gs:// path")
 
 
+SHARED_WAIT_SECONDS = float(os.environ.get("TUPE_JAX_SHARED_WAIT_SECONDS", "90"))
+
+
+def see_what_process_0_wrote(workdir: str) -> None:
+    """A process other than 0 of a run in a local folder: process 0's config.json is visible here, so the folder is
+    one they share (a fresh run on a disk of each host's own would look alike, empty, to every process's checks).
+    An NFS client may hide a file another host just created for up to its attribute-cache time (`acdirmax`, 60 s
+    by default), so a miss is retried for `SHARED_WAIT_SECONDS` before it is refused. A bucket is strongly
+    consistent: nothing to check."""
+    path = files.join(workdir, "config.json")
+    if files.is_remote(workdir):
+        return
+    deadline = time.monotonic() + SHARED_WAIT_SECONDS
+    while not os.path.isfile(path):
+        if time.monotonic() >= deadline:
+            raise UserError(f"{path}, written by process 0, is not visible on process {jax.process_index()} after "
+                            f"{SHARED_WAIT_SECONDS:.0f} s (is {workdir} a folder of this host's own?)", "--workdir",
+                            "give every process one folder they share: a network file system mounted at the same "
+                            "path on every host, or a gs:// path")
+        with contextlib.suppress(OSError):
+            os.listdir(os.path.dirname(path) or ".")      # a directory read, to revalidate a cached lookup
+        time.sleep(0.5)
+
+
 def wait_for_all_processes(workdir: str) -> None:
     """A multi-process run: return once every process has passed the checks. They read the folder, and what they
     find decides which collective calls follow (Orbax's reads of `checkpoints/`, which each begin with a barrier,
@@ -222,6 +248,14 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
             except Exception as err:  # pylint: disable=broad-except  # as above
                 failure = err
             agree(workdir, failure, "", stage="lock")
+            if jax.process_count() > 1:
+                failure = None
+                try:
+                    if not lead:
+                        see_what_process_0_wrote(workdir)
+                except UserError as err:
+                    failure = err
+                agree(workdir, failure, "", stage="shared")
             _CLAIMED.add(key)
             try:
                 yield
