@@ -1,4 +1,5 @@
 """Run folders in a bucket (`--workdir=gs://...`) against a real GCS endpoint (the emulator of gcs_fixtures)."""
+import glob
 import os
 
 import jax
@@ -41,8 +42,11 @@ def test_a_bucket_run_matches_a_local_run_and_resumes(gcs, tmp_path, monkeypatch
     pretrain_loop.pretrain(tiny(tmp_path / "cache"), str(tmp_path / "local"), devices=jax.devices()[:1])
     pretrain_loop.pretrain(tiny(tmp_path / "cache"), remote, stop_after=3, devices=jax.devices()[:1])
     assert workdir_lib.checkpoint_steps(remote) == [3]
-    pretrain_loop.pretrain(tiny(tmp_path / "cache"), remote, devices=jax.devices()[:1])
+    resumed = tiny(tmp_path / "cache", **{"train.profile_steps": "5,5"})   # and a trace of step 5 into the bucket
+    pretrain_loop.pretrain(resumed, remote, devices=jax.devices()[:1])
     assert workdir_lib.checkpoint_steps(remote) == [3, 6]
+    traces = files.mirror(remote + "/profile", str(tmp_path / "profile"))     # staged locally, uploaded by gcsfs
+    assert glob.glob(os.path.join(traces, "plugins", "profile", "*", "*.xplane.pb"))
     local, bucket = params_of(str(tmp_path / "local")), params_of(remote)
     for a, b in zip(jax.tree_util.tree_leaves(local), jax.tree_util.tree_leaves(bucket)):
         np.testing.assert_array_equal(a, b)

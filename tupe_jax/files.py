@@ -128,6 +128,17 @@ def upload(local: Any, path: Any) -> None:
         shutil.copyfile(local, path)
 
 
+def upload_tree(local_dir: Any, path: Any) -> None:
+    """Copy every file under the local folder `local_dir` to the same relative path under `path`."""
+    for root, _, names in os.walk(local_dir):
+        for name in names:
+            relative = os.path.relpath(os.path.join(root, name), local_dir).split(os.sep)
+            target = join(path, *relative)
+            if not is_remote(target):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+            upload(os.path.join(root, name), target)
+
+
 def mirror(url: str, local_root: str) -> str:
     """A local copy of the bucket file or folder `url` under `local_root` (objects already there with the same size
     are kept, so a second call costs one listing); returns the local path standing for `url`."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax import files
 from tupe_jax import sharding as sharding_lib
 from tupe_jax.errors import UserError
 from tupe_jax.optim import accumulate_gradients, dropout_key
@@ -103,13 +105,32 @@ class Outcome:
     preempted: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A jax.profiler trace of steps `first`..`last`, written to `folder`. With `target` (a bucket path), `folder` is
+    a local staging folder whose files are uploaded there after the trace and then removed: jaxlib's own GCS client
+    would bypass the storage layer (`files`: gcsfs, its credentials and endpoint) that every other write uses."""
+    first: int
+    last: int
+    folder: str
+    target: Optional[str] = None
+
+    def finish(self) -> str:
+        """After `stop_trace`: upload a staged trace; returns where the trace is."""
+        if self.target is None:
+            return self.folder
+        files.upload_tree(self.folder, self.target)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return self.target
+
+
 class Trainer:
     """A sharded, jitted train step with its state: init or restore, then `fit` over batches."""
 
     def __init__(self, init_fn: Callable, seed: int, mesh: jax.sharding.Mesh, step_fn: Callable,
                  checkpointer: Optional[ckpt_lib.Checkpointer] = None, meta: Optional[Callable[[dict], dict]] = None,
-                 log_every: int = 1, profile: Optional[tuple[int, int, str]] = None):
-        self.profile = profile   # (first step, last step, trace folder): a jax.profiler trace of those steps
+                 log_every: int = 1, profile: Optional[Profile] = None):
+        self.profile = profile
         self.mesh, self.checkpointer, self.log_every = mesh, checkpointer, max(int(log_every), 1)
         if checkpointer is not None:   # from here on SIGTERM means "save and stop" (also during restore/compile)
             ckpt_lib.install_sigterm_handler()
@@ -179,15 +200,16 @@ class Trainer:
             batch = next(iterator, None)
             if batch is None:
                 break
-            if self.profile and step + 1 == self.profile[0]:
-                jax.profiler.start_trace(self.profile[2])
+            if self.profile and step + 1 == self.profile.first:
+                jax.profiler.start_trace(self.profile.folder)
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
                 state, device_metrics = self.step_fn(state, sharding_lib.global_batch(batch, self.mesh))
             step += 1
-            if self.profile and step == self.profile[1]:
+            if self.profile and step == self.profile.last:
                 jax.block_until_ready(device_metrics)
                 jax.profiler.stop_trace()
-                print(f"profile: steps {self.profile[0]}-{step} traced to {self.profile[2]}", flush=True)
+                where = self.profile.finish()
+                print(f"profile: steps {self.profile.first}-{step} traced to {where}", flush=True)
             window["steps"] += 1
             if pending is not None:                      # the previous step is done by now (or nearly)
                 values = self._fetch(*pending)

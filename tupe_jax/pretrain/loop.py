@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
 from typing import Any, Iterator, Optional
 
 import jax
@@ -142,7 +143,13 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
     return final
 
 
-def _profile(config: ml_collections.ConfigDict, workdir: str) -> Optional[tuple[int, int, str]]:
-    """`train.profile_steps` -> (first, last, `workdir/profile`): a trace TensorBoard's profile plugin / xprof read."""
+def _profile(config: ml_collections.ConfigDict, workdir: str) -> Optional[trainer_lib.Profile]:
+    """`train.profile_steps` -> a trace of those steps in `workdir/profile` (TensorBoard's profile plugin / xprof read
+    it); in a bucket, staged in a local temporary folder and uploaded after the trace."""
     steps = trainer_lib.parse_profile_steps(config.train.get("profile_steps", ""))
-    return None if steps is None else (*steps, files.join(workdir, "profile"))
+    if steps is None:
+        return None
+    target = files.join(workdir, "profile")
+    if not files.is_remote(workdir):
+        return trainer_lib.Profile(*steps, target)
+    return trainer_lib.Profile(*steps, tempfile.mkdtemp(prefix="tupe-jax-profile-"), target)
