@@ -1,6 +1,8 @@
 """Run folders in a bucket (`--workdir=gs://...`) against a real GCS endpoint (the emulator of gcs_fixtures)."""
 import glob
+import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -34,7 +36,7 @@ def params_of(workdir):
     return jax.tree_util.tree_map(np.asarray, workdir_lib.load_run(workdir).params)
 
 
-def test_a_bucket_run_matches_a_local_run_and_resumes(gcs, tmp_path, monkeypatch):  # noqa: F811
+def test_a_bucket_run_matches_a_local_run_and_resumes(gcs, tmp_path, monkeypatch, capsys):  # noqa: F811
     """pretrain into gs://, stopped after 3 steps (as preempted) and resumed from the bucket: losses and final
     parameters equal an uninterrupted local run bitwise; nothing is written to a local `gs:` folder."""
     monkeypatch.chdir(tmp_path)
@@ -59,7 +61,16 @@ def test_a_bucket_run_matches_a_local_run_and_resumes(gcs, tmp_path, monkeypatch
     from tupe_jax.analysis import extrapolate, probe  # pylint: disable=import-outside-toplevel
     from tupe_jax.finetune import loop as ft_loop  # pylint: disable=import-outside-toplevel
     from tupe_jax.pretrain.evaluate import evaluate  # pylint: disable=import-outside-toplevel
+    metrics_before = files.read_text(remote + "/metrics.jsonl")
+    files.write_text(remote + "/.lock", json.dumps({"pid": 7, "host": "h", "started": "s", "command": "c",
+                                                   "heartbeat": time.time()}))     # a run live in the folder
     assert evaluate(remote)["eval_loss"] > 0
+    assert files.read_text(remote + "/metrics.jsonl") == metrics_before
+    assert f"{remote}: this row is not added to metrics.jsonl: {remote} is in use by process 7 on h" in \
+        capsys.readouterr().out
+    files.remove(remote + "/.lock")
+    assert evaluate(remote)["eval_loss"] > 0
+    assert [r.get("split") for r in read_metrics(remote)][-1] == "validation"
     glue = config_lib.load_config(os.path.join(ROOT, "configs", "glue.py") + ":task=wordorder,pe=tupe_r")
     config_lib.apply_overrides(glue, {**{k: v for k, v in TINY.items() if k.startswith("model.")},
                                       "train.steps": "2", "train.batch_size": "8", "train.eval_batch_size": "8",
