@@ -1,5 +1,6 @@
 """Run folders in a bucket (`--workdir=gs://...`) against a real GCS endpoint (the emulator of gcs_fixtures)."""
 import glob
+import importlib
 import json
 import os
 import time
@@ -135,6 +136,23 @@ def test_the_bucket_lease_refuses_a_second_process_and_a_stale_lease_is_taken_ov
         assert lock.taken_over and str(holder.pid) in lock.taken_over
         assert json.loads(files.read_text(folder + "/.lock"))["pid"] == os.getpid()
     assert not files.exists(folder + "/.lock")
+
+
+def test_of_two_commands_that_both_saw_a_bucket_folder_free_only_one_gets_the_lease(gcs, monkeypatch):  # noqa: F811
+    folder = f"gs://{BUCKET}/raced"
+    other = {"pid": 7, "host": "h", "started": "s", "command": "c", "heartbeat": time.time()}
+    lock_module = importlib.import_module("tupe_jax.workdir.lock")
+    saw_it_free = lock_module._stale_lease          # pylint: disable=protected-access
+
+    def then_the_other_took_it(workdir, path):      # our check found no lease; the other command writes one now
+        found = saw_it_free(workdir, path)
+        files.write_text(path, json.dumps(other))
+        return found
+    monkeypatch.setattr(lock_module, "_stale_lease", then_the_other_took_it)
+    with pytest.raises(UserError, match=f"^error: {folder} is in use by process 7 on h .*heartbeat"):
+        with workdir_lib.RunLock(folder):
+            pytest.fail("both commands hold the folder")
+    assert json.loads(files.read_text(folder + "/.lock")) == other       # the other's lease is untouched
 
 
 @pytest.mark.slow

@@ -170,6 +170,18 @@ def append_text(path: Any, text: str) -> None:
             f.write(text)
 
 
+def create_text(path: Any, text: str) -> None:
+    """Write `text` to `path` only if nothing is there: FileExistsError otherwise. In a bucket this is one upload
+    with the precondition "no live object" (ifGenerationMatch=0), so of two writers racing, exactly one wins."""
+    if is_remote(path):
+        import fsspec  # pylint: disable=import-outside-toplevel
+        fs, object_path = fsspec.core.url_to_fs(str(path))
+        fs.pipe_file(object_path, text.encode("utf-8"), mode="create")
+        return
+    with open(path, "x", encoding="utf-8") as f:
+        f.write(text)
+
+
 def _default(value: Any) -> Any:
     """JSON for NumPy scalars/arrays and paths (anything else is an error, not a silent str())."""
     if isinstance(value, np.integer):

@@ -12,8 +12,10 @@ In a bucket (`gs://...`) there is no flock: the lock is a lease object that its 
 `LEASE_SECONDS / 4` (a heartbeat thread). A lease whose heartbeat is older than `LEASE_SECONDS` (300 s, or
 $TUPE_JAX_LEASE_SECONDS) belongs to a dead run (a preempted VM) and is taken over. A read can overlap the holder's
 heartbeat rewrite and return a torn object, so a lease that does not parse is read again (`LEASE_READS` times,
-`LEASE_RETRY_SECONDS` apart) before it counts as stale. Two commands started within the same second on an
-unlocked bucket folder can both see it free (GCS preconditions would close that window; not done here).
+`LEASE_RETRY_SECONDS` apart) before it counts as stale. A lease is created with the precondition that no object
+is there (`files.create_text`), so of two commands that both saw a folder free, one gets the lease and the other
+is refused. Taking over a *stale* lease is a plain rewrite: two commands doing that within the same moment can
+both succeed (a generation-matched rewrite would close this window; not done here).
 """
 from __future__ import annotations
 
@@ -134,7 +136,14 @@ class RunLock:
             while not stop.wait(LEASE_SECONDS / 4):
                 files.write_text(path, json.dumps({**identity, "heartbeat": time.time()}))
 
-        files.write_text(path, json.dumps({**identity, "heartbeat": time.time()}))
+        lease = json.dumps({**identity, "heartbeat": time.time()})
+        if stale is not None:
+            files.write_text(path, lease)
+        else:
+            try:
+                files.create_text(path, lease)
+            except FileExistsError:      # another command created it since `_stale_lease` found none
+                raise _in_use_remote(self.workdir, *_read_lease(path)) from None
         thread = threading.Thread(target=beat, daemon=True, name="tupe-jax-lease")
         thread.start()
         _HELD[self.workdir] = [(stop, thread, path), 1]
