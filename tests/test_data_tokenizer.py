@@ -5,7 +5,7 @@ import ml_collections
 import pytest
 
 from tupe_jax import data as D
-from tupe_jax.data.tokenizer import SPECIALS, Tokenizer
+from tupe_jax.data.tokenizer import SPECIALS, Tokenizer, learned
 from tupe_jax.errors import UserError
 
 
@@ -71,11 +71,36 @@ def test_training_is_deterministic_across_processes(tmp_path):
     counts = {"low": 5, "lower": 2, "newest": 6, "widest": 3, "lowest": 2}
     a = learn_wordpiece(counts, 30)
     assert a == learn_wordpiece(dict(reversed(list(counts.items()))), 30) and a[:5] == list(SPECIALS)
-    code = ("import ml_collections, tupe_jax.data as D; c = ml_collections.ConfigDict({'data': "
-            "D.default_data_config(), 'model': {'vocab_size': 500}}); c.data.cache_dir = %r; "
-            "print(D.get_tokenizer(c, None).fingerprint)" % str(tmp_path / "cache"))
+    code = ("import sys, ml_collections, tupe_jax.data as D; c = ml_collections.ConfigDict({'data': "
+            "D.default_data_config(), 'model': {'vocab_size': 500}}); c.data.cache_dir = sys.argv[1]; "
+            "print(D.get_tokenizer(c, None).fingerprint)")
     here = D.get_tokenizer(make_config(tmp_path), None).fingerprint
-    for seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**__import__("os").environ, "PYTHONHASHSEED": seed})
+    for seed in ("1", "2"):          # each process its own data cache: learned there, not read from this one's
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"cache{seed}")], capture_output=True,
+                             text=True, check=True, env={**__import__("os").environ, "PYTHONHASHSEED": seed})
         assert out.stdout.strip().splitlines()[-1] == here
+
+
+def test_a_learned_vocabulary_is_cached_per_text_and_size(tmp_path, monkeypatch, caplog):
+    words = [a + b + c for a in "bcdfg" for b in "aeiou" for c in "lmnrst"]          # 150 distinct words
+    texts = [" ".join(words), " ".join(reversed(words[::2]))]
+    first = learned(lambda: texts, 120, tmp_path)
+    trained = []
+    train = Tokenizer.train.__func__
+    monkeypatch.setattr(Tokenizer, "train", classmethod(lambda cls, t, n: trained.append(n) or train(cls, t, n)))
+    assert learned(lambda: texts, 120, tmp_path).vocab == first.vocab and trained == []      # read from the cache
+    assert learned(lambda: texts, 130, tmp_path) and trained == [130]                         # another size
+    assert learned(lambda: texts[:1], 120, tmp_path) and trained == [130, 120]                # another text
+    (entry,) = [p for p in tmp_path.iterdir() if (p / "vocab.txt").read_text().splitlines() == first.vocab]
+    (entry / "vocab.txt").write_text("\n".join(first.vocab[:-1]) + "\n")                      # damaged
+    assert learned(lambda: texts, 120, tmp_path).vocab == first.vocab and trained == [130, 120, 120]
+    assert "does not match its fingerprint; learning it again" in caplog.text
+    assert (entry / "vocab.txt").read_text().splitlines() == first.vocab                      # and repaired
+
+
+def test_runs_on_one_corpus_share_the_learned_vocabulary(tmp_path, monkeypatch):
+    c = make_config(tmp_path)
+    tok = D.get_tokenizer(c, tmp_path / "run1")
+    monkeypatch.setattr(Tokenizer, "train", classmethod(lambda cls, t, n: pytest.fail("learned again")))
+    assert D.get_tokenizer(c, tmp_path / "run2").fingerprint == tok.fingerprint
+    assert (tmp_path / "run2" / "tokenizer" / "vocab.txt").read_text().splitlines() == tok.vocab

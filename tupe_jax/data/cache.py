@@ -1,7 +1,8 @@
 """The data cache and the TFDS builder every local source is prepared with (array_record, no TensorFlow).
 
     cache_dir(config)     `data.cache_dir`, else $TUPE_JAX_CACHE, else ~/.cache/tupe_jax (prepared datasets under
-                          tfds/, token streams under streams/); created on first use
+                          tfds/, token streams under streams/, learned vocabularies under tokenizers/); created
+                          on first use
     local_builder(...)    a `tfds.core.GeneratorBasedBuilder` prepared once (under a file lock) in the cache
     file_lock(path)       an exclusive inter-process lock; digest(obj) a short stable hash
 """

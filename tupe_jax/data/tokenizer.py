@@ -20,7 +20,7 @@ import logging
 import os
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from tupe_jax import files
 from tupe_jax.errors import UserError
@@ -237,11 +237,40 @@ def learn_wordpiece(counts: dict[str, int], vocab_size: int, max_alphabet: int =
     return vocab
 
 
+def learned(documents: Callable[[], Iterable[str]], vocab_size: int, root: Path) -> Tokenizer:
+    """`Tokenizer.train(documents(), vocab_size)`, learned once per text, vocabulary size and version of this module.
+
+    Learning takes ~45 s per 100 MB of text on one core (benchmarks/results_tokenizer_learning.json) and gives the
+    same vocabulary every time, so each run of a comparison would otherwise repeat it. The cache key is a sha256 over
+    this file's source (any change to the learning code makes new entries), the size and every document; the entry
+    `root/<key>/` holds vocab.txt and meta.json with its fingerprint, and one whose vocab.txt no longer matches that
+    fingerprint is learned again. Written atomically, so concurrent runs may both learn and write it."""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(f"\0{vocab_size}\0".encode())
+    for text in documents():
+        digest.update(text.encode("utf-8"))
+        digest.update(b"\0")
+    entry = root / digest.hexdigest()[:32]
+    if (entry / "meta.json").is_file():
+        try:
+            tok = Tokenizer.from_file(entry / "vocab.txt")
+            if tok.fingerprint == files.read_json(entry / "meta.json").get("fingerprint"):
+                return tok
+        except (UserError, ValueError, OSError, AttributeError):   # unreadable: learned again below
+            pass
+        log.warning("tokenizer: the cached vocabulary in %s does not match its fingerprint; learning it again", entry)
+    tok = Tokenizer.train(documents(), vocab_size)
+    tok.save(entry)
+    files.write_json(entry / "meta.json", {"fingerprint": tok.fingerprint, "vocab_size": vocab_size})
+    return tok
+
+
 def get_tokenizer(config, workdir: str | Path | None) -> Tokenizer:
     """The run's tokenizer: `workdir/tokenizer/vocab.txt` (resume) > `config.data.vocab_file` > train one.
 
-    A trained tokenizer uses `config.model.vocab_size` and the training split of `config.data`; it is saved to
-    `workdir/tokenizer/` so a resumed run reuses it. With workdir=None nothing is saved.
+    A trained tokenizer uses `config.model.vocab_size` and the training split of `config.data` (learned once per
+    text in the data cache: `learned`); it is saved to `workdir/tokenizer/` so a resumed run reuses it. With
+    workdir=None nothing is saved in a workdir.
     """
     saved = files.join(workdir, "tokenizer", "vocab.txt") if workdir else None
     if saved is not None and files.isfile(saved):
@@ -250,8 +279,9 @@ def get_tokenizer(config, workdir: str | Path | None) -> Tokenizer:
         tok = Tokenizer.from_file(config.data.vocab_file)
     else:
         from tupe_jax.data.builders import iter_documents  # local import: builders import tfds
-        vocab_size = int(config.model.vocab_size)
-        tok = Tokenizer.train(iter_documents(config, "train"), vocab_size)
+        from tupe_jax.data.cache import cache_dir  # pylint: disable=import-outside-toplevel
+        tok = learned(lambda: iter_documents(config, "train"), int(config.model.vocab_size),
+                      cache_dir(config) / "tokenizers")
     model_vocab = int(config.model.get("vocab_size", tok.vocab_size))
     if tok.vocab_size > model_vocab:
         raise UserError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size is {model_vocab}",
