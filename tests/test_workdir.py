@@ -130,6 +130,17 @@ def as_process_0_of_2(monkeypatch, barrier, process_1=lambda mine: mine):
     return gathered
 
 
+def as_process_1_of_2(monkeypatch, error_of_process_0=lambda stage: None):
+    """claim as process 1 of a (simulated) 2-process run whose barrier passes and whose process 0 contributes
+    `error_of_process_0(stage)` to each agreement."""
+    claim_module = importlib.import_module("tupe_jax.workdir.claim")
+    monkeypatch.setattr(claim_module.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(claim_module.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(claim_module.multihost_utils, "sync_global_devices", lambda name: None)
+    monkeypatch.setattr(claim_module, "gather", lambda mine: [{**mine, "error": error_of_process_0(mine["stage"])},
+                                                              mine])
+
+
 def test_a_multi_process_claim_writes_only_once_every_process_passed_the_checks(tmp_path, monkeypatch, capsys):
     wd = str(tmp_path / "run")
     workdir_lib.write_config(wd, load_config())
@@ -214,13 +225,8 @@ def test_a_lock_lost_on_process_0_stops_process_1_too(tmp_path, monkeypatch):
     wd = str(tmp_path / "run")
     workdir_lib.write_config(wd, load_config())
     before = tree(wd)
-    claim_module = importlib.import_module("tupe_jax.workdir.claim")
-    monkeypatch.setattr(claim_module.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(claim_module.jax, "process_index", lambda: 1)
-    monkeypatch.setattr(claim_module.multihost_utils, "sync_global_devices", lambda name: None)
     line = ["run folder x is in use by process 9 on h", "--workdir", "wait for it"]
-    monkeypatch.setattr(claim_module, "gather",   # process 0's row first: its lock step failed
-                        lambda mine: [{**mine, "error": line if mine["stage"] == "lock" else None}, mine])
+    as_process_1_of_2(monkeypatch, lambda stage: line if stage == "lock" else None)   # process 0's lock step failed
     assert refused(wd, load_config()) == ("error: run folder x is in use by process 9 on h (found by process 0; this "
                                           "is process 1), --workdir, wait for it")
     assert tree(wd) == before
@@ -261,9 +267,7 @@ def test_an_unexpected_error_in_process_0s_lock_step_stops_process_1_with_its_li
     assert (row["stage"], row["error"]) == ("lock", ["OSError: [Errno 5] Input/output error", "--workdir",
                                                      "see the traceback of that process"])
     assert tree(wd) == before
-    monkeypatch.setattr(claim_module.jax, "process_index", lambda: 1)     # process 1 receives that row
-    monkeypatch.setattr(claim_module, "gather", lambda mine: [{**mine, "error": row["error"] if mine["stage"] ==
-                                                               "lock" else None}, mine])
+    as_process_1_of_2(monkeypatch, lambda stage: row["error"] if stage == "lock" else None)   # process 1 gets it
     assert refused(wd, load_config()) == ("error: OSError: [Errno 5] Input/output error (found by process 0; this is "
                                           "process 1), --workdir, see the traceback of that process")
     assert tree(wd) == before
@@ -273,12 +277,8 @@ def test_a_fresh_run_in_a_folder_process_1_cannot_see_is_refused_on_process_1(tm
     """A local --workdir on a pod, fresh: every process's checks see "no folder" alike, but process 0 then writes
     config.json on its own disk only."""
     wd = str(tmp_path / "run")
-    claim_module = importlib.import_module("tupe_jax.workdir.claim")
-    monkeypatch.setattr(claim_module.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(claim_module.jax, "process_index", lambda: 1)
-    monkeypatch.setattr(claim_module.multihost_utils, "sync_global_devices", lambda name: None)
-    monkeypatch.setattr(claim_module, "gather", lambda mine: [{**mine, "error": None}, mine])
-    monkeypatch.setattr(claim_module, "SHARED_WAIT_SECONDS", 0.3)
+    as_process_1_of_2(monkeypatch)
+    monkeypatch.setattr(importlib.import_module("tupe_jax.workdir.claim"), "SHARED_WAIT_SECONDS", 0.3)
     assert refused(wd, load_config()) == (
         f"error: {wd}/config.json, written by process 0, is not visible on process 1 after 0 s (is {wd} a folder of "
         "this host's own?), --workdir, give every process one folder they share: a network file system mounted at "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -131,8 +130,7 @@ class MetricsWriter:
 
     def _upload_events(self) -> None:
         if self._tb_remote:
-            for name in os.listdir(self._tb_local):
-                files.upload(os.path.join(self._tb_local, name), files.join(self._tb_remote, name))
+            files.upload_tree(self._tb_local, self._tb_remote)
 
     def close(self) -> None:
         """Flush and close."""

@@ -9,9 +9,9 @@ reads to make, so it must not change under a late process's checks), the folder'
 config.json is stored and a provenance row appended (process 0; `provenance.py`; then `agree` again, so a failure
 there stops every process; an unexpected error in the checks or this step is shared as well, as its type and
 first line), and every other process of a run in a local folder sees that config.json (`see_what_process_0_wrote`:
-a folder of each host's own is refused before any compute, even for a fresh run). If the command then fails — a UserError or anything unexpected, but not an interrupt —
-what it created in the folder is removed unless it holds checkpoints or results; what was there before is never
-touched.
+a folder of each host's own is refused before any compute, even for a fresh run). If the command then fails — a
+UserError or anything unexpected, but not an interrupt — what it created in the folder is removed unless it holds
+checkpoints or results; what was there before is never touched.
 """
 from __future__ import annotations
 
@@ -133,6 +133,10 @@ def gather(mine: dict) -> list[dict]:
     return [json.loads(bytes(r).rstrip(b"\0").decode("utf-8")) for r in rows]
 
 
+SHARE_ONE_FOLDER = ("give every process one folder they share: a network file system mounted at the same path on "
+                    "every host, or a gs:// path")
+
+
 def error_row(failure: Optional[Exception]) -> Optional[list[str]]:
     """The (what, where, fix) another process prints for `failure`: a UserError's own line; for anything
     unexpected (a storage or transport error, say) its type and first line, pointing at the failing process's
@@ -152,7 +156,8 @@ def agree(workdir: str, failure: Optional[Exception], sees: str, stage: str) -> 
     leave the others waiting at the next collective call), if the processes were given different workdirs, or if
     they see the folder differently (`sees`: `view`; a local folder that is not shared between hosts). The failing
     process raises its own `failure`. `stage` names the step in the gathered rows ("checks" before the gate, "lock"
-    after process 0 took it). One process: raise `failure`, if any."""
+    after process 0 took it, "shared" once the others looked for its config.json). One process: raise `failure`,
+    if any."""
     if jax.process_count() == 1:
         if failure is not None:
             raise failure
@@ -172,8 +177,7 @@ def agree(workdir: str, failure: Optional[Exception], sees: str, stage: str) -> 
     if len({p["sees"] for p in everyone}) > 1:
         seen = "; ".join(f"process {k}: {p['sees']}" for k, p in enumerate(everyone))
         raise UserError(f"the processes of this run see different contents in {path} ({seen})", "--workdir",
-                        "give every process one folder they share: a network file system mounted at the same path "
-                        "on every host, or a gs:// path")
+                        SHARE_ONE_FOLDER)
 
 
 SHARED_WAIT_SECONDS = float(os.environ.get("TUPE_JAX_SHARED_WAIT_SECONDS", "90"))
@@ -185,16 +189,15 @@ def see_what_process_0_wrote(workdir: str) -> None:
     An NFS client may hide a file another host just created for up to its attribute-cache time (`acdirmax`, 60 s
     by default), so a miss is retried for `SHARED_WAIT_SECONDS` before it is refused. A bucket is strongly
     consistent: nothing to check."""
-    path = files.join(workdir, "config.json")
     if files.is_remote(workdir):
         return
+    path = files.join(workdir, "config.json")
     deadline = time.monotonic() + SHARED_WAIT_SECONDS
     while not os.path.isfile(path):
         if time.monotonic() >= deadline:
             raise UserError(f"{path}, written by process 0, is not visible on process {jax.process_index()} after "
                             f"{SHARED_WAIT_SECONDS:.0f} s (is {workdir} a folder of this host's own?)", "--workdir",
-                            "give every process one folder they share: a network file system mounted at the same "
-                            "path on every host, or a gs:// path")
+                            SHARE_ONE_FOLDER)
         with contextlib.suppress(OSError):
             os.listdir(os.path.dirname(path) or ".")      # a directory read, to revalidate a cached lookup
         time.sleep(0.5)
