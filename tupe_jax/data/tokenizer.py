@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from tupe_jax import files
+from tupe_jax.data.cache import cache_dir
 from tupe_jax.errors import UserError
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -279,7 +280,6 @@ def get_tokenizer(config, workdir: str | Path | None) -> Tokenizer:
         tok = Tokenizer.from_file(config.data.vocab_file)
     else:
         from tupe_jax.data.builders import iter_documents  # local import: builders import tfds
-        from tupe_jax.data.cache import cache_dir  # pylint: disable=import-outside-toplevel
         tok = learned(lambda: iter_documents(config, "train"), int(config.model.vocab_size),
                       cache_dir(config) / "tokenizers")
     model_vocab = int(config.model.get("vocab_size", tok.vocab_size))
