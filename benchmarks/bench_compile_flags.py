@@ -7,7 +7,8 @@ Not a test.
 Each round runs, one after the other in fresh processes, the suite's flags (`tests/xla_flags.py` without the flags
 under test) and then each `--variant` added to them: a 3-step, 2-layer, d=32 BERT-A `python -m launch pretrain` on
 8 fake CPU devices with no persistent compilation cache. From JAX_LOG_COMPILES it sums the seconds of every XLA
-compilation and keeps the train step's alone, plus the process's wall time. Medians over rounds, with min and max.
+compilation and keeps the train step's alone, plus the process's wall time. Medians over rounds, with min, max
+and the median's 95% interval (`rounds.spread`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import json
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,6 +25,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 from tests import xla_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["--config.train.steps=3", "--config.model.num_layers=2", "--config.model.hidden_size=32",
@@ -55,10 +57,6 @@ def run_once(flags: str, cache: str) -> dict:
             "train_step_compile_s": sum(s for n, s in compiles if n == "jit(train_step)"), "wall_s": wall}
 
 
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_round": values}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -77,7 +75,7 @@ def main() -> None:
                     f"{k} {v:.2f}" for k, v in rows[name][-1].items()), flush=True)
     out = {"command": "python benchmarks/bench_compile_flags.py " + shlex.join(sys.argv[1:]), "base_flags": base,
            "loadavg_after": list(os.getloadavg()),
-           "jobs": {name: {k: summary([row[k] for row in rs]) for k in rs[0]} for name, rs in rows.items()}}
+           "jobs": {name: {k: spread([row[k] for row in rs]) for k in rs[0]} for name, rs in rows.items()}}
     for name, job in out["jobs"].items():
         print(f"{name}: compile {job['compile_s']['median']:.2f} s (train step {job['train_step_compile_s']['median']:.2f}),"
               f" wall {job['wall_s']['median']:.2f} s")
