@@ -210,7 +210,7 @@ _TFDS_GLUE_FIELDS = {"cola": ("sentence", None), "sst2": ("sentence", None), "mr
 def glue_builder(config, task: str):
     """Prepared builder for a GLUE task from `data.glue_dir` TSVs, or for the built-in `wordorder` task."""
     if task == "wordorder":
-        spec = {"kind": "wordorder", "python": sys.version_info[:2], "format": 3}
+        spec = {"kind": "wordorder", "python": sys.version_info[:2], "format": 4}
         return local_builder(config, "wordorder", spec, list(sources.SPLITS), _glue_features(False),
                              sources.wordorder_examples)
     glue_dir = local_input(config, config.data.get("glue_dir", ""), "--config.data.glue_dir")

@@ -240,9 +240,13 @@ def wordorder_examples(split: str) -> Iterator[dict]:
     Every prose sentence (8–40 words) of the embedded corpus split of the same name appears twice: once as it
     is (label 1) and once with the words of every 3-word window permuted (label 0). The two classes hold exactly
     the same words, so only word order separates them (a bidirectional model without positions is at chance).
-    Validation/test sentences were never seen in pretraining. The shuffle is a fixed function of the sentence
-    number; examples come in a fixed order (training shuffles them). Like GLUE, the test split has label -1.
+    Validation/test sentences were never seen in pretraining: the pydoc topics repeat some sentences word for
+    word, so a held-out sentence that occurs anywhere in the train split's text is dropped, as is a repeat within
+    the split. The shuffle is a fixed function of the sentence number; examples come in a fixed order (training
+    shuffles them). Like GLUE, the test split has label -1.
     """
+    seen_in_train = "\n".join(embedded_documents("train")) if split != "train" else ""
+    held_out: set[str] = set()
     k = 0
     for doc in embedded_documents(split):
         for para in doc.split("\n"):
@@ -250,6 +254,10 @@ def wordorder_examples(split: str) -> Iterator[dict]:
                 words = sentence.split()
                 if not _is_prose(sentence) or len(set(words)) < 2:
                     continue
+                if split != "train":
+                    if sentence in held_out or sentence in seen_in_train:
+                        continue
+                    held_out.add(sentence)
                 rng = np.random.default_rng([0x30D0, k])
                 shuffled = " ".join(local_shuffle(words, rng))
                 for label, text in ((1, sentence), (0, shuffled)):
