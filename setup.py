@@ -25,6 +25,7 @@ setup(
         "numpy>=1.26",
         "safetensors>=0.4",
         "gcsfs>=2024.2",                  # gs:// run folders and data paths (through etils.epath, as Orbax)
+        "google-cloud-storage>=2.10",     # generation-matched writes of a bucket run's lease (gcsfs has none)
     ],
     extras_require={
         # Hugging Face interop tests (tupe_jax/interop/): transformers' Flax BERT, no torch needed.

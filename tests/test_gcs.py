@@ -155,6 +155,66 @@ def test_of_two_commands_that_both_saw_a_bucket_folder_free_only_one_gets_the_le
     assert json.loads(files.read_text(folder + "/.lock")) == other       # the other's lease is untouched
 
 
+def test_of_two_commands_that_both_saw_the_same_stale_lease_only_one_takes_it_over(gcs, monkeypatch):  # noqa: F811
+    folder = f"gs://{BUCKET}/raced-stale"
+    dead = {"pid": 5, "host": "gone", "started": "s", "command": "c", "heartbeat": time.time() - 3600}
+    other = {"pid": 7, "host": "h", "started": "s", "command": "c", "heartbeat": time.time()}
+    files.write_text(folder + "/.lock", json.dumps(dead))
+    lock_module = importlib.import_module("tupe_jax.workdir.lock")
+    saw_it_stale = lock_module._stale_lease         # pylint: disable=protected-access
+
+    def then_the_other_took_it_over(workdir, path):  # we found the dead run's lease; the other command takes it now
+        found = saw_it_stale(workdir, path)
+        files.write_text(path, json.dumps(other))
+        return found
+    monkeypatch.setattr(lock_module, "_stale_lease", then_the_other_took_it_over)
+    with pytest.raises(UserError, match=f"^error: {folder} is in use by process 7 on h .*heartbeat"):
+        with workdir_lib.RunLock(folder):
+            pytest.fail("both commands took the dead run's folder over")
+    assert json.loads(files.read_text(folder + "/.lock")) == other       # the winner's lease is untouched
+
+
+def test_a_holder_taken_for_dead_stops_its_heartbeat_and_leaves_the_new_lease(gcs, monkeypatch, capsys):  # noqa: F811
+    """A run that went LEASE_SECONDS without a heartbeat (a stalled VM) and was taken over: its next heartbeat is
+    refused, it says so, and neither a heartbeat nor its release overwrites or deletes the new holder's lease."""
+    folder = f"gs://{BUCKET}/taken-from-a-live-run"
+    lock_module = importlib.import_module("tupe_jax.workdir.lock")
+    monkeypatch.setattr(lock_module, "LEASE_SECONDS", 0.4)          # a heartbeat every 0.1 s
+    other = {"pid": 7, "host": "h", "started": "s", "command": "c", "heartbeat": time.time()}
+    with workdir_lib.RunLock(folder):
+        time.sleep(0.3)                                             # our heartbeats land
+        assert json.loads(files.read_text(folder + "/.lock"))["pid"] == os.getpid()
+        files.write_text(folder + "/.lock", json.dumps(other))      # another command takes the folder over
+        time.sleep(0.5)                                             # our next heartbeats find the lease changed
+        assert json.loads(files.read_text(folder + "/.lock")) == other
+    assert json.loads(files.read_text(folder + "/.lock")) == other  # the release left it alone
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "lease was taken over by process 7 on h" in lines[0], lines
+
+
+def test_a_heartbeat_whose_reply_was_lost_keeps_the_lease(gcs, monkeypatch, capsys):  # noqa: F811
+    """A heartbeat upload that landed but whose reply was lost is retried by the client and refused (the lease is
+    no longer at the generation it was conditioned on): the holder finds its own text there and keeps beating."""
+    folder = f"gs://{BUCKET}/lost-reply"
+    lock_module = importlib.import_module("tupe_jax.workdir.lock")
+    monkeypatch.setattr(lock_module, "LEASE_SECONDS", 0.4)
+    write_object, calls = files.write_object, []
+
+    def first_heartbeat_loses_its_reply(path, text, generation):
+        calls.append(text)
+        new = write_object(path, text, generation)
+        if len(calls) == 2:                                         # the lease's creation is call 1
+            raise FileExistsError(path)
+        return new
+    monkeypatch.setattr(files, "write_object", first_heartbeat_loses_its_reply)
+    with workdir_lib.RunLock(folder):
+        time.sleep(0.5)
+        assert len(calls) >= 4                                      # it kept beating after the lost reply
+        assert json.loads(files.read_text(folder + "/.lock"))["pid"] == os.getpid()
+    assert not files.exists(folder + "/.lock")                      # and released its own lease
+    assert "error:" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resumes_bitwise(gcs, tmp_path):  # noqa: F811
     """`launch pretrain --workdir=gs://...` killed with SIGKILL mid-run; its newest checkpoint is then damaged (an

@@ -140,23 +140,30 @@ def test_two_pretrain_processes_on_one_workdir_then_kill_9_and_resume(tmp_path):
 
 
 class _FakeBucket:
-    """A gs:// folder's lease object in memory: `reads` are served in order (the last one repeats); writes kept."""
+    """A gs:// folder's lease object in memory: `reads` are served in order (the last one repeats), each as
+    generation 1; writes and removals kept."""
 
     def __init__(self, reads):
         self.reads, self.writes, self.removed = list(reads), [], []
 
-    def read_text(self, path):
-        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+    def read_object(self, path):
+        return (self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]), 1
+
+    def write_object(self, path, text, generation):
+        self.writes.append(text)
+        return generation + 1
+
+    def delete_object(self, path, generation):
+        self.removed.append(path)
+        return True
 
     def install(self, monkeypatch):
         from tupe_jax import files  # pylint: disable=import-outside-toplevel
         from tupe_jax.workdir import lock as lock_lib  # pylint: disable=import-outside-toplevel
         monkeypatch.setattr(files, "is_remote", lambda p: str(p).startswith("gs://"))
         monkeypatch.setattr(files, "absolute", lambda p: str(p))
-        monkeypatch.setattr(files, "exists", lambda p: True)
-        monkeypatch.setattr(files, "read_text", self.read_text)
-        monkeypatch.setattr(files, "write_text", lambda p, t: self.writes.append(t))
-        monkeypatch.setattr(files, "remove", self.removed.append)
+        for name in ("read_object", "write_object", "delete_object"):
+            monkeypatch.setattr(files, name, getattr(self, name))
         monkeypatch.setattr(lock_lib, "LEASE_RETRY_SECONDS", 0.0)
         return lock_lib
 
@@ -177,7 +184,7 @@ def test_a_torn_read_of_a_live_bucket_lease_is_read_again_not_taken_over(monkeyp
     broken = _FakeBucket(["{not json"])
     lock_lib = broken.install(monkeypatch)
     reads = []
-    monkeypatch.setattr("tupe_jax.files.read_text", lambda p: reads.append(p) or "{not json")
+    monkeypatch.setattr("tupe_jax.files.read_object", lambda p: (reads.append(p) or "{not json", 1))
     with lock_lib.RunLock("gs://b/run2") as lock:
         assert lock.taken_over == "another process" and len(reads) == lock_lib.LEASE_READS
         assert len(broken.writes) == 1                           # the heartbeat thread does not write at once

@@ -170,16 +170,60 @@ def append_text(path: Any, text: str) -> None:
             f.write(text)
 
 
-def create_text(path: Any, text: str) -> None:
-    """Write `text` to `path` only if nothing is there: FileExistsError otherwise. In a bucket this is one upload
-    with the precondition "no live object" (ifGenerationMatch=0), so of two writers racing, exactly one wins."""
-    if is_remote(path):
-        import fsspec  # pylint: disable=import-outside-toplevel
-        fs, object_path = fsspec.core.url_to_fs(str(path))
-        fs.pipe_file(object_path, text.encode("utf-8"), mode="create")
-        return
-    with open(path, "x", encoding="utf-8") as f:
-        f.write(text)
+# ------------------------------------------------- bucket objects written only if they are as a reader last saw them
+# A bucket lease (workdir/lock.py) needs GCS's generation preconditions. gcsfs offers only "create if absent", so
+# these go through google-cloud-storage (a dependency of gcsfs), which finds the endpoint and credentials as gcsfs
+# does (STORAGE_EMULATOR_HOST, application default credentials). Every object generation is immutable, so a read
+# returns one whole generation and its number; a write or delete given that number happens only if nobody wrote
+# the object since, and otherwise raises FileExistsError. Generation 0 means "no object".
+
+def _blob(path: Any):
+    from google.cloud import storage  # pylint: disable=import-outside-toplevel
+    if not str(path).startswith("gs://"):
+        raise ValueError(f"{path}: generation-matched objects need a gs:// path")
+    bucket, _, name = str(path)[len("gs://"):].partition("/")
+    global _STORAGE_CLIENT  # pylint: disable=global-statement
+    if _STORAGE_CLIENT is None:
+        _STORAGE_CLIENT = storage.Client()
+    return _STORAGE_CLIENT.bucket(bucket).blob(name)
+
+
+_STORAGE_CLIENT = None
+
+
+def read_object(path: Any) -> tuple[str, int]:
+    """The text of the bucket object `path` and its generation; ("", 0) if there is none."""
+    from google.api_core import exceptions  # pylint: disable=import-outside-toplevel
+    blob = _blob(path)
+    try:
+        data = blob.download_as_bytes()
+    except exceptions.NotFound:
+        return "", 0
+    return data.decode("utf-8", errors="replace"), int(blob.generation)
+
+
+def write_object(path: Any, text: str, generation: int) -> int:
+    """Write `text` to the bucket object `path` if it is still at `generation` (0: if there is no object); the new
+    generation. FileExistsError if another writer got there first: of two writers that read the same generation,
+    exactly one wins."""
+    from google.api_core import exceptions  # pylint: disable=import-outside-toplevel
+    blob = _blob(path)
+    try:
+        blob.upload_from_string(text.encode("utf-8"), content_type="application/json",
+                                if_generation_match=int(generation))
+    except exceptions.PreconditionFailed:
+        raise FileExistsError(f"{path} changed since generation {generation}") from None
+    return int(blob.generation)
+
+
+def delete_object(path: Any, generation: int) -> bool:
+    """Delete the bucket object `path` if it is still at `generation`; False if it changed or is gone."""
+    from google.api_core import exceptions  # pylint: disable=import-outside-toplevel
+    try:
+        _blob(path).delete(if_generation_match=int(generation))
+    except (exceptions.PreconditionFailed, exceptions.NotFound):
+        return False
+    return True
 
 
 def _default(value: Any) -> Any:

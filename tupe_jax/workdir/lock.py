@@ -10,12 +10,14 @@ before it reads the live run's checkpoints.
 
 In a bucket (`gs://...`) there is no flock: the lock is a lease object that its holder rewrites every
 `LEASE_SECONDS / 4` (a heartbeat thread). A lease whose heartbeat is older than `LEASE_SECONDS` (300 s, or
-$TUPE_JAX_LEASE_SECONDS) belongs to a dead run (a preempted VM) and is taken over. A read can overlap the holder's
-heartbeat rewrite and return a torn object, so a lease that does not parse is read again (`LEASE_READS` times,
-`LEASE_RETRY_SECONDS` apart) before it counts as stale. A lease is created with the precondition that no object
-is there (`files.create_text`), so of two commands that both saw a folder free, one gets the lease and the other
-is refused. Taking over a *stale* lease is a plain rewrite: two commands doing that within the same moment can
-both succeed (a generation-matched rewrite would close this window; not done here).
+$TUPE_JAX_LEASE_SECONDS) belongs to a dead run (a preempted VM) and is taken over. Every write of the lease is
+conditional on the object generation its writer last saw (`files.write_object`): a new lease on "no object", a
+takeover on the stale lease's generation, a heartbeat on its own last write. So of two commands that saw the folder
+free, or saw the same stale lease, exactly one gets it and the other is refused naming the winner; and a holder
+that was taken for dead (no heartbeat for `LEASE_SECONDS`) finds its next heartbeat refused, says so on stderr and
+stops beating, instead of overwriting the new holder's lease. On release a lease is deleted only if it is still
+the holder's own generation. A lease that does not parse is read again (`LEASE_READS` times, `LEASE_RETRY_SECONDS`
+apart) before it counts as stale.
 """
 from __future__ import annotations
 
@@ -50,16 +52,19 @@ def _holder(text: str) -> str:
         return "another process"
 
 
-def _read_lease(path: str) -> tuple[str, float]:
-    """The lease object's text and its heartbeat's age in seconds; LEASE_SECONDS if it never parses."""
+def _read_lease(path: str) -> tuple[str, float, int]:
+    """The lease object's text, its heartbeat's age in seconds (LEASE_SECONDS if it never parses) and its
+    generation (0: there is no lease)."""
     for attempt in range(LEASE_READS):
-        text = files.read_text(path)
+        text, generation = files.read_object(path)
+        if not generation:
+            return "", 0.0, 0
         try:
-            return text, time.time() - float(json.loads(text).get("heartbeat", 0))
+            return text, time.time() - float(json.loads(text).get("heartbeat", 0)), generation
         except (ValueError, AttributeError):
             if attempt + 1 < LEASE_READS:
                 time.sleep(LEASE_RETRY_SECONDS)
-    return text, LEASE_SECONDS
+    return text, LEASE_SECONDS, generation
 
 
 def _in_use_local(workdir: str, text: str) -> UserError:
@@ -73,15 +78,13 @@ def _in_use_remote(workdir: str, text: str, age: float) -> UserError:
                      "heartbeat), or use another workdir")
 
 
-def _stale_lease(workdir: str, path: str) -> Optional[tuple[str, float]]:
-    """(text, heartbeat age) of the bucket lease at `path` if it is stale, None if there is none; UserError if it
-    is live."""
-    if not files.exists(path):
-        return None
-    text, age = _read_lease(path)
-    if age < LEASE_SECONDS:
+def _stale_lease(workdir: str, path: str) -> tuple[str, float, int]:
+    """(text, heartbeat age, generation) of the bucket lease at `path`, generation 0 if there is none; UserError
+    if it is live."""
+    text, age, generation = _read_lease(path)
+    if generation and age < LEASE_SECONDS:
         raise _in_use_remote(workdir, text, age)
-    return text, age
+    return text, age, generation
 
 
 def refuse_if_held(workdir: str) -> None:
@@ -124,29 +127,19 @@ class RunLock:
     def _enter_remote(self) -> None:
         """The lease object of a bucket folder (see the module doc)."""
         path = files.join(self.workdir, LOCK_NAME)
-        stale = _stale_lease(self.workdir, path)
-        if stale is not None:
-            text, age = stale
+        text, age, stale = _stale_lease(self.workdir, path)
+        if stale:
             self.taken_over = _holder(text)
             print(f"{self.workdir}: taking over the lease left by {self.taken_over} (no heartbeat for {age:.0f} s)",
                   file=sys.stderr, flush=True)
-        identity, stop = self._identity(), threading.Event()
-
-        def beat() -> None:          # the first write is the caller's, below
-            while not stop.wait(LEASE_SECONDS / 4):
-                files.write_text(path, json.dumps({**identity, "heartbeat": time.time()}))
-
-        lease = json.dumps({**identity, "heartbeat": time.time()})
-        if stale is not None:
-            files.write_text(path, lease)
-        else:
-            try:
-                files.create_text(path, lease)
-            except FileExistsError:      # another command created it since `_stale_lease` found none
-                raise _in_use_remote(self.workdir, *_read_lease(path)) from None
-        thread = threading.Thread(target=beat, daemon=True, name="tupe-jax-lease")
-        thread.start()
-        _HELD[self.workdir] = [(stop, thread, path), 1]
+        lease = _Lease(self.workdir, path, self._identity())
+        try:
+            lease.generation = files.write_object(path, lease.text(), stale)
+        except FileExistsError:      # another command created it, or took the stale one over, since we read it
+            text, age, _ = _read_lease(path)
+            raise _in_use_remote(self.workdir, text, age) from None
+        lease.start()
+        _HELD[self.workdir] = [lease, 1]
 
     def __enter__(self) -> "RunLock":
         held = _HELD.get(self.workdir)
@@ -207,10 +200,7 @@ class RunLock:
             return
         del _HELD[self.workdir]
         if files.is_remote(self.workdir):
-            stop, thread, path = held[0]
-            stop.set()
-            thread.join()
-            files.remove(path)
+            held[0].release()
             return
         f = held[0]
         try:
@@ -219,3 +209,41 @@ class RunLock:
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
             f.close()
+
+
+class _Lease:
+    """A held bucket lease and its heartbeat thread; `generation` is the lease's last write (None once lost)."""
+
+    def __init__(self, workdir: str, path: str, identity: dict):
+        self.workdir, self.path, self.identity = workdir, path, identity
+        self.generation: Optional[int] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="tupe-jax-lease")
+
+    def text(self) -> str:
+        return json.dumps({**self.identity, "heartbeat": time.time()})
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LEASE_SECONDS / 4):
+            text = self.text()
+            try:
+                self.generation = files.write_object(self.path, text, self.generation)
+            except FileExistsError:
+                now, generation = files.read_object(self.path)
+                if now == text:           # our write landed and only its reply was lost (a retried upload)
+                    self.generation = generation
+                    continue
+                self.generation = None
+                print(f"error: this run's lease was taken over by {_holder(now)} after {LEASE_SECONDS:.0f} s without"
+                      f" a heartbeat, {self.path}, stop this run (the folder is that command's now; this run no longer"
+                      " renews or removes the lease)", file=sys.stderr, flush=True)
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.generation is not None:   # never another holder's lease
+            files.delete_object(self.path, self.generation)
