@@ -6,13 +6,16 @@ tests/behaviour.py --write`); `tests/test_behaviour.py` re-runs the same loops a
 and parameters when the stack is one a recording was made on (a different stack may legitimately change float
 rounding: then the test compares to 1e-5 relative to the primary recording).
 
-The stack is the versions that decide float rounding and the host CPU's kind (`tupe_jax.host.cpu_kind`): XLA:CPU
-compiles for the host's vector ISA, so the same code and versions round differently on an AVX2 and an AVX-512
-machine. The primary recording is `behaviour.json`; a recording of the same numbers on another CPU kind sits
-beside it as `behaviour-<cpu kind>.json` (`--add`), and every such file must agree with the primary to 1e-5.
+The stack is the versions that decide float rounding, the host CPU's kind (`tupe_jax.host.cpu_kind`) and how XLA
+compiled: XLA:CPU compiles for the host's vector ISA, so the same code and versions round differently on an AVX2 and
+an AVX-512 machine, and the suite's fast compile (-O0, tests/xla_flags.py) emits other machine code than XLA's
+default. The primary recording is `behaviour.json` (XLA's default compile); a recording of the same numbers on
+another CPU kind or at the fast compile sits beside it as `behaviour-<cpu kind>[-fast-compile].json` (`--add`,
+`--add-fast`), and every such file must agree with the primary to 1e-5.
 
-    python tests/behaviour.py --write   the numbers changed: record this machine, drop the other CPU kinds' files
-    python tests/behaviour.py --add     the numbers did not change: add (or renew) this CPU kind's recording
+    python tests/behaviour.py --write     the numbers changed: record this machine, drop every other recording
+    python tests/behaviour.py --add       the numbers did not change: add (or renew) this CPU kind's recording
+    python tests/behaviour.py --add-fast  the same at the suite's fast compile (the every-scheme test runs there)
 """
 from __future__ import annotations
 
@@ -31,10 +34,15 @@ if ROOT not in sys.path:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the suite's 8 fake devices (tests/conftest.py): the recording must come from the device count the test runs on,
 # since the sharded weight-gradient sums (projection.dense_dot_general) round differently on one device; and XLA's
-# default optimisation level (the suite compiles at -O0, whose machine code rounds differently: `record_at_default`)
+# default optimisation level unless a recording is made at the suite's fast compile (`COMPILES`, `record_at`)
 RECORDING_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("XLA_FLAGS", RECORDING_XLA_FLAGS)
 from tupe_jax import host  # noqa: E402  pylint: disable=wrong-import-position
+from tests import xla_flags  # noqa: E402  pylint: disable=wrong-import-position
+
+# how a recording may be compiled: XLA's default (the primary, and the bitwise link to the code before the redesign)
+# or the suite's fast compile (tests/xla_flags.py), which turns the every-scheme test's ~17 s per run into ~9 s
+COMPILES = {"default": RECORDING_XLA_FLAGS, "fast": f"{RECORDING_XLA_FLAGS} {xla_flags.FAST_COMPILE}"}
 
 GOLDEN = os.path.join(ROOT, "tests", "data", "behaviour.json")
 SCHEMES = ("bert_a", "sinusoidal", "rope", "alibi", "t5", "bert_r", "nopos", "tupe_a", "tupe_r", "bert_ad")
@@ -51,27 +59,40 @@ FINETUNE = {**MODEL, "train.steps": str(STEPS), "train.batch_size": "8", "train.
             "checkpoint.every": "1000", "checkpoint.async_save": "false", "data.glue_buckets": "(32,)"}
 
 
+def compile_kind() -> str:
+    """Which of `COMPILES` this process's XLA_FLAGS are (a recording is made at one of them only)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for kind, want in COMPILES.items():
+        if flags == want:
+            return kind
+    sys.exit(f"error: XLA_FLAGS is {flags!r}, not a recording's {COMPILES['default']!r} or {COMPILES['fast']!r}, "
+             "unset XLA_FLAGS (or use record_at)")
+
+
 def stack() -> dict[str, str]:
-    """The versions and the CPU kind that decide float rounding."""
+    """The versions, the CPU kind and the compile that decide float rounding."""
     import jax  # pylint: disable=import-outside-toplevel
     import jaxlib  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-            "device": jax.devices()[0].device_kind, "cpu": host.cpu_kind()}
+            "device": jax.devices()[0].device_kind, "cpu": host.cpu_kind(), "compile": compile_kind()}
 
 
-def recording_path(cpu: str) -> str:
-    """Where the recording for another CPU kind than the primary's lives."""
-    return os.path.join(os.path.dirname(GOLDEN), "behaviour-" + re.sub(r"[^a-z0-9]+", "-", cpu.lower()) + ".json")
+def recording_path(of: dict) -> str:
+    """Where the recording of the stack `of` lives when it is not the primary."""
+    name = re.sub(r"[^a-z0-9]+", "-", of["cpu"].lower()) + ("-fast-compile" if of["compile"] == "fast" else "")
+    return os.path.join(os.path.dirname(GOLDEN), f"behaviour-{name}.json")
 
 
 def recordings() -> list[dict]:
-    """Every recording, the primary (`behaviour.json`) first."""
+    """Every recording, the primary (`behaviour.json`) first; a stack recorded before compiles were told apart
+    was compiled at XLA's default."""
     paths = [GOLDEN] + sorted(glob.glob(os.path.join(os.path.dirname(GOLDEN), "behaviour-*.json")))
     out = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             out.append(json.load(f))
+        out[-1]["stack"].setdefault("compile", "default")
     return out
 
 
@@ -138,10 +159,8 @@ def run_finetune(pretrain_workdir: str, workdir: str, cache_dir: str) -> dict:
 
 
 def record(root: str, schemes=SCHEMES, objectives=OBJECTIVES, finetune: bool = True) -> dict:
-    """Run the loops under `root` and return the fingerprint (at XLA's default optimisation level only)."""
-    if "optimization_level" in os.environ["XLA_FLAGS"]:
-        sys.exit(f"error: XLA_FLAGS sets an optimisation level ({os.environ['XLA_FLAGS']!r}), a recording is made at "
-                 f"XLA's default ({RECORDING_XLA_FLAGS!r}), unset XLA_FLAGS (or use record_at_default)")
+    """Run the loops under `root` and return the fingerprint (at one of `COMPILES` only)."""
+    compile_kind()
     cache = os.path.join(root, "cache")
     os.environ["TUPE_JAX_CACHE"] = cache
     out: dict = {"stack": stack(), "pretrain": {}, "finetune": {}}
@@ -159,14 +178,15 @@ def record(root: str, schemes=SCHEMES, objectives=OBJECTIVES, finetune: bool = T
     return out
 
 
-def record_at_default(root: str, schemes=SCHEMES, objectives=OBJECTIVES, finetune: bool = True) -> dict:
-    """`record` in a fresh process with `RECORDING_XLA_FLAGS` (what a recording was made with), from a test process
-    that compiles at -O0 (tests/conftest.py)."""
+def record_at(root: str, schemes=SCHEMES, objectives=OBJECTIVES, finetune: bool = True,
+              compile: str = "default") -> dict:  # pylint: disable=redefined-builtin
+    """`record` in a fresh process compiled as `COMPILES[compile]`, from a test process whose own flags are the
+    suite's (tests/conftest.py)."""
     out = os.path.join(root, "record.json")
     code = ("import json, sys; from tests import behaviour as B; a = sys.argv[1:]; json.dump(B.record(a[0], "
             "tuple(a[1].split(',')), tuple(a[2].split(',')), a[3] == '1'), open(a[4], 'w', encoding='utf-8'))")
     subprocess.run([sys.executable, "-c", code, root, ",".join(schemes), ",".join(objectives), str(int(finetune)), out],
-                   cwd=ROOT, env={**os.environ, "XLA_FLAGS": RECORDING_XLA_FLAGS}, check=True, timeout=3000)
+                   cwd=ROOT, env={**os.environ, "XLA_FLAGS": COMPILES[compile]}, check=True, timeout=3000)
     with open(out, encoding="utf-8") as f:
         return json.load(f)
 
@@ -181,9 +201,11 @@ def _write(path: str, result: dict) -> None:
 
 def main(argv: list[str]) -> None:
     mode = argv[1] if len(argv) == 2 else ""
-    if mode not in ("--write", "--add"):
-        sys.exit("usage: python tests/behaviour.py --write|--add   (module docstring)")
-    primary = recordings()[0] if mode == "--add" else None
+    if mode not in ("--write", "--add", "--add-fast"):
+        sys.exit("usage: python tests/behaviour.py --write|--add|--add-fast   (module docstring)")
+    if mode == "--add-fast":    # before jax reads the flags (nothing here has started a backend yet)
+        os.environ["XLA_FLAGS"] = COMPILES["fast"]
+    primary = recordings()[0] if mode != "--write" else None
     if primary is not None and primary["stack"] == stack():
         sys.exit(f"error: this stack is the primary recording's, {GOLDEN}, nothing to add (--write re-records it)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,7 +225,7 @@ def main(argv: list[str]) -> None:
     if moved:
         sys.exit(f"error: {', '.join(moved)} moved beyond 1e-5 of {GOLDEN}, nothing written, the numbers changed: "
                  "use --write")
-    _write(recording_path(result["stack"]["cpu"]), result)
+    _write(recording_path(result["stack"]), result)
 
 
 if __name__ == "__main__":

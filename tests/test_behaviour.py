@@ -2,6 +2,7 @@
 trainer / run-folder redesign; see tests/behaviour.py) — 20-step float32 losses and final parameters of every
 scheme in both families and of a GLUE fine-tune, bitwise on a stack (versions and CPU kind) a recording was
 made on, to 1e-5 relative elsewhere."""
+import numpy as np
 import pytest
 
 from tests import behaviour as B
@@ -11,11 +12,11 @@ RECORDINGS = B.recordings()
 PRIMARY = RECORDINGS[0]
 
 
-def check(kind: str, got: dict) -> None:
-    same = [r for r in RECORDINGS if r["stack"] == B.stack()]
+def check(kind: str, got: dict, recordings: list = RECORDINGS) -> None:
+    same = [r for r in recordings if r["stack"] == got["stack"]]
     for name, result in got[kind].items():
         if same:                              # recorded on this stack: every bit must match
-            assert result == same[0][kind][name], f"{kind} {name} changed (same stack {B.stack()})"
+            assert result == same[0][kind][name], f"{kind} {name} changed (same stack {got['stack']})"
         else:                                 # another XLA or CPU may round differently; the numbers must not move
             assert B.agrees(result, PRIMARY[kind][name]), f"{kind} {name} moved beyond 1e-5 of the primary"
 
@@ -37,7 +38,7 @@ def test_every_recording_has_its_own_stack_and_the_primarys_numbers():
     stacks = [r["stack"] for r in RECORDINGS]
     assert all("cpu" in s for s in stacks) and all(stacks.count(s) == 1 for s in stacks)
     for recording in RECORDINGS[1:]:
-        assert B.recording_path(recording["stack"]["cpu"]) != B.GOLDEN
+        assert B.recording_path(recording["stack"]) != B.GOLDEN
         for kind in ("pretrain", "finetune"):
             for name, result in recording[kind].items():
                 assert B.agrees(result, PRIMARY[kind][name]), f"{recording['stack']['cpu']}: {name} moved"
@@ -52,15 +53,32 @@ def test_agrees_is_relative_to_1e5():
 
 
 def test_two_schemes_and_a_finetune_reproduce_the_golden_run(tmp_path):
-    got = B.record_at_default(str(tmp_path), schemes=("tupe_r",), objectives=("mlm", "clm"), finetune=True)
+    got = B.record_at(str(tmp_path), schemes=("tupe_r",), objectives=("mlm", "clm"), finetune=True)
+    assert got["stack"]["compile"] == "default"     # the bitwise link to the recording made before the redesign
     check("pretrain", got)
     check("finetune", got)
 
 
 @pytest.mark.slow
 def test_every_scheme_reproduces_the_golden_run(tmp_path):
+    """At the suite's fast compile: bitwise where this CPU kind has a fast-compile recording (itself within 1e-5 of
+    the primary, `--add-fast`), to 1e-5 of the primary elsewhere."""
     schemes = tuple(s for s in B.SCHEMES if s != "tupe_r")
-    check("pretrain", B.record_at_default(str(tmp_path), schemes=schemes, finetune=False))
+    got = B.record_at(str(tmp_path), schemes=schemes, finetune=False, compile="fast")
+    assert got["stack"]["compile"] == "fast"
+    check("pretrain", got)
+
+
+def test_a_fast_compile_recording_is_compared_bitwise():
+    fast = B.json.loads(B.json.dumps(PRIMARY))
+    fast["stack"] = {**PRIMARY["stack"], "compile": "fast"}
+    got = B.json.loads(B.json.dumps(fast))
+    check("pretrain", got, recordings=[PRIMARY, fast])
+    loss = np.float32(got["pretrain"]["rope-clm"]["losses"][7])
+    got["pretrain"]["rope-clm"]["losses"][7] = float(np.nextafter(loss, np.float32(9)))
+    with pytest.raises(AssertionError, match="rope-clm changed"):   # one float32 step: within 1e-5, still a change
+        check("pretrain", got, recordings=[PRIMARY, fast])
+    check("pretrain", got, recordings=[PRIMARY])                    # no recording of its stack: 1e-5 of the primary
 
 
 def _fake_golden(tmp_path, monkeypatch, result: dict):
@@ -88,6 +106,28 @@ def test_add_writes_the_recording_of_another_cpu_kind(tmp_path, monkeypatch):
     added = tmp_path / "behaviour-x86-64-somevendor-avx2.json"
     assert B.json.loads(added.read_text())["stack"]["cpu"] == "x86_64 SomeVendor avx2"
     assert len(B.recordings()) == 2
+
+
+def test_add_fast_records_at_the_suites_fast_compile_beside_the_primary(tmp_path, monkeypatch):
+    result = B.json.loads(B.json.dumps(PRIMARY))
+    result["stack"]["compile"] = "fast"
+    golden = _fake_golden(tmp_path, monkeypatch, result)
+    monkeypatch.setenv("XLA_FLAGS", B.COMPILES["default"])
+    flags = []
+    monkeypatch.setattr(B, "record", lambda root: flags.append(B.os.environ["XLA_FLAGS"]) or result)
+    monkeypatch.setattr(B, "stack", lambda: {**PRIMARY["stack"], "compile": B.compile_kind()})
+    before = golden.read_bytes()
+    B.main(["behaviour.py", "--add-fast"])
+    assert flags == [B.COMPILES["fast"]] and golden.read_bytes() == before
+    cpu = B.re.sub(r"[^a-z0-9]+", "-", PRIMARY["stack"]["cpu"].lower())
+    added = tmp_path / f"behaviour-{cpu}-fast-compile.json"
+    assert B.json.loads(added.read_text())["stack"]["compile"] == "fast"
+
+
+def test_a_recording_refuses_flags_that_are_neither_compile(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", B.COMPILES["default"] + " --xla_backend_optimization_level=1")
+    with pytest.raises(SystemExit, match=r"^error: XLA_FLAGS is .*, unset XLA_FLAGS \(or use record_at\)$"):
+        B.record("/nonexistent")
 
 
 def test_add_refuses_numbers_that_moved_and_writes_nothing(tmp_path, monkeypatch):

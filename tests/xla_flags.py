@@ -2,8 +2,9 @@
 
 -O0 for XLA's LLVM backend: compiling is most of a test's time, and -O0 halves it (test_model + test_kernels:
 378 -> 177 s on 2 cores, benchmarks/results_suite_time_avx2.json). The optimised HLO is the same, only the machine
-code (and so the last bit of some sums) differs; the golden run, compared bitwise, is made at XLA's default level
-in its own process (tests/behaviour.py: `record_at_default`).
+code (and so the last bit of some sums) differs. The golden run is compared bitwise to a recording made at the same
+flags: at XLA's default level for the primary recording, at these flags for the every-scheme test (each in its own
+process: tests/behaviour.py `record_at`).
 
 XLA:CPU's older loop emitters instead of its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`): the
 same HLO, emitted in less time: a tiny 2-layer `launch pretrain` compiles in 3.9 s instead of 6.1 s (medians of 5
