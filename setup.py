@@ -23,6 +23,9 @@ setup(
         "scipy>=1.12",
         "tqdm>=4.66",
         "numpy>=1.26",
+        # ml_dtypes (jax's low-precision dtypes) 0.7.0's module init takes ~0.75 s under numpy 2.4 (0.015 s for 0.6.0),
+        # which every process pays at `import jax`: benchmarks/results_import_ml_dtypes_avx2_zen4.json
+        "ml_dtypes>=0.5,<0.7",
         "safetensors>=0.4",
         "gcsfs>=2024.2",                  # gs:// run folders and data paths (through etils.epath, as Orbax)
         "google-cloud-storage>=2.10",     # generation-matched writes of a bucket run's lease (gcsfs has none)
