@@ -192,6 +192,29 @@ def test_a_holder_taken_for_dead_stops_its_heartbeat_and_leaves_the_new_lease(gc
     assert len(lines) == 1 and "lease was taken over by process 7 on h" in lines[0], lines
 
 
+def test_a_heartbeat_that_meets_a_storage_error_tries_again(gcs, monkeypatch, capsys):  # noqa: F811
+    """A renewal that fails (the endpoint unreachable past the client's retries) is reported and retried at the
+    next beat: a heartbeat thread that died would let the lease expire under a live run."""
+    folder = f"gs://{BUCKET}/flaky-endpoint"
+    lock_module = importlib.import_module("tupe_jax.workdir.lock")
+    monkeypatch.setattr(lock_module, "LEASE_SECONDS", 0.4)
+    write_object, calls = files.write_object, []
+
+    def second_write_fails(path, text, generation):
+        calls.append(text)
+        if len(calls) == 2:
+            raise ConnectionError("connection reset by peer")
+        return write_object(path, text, generation)
+    monkeypatch.setattr(files, "write_object", second_write_fails)
+    with workdir_lib.RunLock(folder):
+        time.sleep(0.5)
+        assert len(calls) >= 4                                      # it went on renewing after the failure
+        assert json.loads(files.read_text(folder + "/.lock"))["pid"] == os.getpid()
+    assert not files.exists(folder + "/.lock")
+    err = capsys.readouterr().err
+    assert "renewing the lease failed (ConnectionError: connection reset by peer)" in err and "error:" not in err
+
+
 def test_a_heartbeat_whose_reply_was_lost_keeps_the_lease(gcs, monkeypatch, capsys):  # noqa: F811
     """A heartbeat upload that landed but whose reply was lost is retried by the client and refused (the lease is
     no longer at the generation it was conditioned on): the holder finds its own text there and keeps beating."""

@@ -228,19 +228,33 @@ class _Lease:
 
     def _beat(self) -> None:
         while not self._stop.wait(LEASE_SECONDS / 4):
-            text = self.text()
             try:
-                self.generation = files.write_object(self.path, text, self.generation)
-            except FileExistsError:
-                now, generation = files.read_object(self.path)
-                if now == text:           # our write landed and only its reply was lost (a retried upload)
-                    self.generation = generation
-                    continue
-                self.generation = None
-                print(f"error: this run's lease was taken over by {_holder(now)} after {LEASE_SECONDS:.0f} s without"
-                      f" a heartbeat, {self.path}, stop this run (the folder is that command's now; this run no longer"
-                      " renews or removes the lease)", file=sys.stderr, flush=True)
-                return
+                if not self._renew():
+                    return
+            except Exception as err:  # pylint: disable=broad-exception-caught
+                # a storage error that outlived the client's own retries: a dead heartbeat thread would let the
+                # lease expire under a live run, so say so and try again at the next beat
+                print(f"warning: {self.path}: renewing the lease failed ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0] if str(err) else ''}), trying again in {LEASE_SECONDS / 4:.0f} s",
+                      file=sys.stderr, flush=True)
+
+    def _renew(self) -> bool:
+        """One heartbeat; False once the lease is another's."""
+        text = self.text()
+        try:
+            self.generation = files.write_object(self.path, text, self.generation)
+            return True
+        except FileExistsError:
+            pass
+        now, generation = files.read_object(self.path)
+        if now == text:               # our write landed and only its reply was lost (a retried upload)
+            self.generation = generation
+            return True
+        self.generation = None
+        print(f"error: this run's lease was taken over by {_holder(now)} after {LEASE_SECONDS:.0f} s without"
+              f" a heartbeat, {self.path}, stop this run (the folder is that command's now; this run no longer"
+              " renews or removes the lease)", file=sys.stderr, flush=True)
+        return False
 
     def release(self) -> None:
         self._stop.set()
