@@ -41,7 +41,7 @@ from tupe_jax import host  # noqa: E402  pylint: disable=wrong-import-position
 from tests import xla_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 # how a recording may be compiled: XLA's default (the primary, and the bitwise link to the code before the redesign)
-# or the suite's fast compile (tests/xla_flags.py), which turns the every-scheme test's ~17 s per run into ~9 s
+# or the suite's fast compile (tests/xla_flags.py), which the every-scheme test uses: most of its time is compiling
 COMPILES = {"default": RECORDING_XLA_FLAGS, "fast": f"{RECORDING_XLA_FLAGS} {xla_flags.FAST_COMPILE}"}
 
 GOLDEN = os.path.join(ROOT, "tests", "data", "behaviour.json")
