@@ -273,3 +273,44 @@ def test_an_empty_validation_split_is_refused_before_anything_is_written(tmp_pat
     rc, err = run_launch(prepare_args(corpus, tmp_path / "out"), capsys)
     assert rc == 2 and "the validation split of data.name=text_files has no text" in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_import_fairseq_tokenizer_prepares_with_its_own_bpe(tmp_path):
+    """`data.vocab_file` = an import-fairseq run's tokenizer/vocab.txt: the workers tokenize with that run's fairseq
+    BPE (they used to rebuild a WordPiece tokenizer from its vocabulary list, so every id was another's), and a run
+    on the directory reads the same tokenizer back."""
+    pytest.importorskip("sacremoses", reason="the fairseq extra brings sacremoses")
+    pytest.importorskip("subword_nmt", reason=".[test] brings subword-nmt")
+    from tests import fairseq_fixtures as F  # pylint: disable=import-outside-toplevel
+    from tupe_jax.data.fairseq_bpe import FairseqBpeTokenizer, read_dictionary  # pylint: disable=import-outside-toplevel
+    corpus = write_corpus(tmp_path / "corpus")
+    lines = [x for x in (corpus / "train.txt").read_text(encoding="utf-8").splitlines() if x.strip()]
+    codes = F.learn_codes(lines, merges=60)
+    tok = FairseqBpeTokenizer(read_dictionary(F.make_dict(lines, codes)), codes)
+    tok.save(str(tmp_path / "fairseq-run" / "tokenizer"))
+    out = tmp_path / "out"
+    args = prepare_args(corpus, out, f"--config.data.vocab_file={tmp_path / 'fairseq-run' / 'tokenizer' / 'vocab.txt'}")
+    args[1] = args[1].replace("vocab_size=200", f"vocab_size={tok.vocab_size}")
+    assert launch.main(args) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["settings"]["tokenizer"] == tok.fingerprint
+    c = run_config(out)
+    c.model.vocab_size = tok.vocab_size
+    assert isinstance(R.prepared_tokenizer(c, None), FairseqBpeTokenizer)
+    split = R.open_split(c, "train")
+    docs = list(P.documents(ml_collections.ConfigDict(
+        {"data": {**D.default_data_config().to_dict(), "name": "text_files", "path": str(corpus)}}), "train"))
+    expect = [ex for g in pool.groups(iter(docs), int(0.004e6)) for ex in P.pack(g, tok, m["settings"])[0]]
+    toks, valid = split.rows(np.arange(split.n), np.ones(split.n, bool), 31)
+    assert len(expect) == split.n
+    for i in range(split.n):
+        np.testing.assert_array_equal(toks[i][valid[i]], expect[i])
+
+
+def test_a_worker_that_cannot_load_the_tokenizer_fails_its_shard_instead_of_hanging(tmp_path):
+    """multiprocessing.Pool replaces a worker whose initializer raised, forever, so `prepare` would hang: the
+    initializer keeps the error and the worker's first shard raises it (in-process here)."""
+    P._init_worker(str(tmp_path / "nowhere" / "vocab.txt"), "sha256:x", {})   # returns: no exception escapes
+    with pytest.raises(RuntimeError, match=r"a prepare worker could not load .*nowhere/vocab.txt: UserError: "):
+        P._write_shard((str(tmp_path), 0, ["some text"]))
+    P._WORKER.clear()

@@ -5,7 +5,9 @@
 
 DIR (the `--workdir`) then holds
     config.json                          the prepare config (the launcher's gate refuses another one here)
-    tokenizer/vocab.txt                  the WordPiece vocabulary (learned once here, or `data.vocab_file`)
+    tokenizer/vocab.txt                  the vocabulary (learned once here, or `data.vocab_file`: a WordPiece
+                                         vocab.txt, or an import-fairseq run's tokenizer/vocab.txt, whose
+                                         fairseq BPE codes are copied beside it)
     <split>/shard-00000.array_record     one record per packed example, raw little-endian uint16/int32 ids
     <split>/shard-00000.json             the shard's sidecar, written after its records (= "this shard is done")
     manifest.json                        written last: settings, tokenizer fingerprint, per-shard counts and sizes
@@ -124,10 +126,22 @@ def _nonempty(docs: Iterator[str], config, split: str) -> Iterator[str]:
 _WORKER: dict = {}
 
 
-def _init_worker(vocab: list[str], casing: dict, settings: dict) -> None:
+def _init_worker(tokenizer_file: str, fingerprint: str, settings: dict) -> None:
+    """A worker's tokenizer is the one saved in DIR/tokenizer, of whatever kind (WordPiece, or the fairseq BPE of an
+    import-fairseq run: `Tokenizer.from_file` reads the folder's kind), checked against the parent's fingerprint."""
     pool.orphan_guard()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # one core per worker process
-    _WORKER.update(tok=Tokenizer(vocab, **casing), settings=settings)
+    _WORKER.clear()
+    try:
+        tok = Tokenizer.from_file(tokenizer_file)
+        if tok.fingerprint != fingerprint:
+            raise ValueError(f"its fingerprint is {tok.fingerprint}, not the {fingerprint} prepare started with")
+    except Exception as err:  # pylint: disable=broad-exception-caught
+        # an initializer that raises makes multiprocessing.Pool start another worker, forever: the first shard
+        # given to this worker raises instead, and the parent stops with it
+        _WORKER["error"] = f"a prepare worker could not load {tokenizer_file}: {type(err).__name__}: {err}"
+        return
+    _WORKER.update(tok=tok, settings=settings)
 
 
 def pack(docs: list[str], tok: Tokenizer, settings: dict) -> tuple[list[np.ndarray], int]:
@@ -147,6 +161,8 @@ def _write_shard(task: tuple[str, int, list[str]]) -> dict:
     """Tokenize + pack one shard, write its records (temporary name, then rename), then its sidecar."""
     from array_record.python.array_record_module import ArrayRecordWriter
     folder, k, docs = task
+    if "error" in _WORKER:
+        raise RuntimeError(_WORKER["error"])
     settings = _WORKER["settings"]
     examples, tokens = pack(docs, _WORKER["tok"], settings)
     path = Path(folder) / f"shard-{k:05d}.array_record"
@@ -226,7 +242,6 @@ def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict,
         tmp.unlink()
     groups = pool.groups(_nonempty(documents(config, split), config, split), int(config.prepare.shard_mb * 1e6))
     sides: dict[int, dict] = {}
-    casing = {} if tok.default_casing else {"lowercase": tok.lowercase, "strip_accents": tok.strip_accents}
 
     def todo():
         for k, docs in enumerate(groups):
@@ -235,7 +250,8 @@ def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict,
                 sides[k] = done
             yield k, None if done is not None else (str(folder), k, docs)
 
-    with pool.spawn_pool(num_workers, _init_worker, (tok.vocab, casing, settings)) as workers_:
+    tokenizer_file = str(out / "tokenizer" / "vocab.txt")      # saved by `_tokenizer` before any split
+    with pool.spawn_pool(num_workers, _init_worker, (tokenizer_file, tok.fingerprint, settings)) as workers_:
         for k, side in pool.bounded(workers_, _write_shard, todo(), num_workers):
             sides[k] = side
     ordered = [sides[k] for k in sorted(sides)]
