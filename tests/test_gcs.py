@@ -192,6 +192,30 @@ def test_a_holder_taken_for_dead_stops_its_heartbeat_and_leaves_the_new_lease(gc
     assert len(lines) == 1 and "lease was taken over by process 7 on h" in lines[0], lines
 
 
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_checkpoint(gcs, tmp_path, monkeypatch):  # noqa: F811
+    """A run taken for dead (a stalled VM) that trains on: before its next checkpoint it reads the lease, finds it
+    another's (long before its heartbeat thread would look) and stops with one line. It writes no checkpoint after
+    the takeover, leaves the new holder's lease alone and removes nothing from the folder, now the other's."""
+    from tupe_jax import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+    monkeypatch.chdir(tmp_path)
+    remote = f"gs://{BUCKET}/taken-mid-run"
+    other = {"pid": 7, "host": "h", "started": "s", "command": "c", "heartbeat": time.time()}
+    write = metrics_lib.MetricsWriter.write
+
+    def taken_over_after_step_2(self, step, values):
+        write(self, step, values)
+        if step == 2:                                        # another command takes the folder over mid-run
+            files.write_text(remote + "/.lock", json.dumps(other))
+    monkeypatch.setattr(metrics_lib.MetricsWriter, "write", taken_over_after_step_2)
+    with pytest.raises(workdir_lib.LeaseLost) as caught:
+        pretrain_loop.pretrain(tiny(tmp_path / "cache"), remote, devices=jax.devices()[:1])
+    assert str(caught.value).startswith(f"error: this run's lease on {remote} was taken over by process 7 on h")
+    assert "\n" not in str(caught.value)
+    assert workdir_lib.checkpoint_steps(remote) == []               # step 3's checkpoint was not written
+    assert json.loads(files.read_text(remote + "/.lock")) == other  # the release left the new lease alone
+    assert {"config.json", "tokenizer"} <= set(files.listdir(remote))   # a failed run's cleanup did not run
+
+
 def test_a_heartbeat_that_meets_a_storage_error_tries_again(gcs, monkeypatch, capsys):  # noqa: F811
     """A renewal that fails (the endpoint unreachable past the client's retries) is reported and retried at the
     next beat: a heartbeat thread that died would let the lease expire under a live run."""

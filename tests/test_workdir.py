@@ -187,6 +187,34 @@ def test_a_check_that_failed_on_another_process_stops_this_one_with_its_line(tmp
     assert tree(wd) == before
 
 
+def test_a_lease_taken_over_stops_every_process_before_the_checkpoint(monkeypatch):
+    """`still_held` in a (simulated) 2-process run: process 0, which holds the bucket lease, finds it taken over,
+    shares that and raises LeaseLost; process 1 (which holds nothing and must not read the lease) stops with process
+    0's line; with the lease intact both go on."""
+    claim_module = importlib.import_module("tupe_jax.workdir.claim")
+    lost = workdir_lib.LeaseLost("this run's lease on gs://b/run was taken over by process 7 on h", "--workdir",
+                                 "let it finish")
+
+    def taken(workdir):
+        raise lost
+    monkeypatch.setattr(claim_module, "check_held", taken)
+    gathered = as_process_0_of_2(monkeypatch, never)
+    with pytest.raises(workdir_lib.LeaseLost) as info:
+        workdir_lib.still_held("gs://b/run")
+    assert info.value is lost
+    assert gathered[-1]["stage"] == "lease" and gathered[-1]["error"] == [lost.what, "--workdir", "let it finish"]
+    monkeypatch.setattr(claim_module, "check_held", lambda workdir: None)
+    workdir_lib.still_held("gs://b/run")                         # an intact lease: process 0 goes on
+    monkeypatch.setattr(claim_module, "check_held", never)       # process 1 never reads the lease
+    as_process_1_of_2(monkeypatch, lambda stage: [lost.what, lost.where, lost.fix] if stage == "lease" else None)
+    with pytest.raises(UserError) as info:
+        workdir_lib.still_held("gs://b/run")
+    assert str(info.value) == ("error: this run's lease on gs://b/run was taken over by process 7 on h (found by "
+                               "process 0; this is process 1), --workdir, let it finish")
+    as_process_1_of_2(monkeypatch)
+    workdir_lib.still_held("gs://b/run")                         # no takeover: process 1 goes on
+
+
 def test_a_check_of_process_0_alone_is_shared_with_the_others(tmp_path, monkeypatch):
     """The gate and the lock check are process 0's; what it finds reaches the gather, not just its own log."""
     wd = str(tmp_path / "run")

@@ -126,6 +126,7 @@ class Checkpointer:
 
     def __init__(self, workdir: str, every: int = 1000, keep: int = 3, async_: bool = True,
                  read_only: bool = False):
+        self.workdir = files.absolute(workdir)
         self.directory = files.absolute(files.join(workdir, "checkpoints"))
         self.every = max(int(every), 1)
         write_replicas_whole_in_one_process()

@@ -13,6 +13,8 @@ draws exactly the masks of an uninterrupted one.
 The finiteness rule (one for every loop): every step's metrics are checked when they are fetched (one step
 late); at each checkpoint the step's own metrics and the parameters are checked before anything is saved, so a
 diverged state is never checkpointed. A failure raises `UserError` naming the step and the last good checkpoint.
+Before every checkpoint the folder must still be this run's (`workdir.still_held`: a bucket lease that another
+command took over stops every process, with one line, before anything is written).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import optax
 from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax import files
 from tupe_jax import sharding as sharding_lib
+from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
 from tupe_jax.optim import accumulate_gradients, dropout_key
 
@@ -230,6 +233,7 @@ class Trainer:
             if save:
                 if not bool(self._all_finite(state["params"])):   # finite loss, but the update overflowed
                     self._diverged(step, "non-finite parameters after the update")
+                workdir_lib.still_held(self.checkpointer.workdir)   # a bucket lease taken over: stop, write nothing
                 self.checkpointer.save(step, state, hooks.payload() if hooks.payload else {}, meta, force=True)
             if preempted:
                 print(f"preemption: saved step {step} to {self.checkpointer.directory}; exiting", flush=True)

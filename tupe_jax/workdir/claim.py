@@ -11,7 +11,8 @@ there stops every process; an unexpected error in the checks or this step is sha
 first line), and every other process of a run in a local folder sees that config.json (`see_what_process_0_wrote`:
 a folder of each host's own is refused before any compute, even for a fresh run). If the command then fails — a
 UserError or anything unexpected, but not an interrupt — what it created in the folder is removed unless it holds
-checkpoints or results; what was there before is never touched.
+checkpoints or results; what was there before is never touched. A run whose bucket lease was taken over
+(`still_held`, asked before every checkpoint) stops and removes nothing: the folder is the other command's.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from tupe_jax import files
 from tupe_jax.errors import UserError
 from tupe_jax.workdir import provenance
 from tupe_jax.workdir.gate import check_config, store_config
-from tupe_jax.workdir.lock import LOCK_NAME, RunLock, refuse_if_held
+from tupe_jax.workdir.lock import LOCK_NAME, LeaseLost, RunLock, check_held, refuse_if_held
 
 
 def check_bucket(path: str) -> None:
@@ -264,7 +265,22 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
                 yield
             finally:
                 _CLAIMED.discard(key)
+    except LeaseLost:   # the folder is another command's now: nothing in it is this command's to remove
+        raise
     except Exception:   # an interrupt (Ctrl-C) keeps everything: the same command continues where it stopped
         if lead:
             remove_partial_outputs(workdir, before)
         raise
+
+
+def still_held(workdir: str) -> None:
+    """Before a checkpoint: every process of the run stops (process 0 with `LeaseLost`, the others with its line) if
+    the folder's bucket lease, held by process 0, was taken over (`lock.check_held`). A collective call in a
+    multi-process run, so every process calls it at the same steps."""
+    failure = None
+    if jax.process_index() == 0:
+        try:
+            check_held(workdir)
+        except LeaseLost as err:
+            failure = err
+    agree(workdir, failure, "", stage="lease")

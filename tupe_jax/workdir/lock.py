@@ -15,9 +15,11 @@ conditional on the object generation its writer last saw (`files.write_object`):
 takeover on the stale lease's generation, a heartbeat on its own last write. So of two commands that saw the folder
 free, or saw the same stale lease, exactly one gets it and the other is refused naming the winner; and a holder
 that was taken for dead (no heartbeat for `LEASE_SECONDS`) finds its next heartbeat refused, says so on stderr and
-stops beating, instead of overwriting the new holder's lease. On release a lease is deleted only if it is still
-the holder's own generation. A lease that does not parse is read again (`LEASE_READS` times, `LEASE_RETRY_SECONDS`
-apart) before it counts as stale.
+stops beating, instead of overwriting the new holder's lease. Before each checkpoint the training loop asks
+`check_held`, which reads the lease's generation (a stalled VM's main thread may reach a save before its heartbeat
+thread notices): a lease that is no longer this run's stops the run with `LeaseLost` before it writes. On release a
+lease is deleted only if it is still the holder's own generation. A lease that does not parse is read again
+(`LEASE_READS` times, `LEASE_RETRY_SECONDS` apart) before it counts as stale.
 """
 from __future__ import annotations
 
@@ -65,6 +67,20 @@ def _read_lease(path: str) -> tuple[str, float, int]:
             if attempt + 1 < LEASE_READS:
                 time.sleep(LEASE_RETRY_SECONDS)
     return text, LEASE_SECONDS, generation
+
+
+class LeaseLost(UserError):
+    """This run's bucket lease was taken over by another command (this run went `LEASE_SECONDS` without a
+    heartbeat and was taken for dead): the folder is that command's now, so nothing of it may be removed."""
+
+
+def check_held(workdir: str) -> None:
+    """`LeaseLost` if this process holds `workdir`'s bucket lease and it is no longer this run's. A no-op for a local
+    folder (an flock cannot be taken away) and for a folder this process does not hold (the other processes of a
+    multi-process run: process 0 holds it for them)."""
+    held = _HELD.get(files.absolute(workdir))
+    if held is not None and isinstance(held[0], _Lease):
+        held[0].confirm()
 
 
 def _in_use_local(workdir: str, text: str) -> UserError:
@@ -217,6 +233,8 @@ class _Lease:
     def __init__(self, workdir: str, path: str, identity: dict):
         self.workdir, self.path, self.identity = workdir, path, identity
         self.generation: Optional[int] = None
+        self.lost_to: Optional[str] = None       # the holder that took the lease over, once seen
+        self._writing = threading.Lock()         # a heartbeat and a `confirm` see each other's generation
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name="tupe-jax-lease")
 
@@ -240,21 +258,48 @@ class _Lease:
 
     def _renew(self) -> bool:
         """One heartbeat; False once the lease is another's."""
-        text = self.text()
-        try:
-            self.generation = files.write_object(self.path, text, self.generation)
-            return True
-        except FileExistsError:
-            pass
-        now, generation = files.read_object(self.path)
-        if now == text:               # our write landed and only its reply was lost (a retried upload)
-            self.generation = generation
-            return True
-        self.generation = None
-        print(f"error: this run's lease was taken over by {_holder(now)} after {LEASE_SECONDS:.0f} s without"
-              f" a heartbeat, {self.path}, stop this run (the folder is that command's now; this run no longer"
-              " renews or removes the lease)", file=sys.stderr, flush=True)
+        with self._writing:
+            if self.lost_to is not None:
+                return False
+            text = self.text()
+            try:
+                self.generation = files.write_object(self.path, text, self.generation)
+                return True
+            except FileExistsError:
+                pass
+            now, generation = files.read_object(self.path)
+            if now == text:               # our write landed and only its reply was lost (a retried upload)
+                self.generation = generation
+                return True
+            self._lose(now)
+        print(f"error: this run's lease was taken over by {self.lost_to} after {LEASE_SECONDS:.0f} s without"
+              f" a heartbeat, {self.path}, this run stops before its next checkpoint (the folder is that command's"
+              " now; this run no longer renews or removes the lease)", file=sys.stderr, flush=True)
         return False
+
+    def _lose(self, text: str) -> None:
+        self.generation, self.lost_to = None, _holder(text)
+        self._stop.set()
+
+    def confirm(self) -> None:
+        """`LeaseLost` unless the lease object is still at this run's last write. A read that fails with a storage
+        error (after the client's own retries) is reported and the run goes on: the heartbeat still guards it."""
+        with self._writing:
+            if self.lost_to is None:
+                try:
+                    now, generation = files.read_object(self.path)
+                except Exception as err:  # pylint: disable=broad-exception-caught
+                    print(f"warning: {self.path}: reading the lease before a checkpoint failed ({type(err).__name__}:"
+                          f" {(str(err).splitlines() or [''])[0]}); saving, the heartbeat still checks the lease",
+                          file=sys.stderr, flush=True)
+                    return
+                if generation != self.generation:
+                    self._lose(now)
+        if self.lost_to is not None:
+            raise LeaseLost(f"this run's lease on {self.workdir} was taken over by {self.lost_to} (this run went "
+                            f"{LEASE_SECONDS:.0f} s without a heartbeat and was taken for dead), so it stops "
+                            "before its next checkpoint", "--workdir", "the folder is that command's now: let it "
+                            "finish (or stop it) before resuming this run there, or start this run in another folder")
 
     def release(self) -> None:
         self._stop.set()
