@@ -26,13 +26,19 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
   is taller than wide (the MLP output projection), instead of XLA's transposed-operand dot;
 - dW as a TN dot (tried): `projection.matmul`'s weight gradient as XLA's own `dot_general` contracting the long M
   axis of both operands, instead of the transpose of the smaller operand materialised first;
+- tall dW transpose folded (before): for a weight taller than wide (the MLP output projection) the weight
+  gradient (gᵀ·x)ᵀ without the barrier between the product and its transpose, which XLA folds into one dot that
+  XLA:CPU runs on Eigen instead of YNNPACK;
 - jax.nn.gelu (before): the MLP and head GELU as `jax.nn.gelu(approximate=False)` (its erfc form) instead of
   `tupe_jax.activations.gelu` (the erf form: the same function in fewer, cheaper passes on XLA:CPU);
 - dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
   default, or flax's one);
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save;
 - tupe_a / tupe_r: the same step for that scheme instead of bert_a (the scheme's cost, measured in one process,
-  where the rounds alternate within seconds: steadier than bench_train's one process per job).
+  where the rounds alternate within seconds: steadier than bench_train's one process per job);
+- HF Flax (peer): HF `FlaxBertForMaskedLM`'s step as bench_train runs it (dense logits over all 128 positions,
+  whatever `--slots`), the same XLA in the same process: at `--slots 128` the equal-work ratio without the spread
+  between processes.
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
 process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two.
 """
@@ -118,7 +124,22 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     return variant
 
 
-def matmul_bwd_variant(dx_through_transpose: bool = False, dw_tn: bool = False):
+def build_hf_flax(slots: int) -> dict:
+    """The HF Flax peer's step (`train_workers.flax_peer`) at the same shape, as a variant: its ratio to ours in
+    the same process and rounds, free of bench_train's process-to-process spread."""
+    from train_workers import SHAPES, flax_peer  # pylint: disable=import-outside-toplevel
+    shape = dict(zip(("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"), SHAPES["small"]))
+    step, state, batches = flax_peer(shape, 0.1, slots)
+
+    def with_metrics(state, batch):
+        state, loss = step(state, batch)
+        return state, {"loss": loss}
+    variant = {"state": state, "step": with_metrics, "jitted": step, "batches": batches, "i": 0}
+    run(variant, 2)
+    return variant
+
+
+def matmul_bwd_variant(dx_through_transpose: bool = False, dw_tn: bool = False, folded_dw: bool = False):
     """`projection._matmul_bwd` with one of its two products laid out another way (the module docstring)."""
     from jax import lax  # pylint: disable=import-outside-toplevel
     from tupe_jax import projection  # pylint: disable=import-outside-toplevel
@@ -126,6 +147,8 @@ def matmul_bwd_variant(dx_through_transpose: bool = False, dw_tn: bool = False):
     def bwd(residuals, g):
         x, w = residuals
         d_x, d_w = projection._matmul_bwd(residuals, g)  # pylint: disable=protected-access
+        if folded_dw and x.shape[1] > g.shape[1]:
+            d_w = (lax.optimization_barrier(g.T) @ x).T.astype(w.dtype)
         if dx_through_transpose and w.shape[1] < w.shape[0]:
             d_x = (g @ lax.optimization_barrier(w.T)).astype(x.dtype)
         if dw_tn:
@@ -213,11 +236,14 @@ def main() -> None:
               "jax.nn.gelu (before)": lambda: build(args.slots, plain_gelu=True),
               "dX through Wᵀ (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(dx_through_transpose=True)),
               "dW as a TN dot (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(dw_tn=True)),
+              "tall dW transpose folded (before)": lambda: build(args.slots,
+                                                                 matmul_bwd=matmul_bwd_variant(folded_dw=True)),
               "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
               "dropout_bits=32": lambda: build(args.slots, dropout_bits=32),
               "no dropout": lambda: build(args.slots, dropout=0.0),
               "tupe_a": lambda: build(args.slots, scheme="tupe_a"),
-              "tupe_r": lambda: build(args.slots, scheme="tupe_r")}
+              "tupe_r": lambda: build(args.slots, scheme="tupe_r"),
+              "HF Flax (peer)": lambda: build_hf_flax(args.slots)}
     chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]
     unknown = [n for n in chosen if n not in makers]
     if unknown:

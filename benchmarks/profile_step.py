@@ -210,13 +210,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slots", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--peer", action="store_true", help="profile the HF Flax peer's step (bench_levers."
+                    "build_hf_flax: dense logits over every position) instead of ours")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     import jax  # pylint: disable=import-outside-toplevel
-    from bench_levers import build, run  # pylint: disable=import-outside-toplevel
+    from bench_levers import build, build_hf_flax, run  # pylint: disable=import-outside-toplevel
     from tupe_jax.host import cpu_description, cpu_kind  # pylint: disable=import-outside-toplevel
-    variant = build(args.slots)
-    hlo = parse_hlo(variant["step"].lower(variant["state"], variant["batches"][0]).compile().as_text())
+    variant = build_hf_flax(args.slots) if args.peer else build(args.slots)
+    jitted = variant.get("jitted", variant["step"])
+    hlo = parse_hlo(jitted.lower(variant["state"], variant["batches"][0]).compile().as_text())
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
         t0 = time.perf_counter()
@@ -225,6 +228,7 @@ def main() -> None:
         jax.profiler.stop_trace()
         trace = json.load(gzip.open(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)[0]))
     out = {"command": "python benchmarks/profile_step.py " + shlex.join(sys.argv[1:]), "slots": args.slots,
+           "step": "HF FlaxBertForMaskedLM" if args.peer else "ours (bert_a)",
            "cpu": cpu_kind(), "cpu_description": cpu_description(), "jax": jax.__version__, "wall_ms_per_step_median": 1e3 * wall,
            "wall_ms_per_step_mean": 1e3 * elapsed / args.steps,
            **summarise(hlo, *busy_per_instruction(trace, args.steps))}

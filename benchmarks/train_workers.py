@@ -182,19 +182,20 @@ def worker_torch(args, s: dict) -> dict:
                        f"attn={model.config._attn_implementation}"}  # pylint: disable=protected-access
 
 
-def worker_flax(args, s: dict) -> dict:
+def flax_peer(s: dict, dropout: float, predictions: int):
+    """HF `FlaxBertForMaskedLM`'s train step as HF's run_mlm_flax.py builds it (dense logits, labels -100 ignored,
+    AdamW after global-norm clipping): (jitted step(state, batch) -> (state, loss), state, device batches)."""
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     import optax  # pylint: disable=import-outside-toplevel
-    import transformers  # pylint: disable=import-outside-toplevel
+    from flax import traverse_util  # pylint: disable=import-outside-toplevel
     from transformers import FlaxBertForMaskedLM  # pylint: disable=import-outside-toplevel
 
-    model = FlaxBertForMaskedLM(hf_config(s, args.dropout), seed=0, dtype=jnp.float32)
+    model = FlaxBertForMaskedLM(hf_config(s, dropout), seed=0, dtype=jnp.float32)
 
     def decay_mask(params):
-        flat = {k: not (k[-1] == "bias" or "LayerNorm" in "/".join(k))
-                for k in __import__("flax").traverse_util.flatten_dict(params)}
-        return __import__("flax").traverse_util.unflatten_dict(flat)
+        flat = {k: not (k[-1] == "bias" or "LayerNorm" in "/".join(k)) for k in traverse_util.flatten_dict(params)}
+        return traverse_util.unflatten_dict(flat)
 
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(5e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, mask=decay_mask))
@@ -204,7 +205,7 @@ def worker_flax(args, s: dict) -> dict:
     def train_step(state, batch):
         rng, dropout_rng = jax.random.split(state["rng"])
 
-        def loss_fn(p):  # as in HF's run_mlm_flax.py: dense logits, labels -100 ignored
+        def loss_fn(p):
             logits = model(batch["inputs"], attention_mask=batch["input_mask"], params=p, dropout_rng=dropout_rng,
                            train=True)[0]
             weights = (batch["labels"] >= 0).astype(jnp.float32)
@@ -216,9 +217,16 @@ def worker_flax(args, s: dict) -> dict:
         updates, opt = tx.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "rng": rng}, loss
 
-    step_fn = jax.jit(train_step, donate_argnums=0)
     batches = [jax.device_put({"inputs": b["inputs"], "input_mask": b["input_mask"],
-                               "labels": dense_labels(b, -100)}) for b in synthetic_batches(s, 4, args.predictions)]
+                               "labels": dense_labels(b, -100)}) for b in synthetic_batches(s, 4, predictions)]
+    return jax.jit(train_step, donate_argnums=0), state, batches
+
+
+def worker_flax(args, s: dict) -> dict:
+    import jax  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    step_fn, state, batches = flax_peer(s, args.dropout, args.predictions)
     holder = {"state": state, "i": 0, "loss": 0.0}
 
     def step():
