@@ -1,6 +1,8 @@
 """projection.dense_dot_general: the Dense layers' `lax.dot_general` values and gradients with XLA:CPU-friendly
 weight-gradient layouts (float32 to rounding), for both transposes it picks (K ≤ F and K > F), multi-axis
 contractions (the QKV and output projections) and the forms it hands back to `lax.dot_general` unchanged."""
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -61,3 +63,16 @@ def test_bfloat16_inputs_give_bfloat16_outputs_and_gradients():
     assert gx.dtype == gk.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(gk, np.float32),
                                np.broadcast_to(np.asarray(x, np.float32).sum(0)[:, None], (16, 8)), rtol=2e-2)
+
+
+def test_a_tall_weights_gradient_is_one_plain_dot_and_a_transpose():
+    """For a weight taller than wide the weight gradient is (gᵀ·x)ᵀ. XLA folds that transpose into the dot unless a
+    barrier stops it: the folded dot contracts dim 0 of x and dim 1 of gᵀ, and XLA:CPU runs it on Eigen instead of
+    YNNPACK (3-4% of the benchmark's train step, benchmarks/RESULTS.md). Every dot of the compiled backward must
+    contract its lhs's last axis."""
+    x, kernel = jnp.ones((64, 80)), jnp.ones((80, 24))
+    dims = (((1,), (0,)), ((), ()))
+    grad = jax.jit(jax.grad(lambda k: jnp.sum(jnp.sin(dense_dot_general(x, k, dims)))))
+    hlo = grad.lower(kernel).compile().as_text()
+    contractions = re.findall(r" dot\(.*?lhs_contracting_dims=\{(\d+)\}", hlo)
+    assert contractions and set(contractions) == {"1"}, contractions
