@@ -216,6 +216,29 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_checkpoint(gcs, 
     assert {"config.json", "tokenizer"} <= set(files.listdir(remote))   # a failed run's cleanup did not run
 
 
+def test_metrics_stop_reaching_a_bucket_folder_the_run_no_longer_holds(gcs, capsys):  # noqa: F811
+    """A bucket's metrics.jsonl is rewritten whole at each flush: once the run's lease is another launch's
+    (`owns_folder` False), the writer drops its rows with one line and neither rewrites that launch's metrics nor
+    uploads TensorBoard events."""
+    from tupe_jax.metrics import MetricsWriter  # pylint: disable=import-outside-toplevel
+    folder = f"gs://{BUCKET}/metrics-after-takeover"
+    ours = [True]
+    writer = MetricsWriter(folder, enabled=True, flush_secs=0, owns_folder=lambda: ours[0])
+    writer.write(1, {"loss": 1.0})
+    assert [r["step"] for r in read_metrics(folder)] == [1]
+    theirs = json.dumps({"step": 9, "loss": 0.5}) + "\n"
+    files.write_text(folder + "/metrics.jsonl", theirs)               # the new holder's metrics
+    ours[0] = False
+    writer.write(2, {"loss": 0.9})
+    writer.flush()
+    writer.write(3, {"loss": 0.8})
+    writer.close()
+    assert files.read_text(folder + "/metrics.jsonl") == theirs
+    assert not files.exists(folder + "/tensorboard")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "this run no longer holds its folder" in lines[0], lines
+
+
 def test_a_heartbeat_that_meets_a_storage_error_tries_again(gcs, monkeypatch, capsys):  # noqa: F811
     """A renewal that fails (the endpoint unreachable past the client's retries) is reported and retried at the
     next beat: a heartbeat thread that died would let the lease expire under a live run."""

@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Mapping, TextIO
+from typing import Any, Callable, Mapping, TextIO
 
 import jax
 import numpy as np
@@ -64,10 +64,14 @@ class MetricsWriter:
     Only process 0 writes (pass `enabled` to override); other processes get a no-op writer. In a bucket
     (`gs://...`), where objects cannot be appended to, rows are buffered and the object is rewritten whole at
     `flush()` (called at every checkpoint and at the end) and at most every `flush_secs` seconds otherwise.
+    `owns_folder` (bucket only) is asked before each such rewrite: once it says False (the run's lease was taken
+    over by another launch, workdir/lock.py) nothing more is written there, and the rows are dropped with one line.
     """
 
-    def __init__(self, workdir: str, enabled: bool | None = None, tensorboard: bool = True, flush_secs: float = 30):
+    def __init__(self, workdir: str, enabled: bool | None = None, tensorboard: bool = True, flush_secs: float = 30,
+                 owns_folder: Callable[[], bool] | None = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self._owns_folder, self._lost = owns_folder, False
         self.path = files.join(workdir, "metrics.jsonl")
         self._file: TextIO | None = None
         self._pending: list[str] = []               # rows not yet in the bucket object
@@ -112,8 +116,20 @@ class MetricsWriter:
         if self.enabled and self._tb is not None:
             self._tb.add_text(tag, text, step)
 
+    def _still_ours(self) -> bool:
+        """False once `owns_folder` said the bucket folder is another launch's (then this writer stays silent)."""
+        if self._lost:
+            return False
+        if self._owns_folder is not None and not self._owns_folder():
+            print(f"error: {self.path}: this run no longer holds its folder (its lease was taken over), "
+                  f"{len(self._pending)} metrics rows and later ones are not written, see the run's checkpoint "
+                  "error", file=sys.stderr, flush=True)
+            self.enabled, self._pending, self._lost = False, [], True
+            return False
+        return True
+
     def _flush_rows(self) -> None:
-        if self._pending:
+        if self._pending and self._still_ours():
             files.append_text(self.path, "".join(self._pending))
             self._pending = []
         self._flushed = time.time()
@@ -129,7 +145,7 @@ class MetricsWriter:
             self._upload_events()
 
     def _upload_events(self) -> None:
-        if self._tb_remote:
+        if self._tb_remote and self._still_ours():
             files.upload_tree(self._tb_local, self._tb_remote)
 
     def close(self) -> None:

@@ -76,7 +76,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
               f"batch {runner.batch_size}, lr {float(t.learning_rate):g}, seed {runner.seed}", flush=True)
 
     # --------------------------------------------------------------------------------------- hooks
-    writer = metrics_lib.MetricsWriter(workdir)
+    writer = metrics_lib.MetricsWriter(workdir, owns_folder=lambda: workdir_lib.owns_folder(workdir))
     bar = metrics_lib.Progress(total, step)
     eval_every = int(t.eval_every)
 

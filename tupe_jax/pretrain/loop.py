@@ -77,7 +77,7 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
                                             seed=int(config.train.seed))
     state, data_state = trainer.restore_or_init()
     start_step = int(state["step"])
-    writer = metrics_lib.MetricsWriter(workdir)
+    writer = metrics_lib.MetricsWriter(workdir, owns_folder=lambda: workdir_lib.owns_folder(workdir))
     if data_state is not None:
         workdir_lib.check_tokenizer(checkpointer.restore_meta(start_step), tokenizer.fingerprint,
                                     workdir_lib.tokenizer_path(workdir))

@@ -83,6 +83,15 @@ def check_held(workdir: str) -> None:
         held[0].confirm()
 
 
+def owns_folder(workdir: str) -> bool:
+    """False if this process held `workdir`'s bucket lease and another launch has taken it over (`check_held`)."""
+    try:
+        check_held(workdir)
+    except LeaseLost:
+        return False
+    return True
+
+
 def _in_use_local(workdir: str, text: str) -> UserError:
     return UserError(f"{workdir} is in use by {_holder(text)}", "--workdir",
                      "wait for that run to finish (or stop it), or use another workdir")
