@@ -128,24 +128,26 @@ class MetricsWriter:
             return False
         return True
 
-    def _flush_rows(self) -> None:
-        if self._pending and self._still_ours():
+    def _flush_rows(self, checked: bool = False) -> None:
+        if self._pending and (checked or self._still_ours()):
             files.append_text(self.path, "".join(self._pending))
             self._pending = []
         self._flushed = time.time()
 
     def flush(self) -> None:
-        """Flush both sinks."""
-        if self._remote and self.enabled:
-            self._flush_rows()
+        """Flush both sinks (in a bucket: one look at the folder's lease for both)."""
+        ours = not self._remote or self._still_ours()
+        if self._remote and self.enabled and ours:
+            self._flush_rows(checked=True)
         if self._file is not None:
             self._file.flush()
         if self._tb is not None:
             self._tb.flush()
-            self._upload_events()
+            if ours:
+                self._upload_events(checked=True)
 
-    def _upload_events(self) -> None:
-        if self._tb_remote and self._still_ours():
+    def _upload_events(self, checked: bool = False) -> None:
+        if self._tb_remote and (checked or self._still_ours()):
             files.upload_tree(self._tb_local, self._tb_remote)
 
     def close(self) -> None:

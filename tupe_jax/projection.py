@@ -9,9 +9,9 @@ one: for the MLP input projection (K 256, F 1024) it copies the (M, 1024) cotang
 materialises the transpose of the smaller operand instead (xᵀ (K, M) and xᵀ·g when K ≤ F; otherwise gᵀ (F, M)
 and (gᵀ·x)ᵀ, the (F, K) result transposed back), with optimization barriers so that XLA does not fold the
 transposes away again. The (F, K) product is barriered too: folded into its transpose it became a dot contracting
-dim 0 of x and dim 1 of gᵀ, which XLA:CPU hands to Eigen (asynchronously) rather than YNNPACK. Other backends, batch dimensions, other contractions and an explicit precision get
-`lax.dot_general` unchanged. Same values up to float rounding (summation order); benchmarks/RESULTS.md has the
-measured effect.
+dim 0 of x and dim 1 of gᵀ, which XLA:CPU hands to Eigen (asynchronously) rather than YNNPACK. Other backends,
+batch dimensions, other contractions and an explicit precision get `lax.dot_general` unchanged. Same values up to
+float rounding (summation order); benchmarks/RESULTS.md has the measured effect.
 
     matmul(x, w) -> x · w                  (M, K) x (K, F) with the backward above (also head.tied_logits')
     dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None) -> y
@@ -38,7 +38,7 @@ def _matmul_bwd(residuals, g):
     x, w = residuals
     if x.shape[1] <= g.shape[1]:
         d_w = lax.optimization_barrier(x.T) @ g
-    else:   # the barrier keeps XLA from folding the transpose into the dot (a TN·T dot that YNNPACK does not take)
+    else:   # barriered: folded into the transpose, the product becomes a dot XLA:CPU runs on Eigen
         d_w = lax.optimization_barrier(lax.optimization_barrier(g.T) @ x).T
     return (g @ w.T).astype(x.dtype), d_w.astype(w.dtype)
 

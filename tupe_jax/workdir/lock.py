@@ -291,15 +291,16 @@ class _Lease:
         self._stop.set()
 
     def confirm(self) -> None:
-        """`LeaseLost` unless the lease object is still at this run's last write. A read that fails with a storage
-        error (after the client's own retries) is reported and the run goes on: the heartbeat still guards it."""
+        """`LeaseLost` unless the lease object is still at this run's last write (asked before a checkpoint and
+        before a metrics rewrite). A read that fails with a storage error (after the client's own retries) is
+        reported and the write goes ahead: the heartbeat still guards the lease."""
         with self._writing:
             if self.lost_to is None:
                 try:
                     now, generation = files.read_object(self.path)
                 except Exception as err:  # pylint: disable=broad-exception-caught
-                    print(f"warning: {self.path}: reading the lease before a checkpoint failed ({type(err).__name__}:"
-                          f" {(str(err).splitlines() or [''])[0]}); saving, the heartbeat still checks the lease",
+                    print(f"warning: {self.path}: reading the lease failed ({type(err).__name__}: "
+                          f"{(str(err).splitlines() or [''])[0]}); writing anyway, the heartbeat still checks it",
                           file=sys.stderr, flush=True)
                     return
                 if generation != self.generation:
