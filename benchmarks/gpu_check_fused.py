@@ -73,6 +73,13 @@ def main() -> None:
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     rows, ok = [], True
+
+    def write(rows: list) -> None:
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "args": vars(args),
+                           "rows": rows}, f, indent=1)
+
     cases = [tuple(c.split(":")) for c in args.cases.split(",")] if args.cases else CASES
     for scheme, form in cases:
         ref_loss, ref_grad = loss_and_grads(scheme, form, "einsum", args)
@@ -89,6 +96,7 @@ def main() -> None:
             ok &= row["pass"]
             rows.append(row)
             print("#", json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            write(rows)   # after every comparison, so a run cut off by its timeout keeps what it finished
     print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}; 2 layers, seq {args.seq}, batch "
           f"{args.batch}, {args.dtype}; reference: attention_backend=einsum\n")
     print("| scheme | form | backend | einsum loss | loss | rel. loss diff | rel. L2 grad diff | pass |")
@@ -99,9 +107,6 @@ def main() -> None:
         else:
             print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['einsum_loss']:.5f} | {r['loss']:.5f} | "
                   f"{r['loss_rel']:.1e} | {r['grad_rel_l2']:.1e} | {'yes' if r['pass'] else 'NO'} |")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "args": vars(args), "rows": rows}, f, indent=1)
     sys.exit(0 if ok else 1)
 
 

@@ -160,6 +160,14 @@ def main() -> None:
     measured = measured_matmul_peak(args.dtype, 2048 if args.smoke else 8192)
     configs = CONFIGS if not args.configs else [tuple(c.split(":")) for c in args.configs.split(",")]
     rows = []
+    out = args.json or os.path.join(os.environ.get("OUT", HERE), "gpu_mfu.json")
+
+    def write(rows: list) -> None:
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "args": vars(args),
+                       "table_peak_tflops": table_peak, "measured_peak_flops": measured, "rows": rows}, f, indent=1)
+
+    write(rows)
     for scheme, form, backend, *rng in configs:
         rng_impl = rng[0] if rng else "threefry2x32"
         if time.perf_counter() - start > args.budget_s:
@@ -174,6 +182,7 @@ def main() -> None:
                    "traceback": traceback.format_exc()[-2000:]}
         rows.append(row)
         print("#", json.dumps({k: v for k, v in row.items() if k != "traceback"}), file=sys.stderr, flush=True)
+        write(rows)   # after every configuration, so a run cut off by its timeout keeps the rows it finished
 
     print(f"\ndevice: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}; BERT-base "
           f"{'(smoke: tiny) ' if args.smoke else ''}seq {args.seq}, batch {args.batch}, {args.dtype}; "
@@ -191,10 +200,6 @@ def main() -> None:
               f"{r['tokens_per_s']:,.0f} | "
               f"{r['model_tflops_per_s']:.1f} | {mfu_table} | "
               f"{100 * r['model_tflops_per_s'] * 1e12 / measured:.1f}% |")
-    out = args.json or os.path.join(os.environ.get("OUT", HERE), "gpu_mfu.json")
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump({"device": device.device_kind, "args": vars(args), "table_peak_tflops": table_peak,
-                   "measured_peak_flops": measured, "rows": rows}, f, indent=1)
     failed = [r for r in rows if "error" in r and "cuDNN is not detected" not in r["error"]]
     if args.smoke and failed:  # the smoke checks the script itself: any other failure is a non-zero exit
         sys.exit(f"smoke: {len(failed)} configuration(s) failed: {failed[0]['error']}")

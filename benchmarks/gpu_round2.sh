@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue #18's GPU checks in one prepared script (NOT yet run: no GPU was lent to the sessions that wrote it).
+# Issue #18's GPU checks in one prepared script, for one call of the device tool (at most 600 s a command).
 # Here, once: `bash benchmarks/gpu_wheels.sh` (the four wheels the H200 machine lacks, into the git-ignored .whl/).
 # Then with the device tool, from the repo root: run(command="bash benchmarks/gpu_round2.sh", carry=[".whl"],
-# timeout_s=600). Steps in order of importance, each under its own timeout (550 s in all at most):
+# timeout_s=600). Steps in order of importance, each under its own timeout and all under one deadline
+# (GPU_ROUND_DEADLINE_S, default 560 s after the start; a step with under 20 s left is skipped and says so):
+#   0. a smoke run of the model (gpu_mfu.py --smoke) on the machine's flax; if it fails, flax from .whl/opt
 #   1. the pallas kernel compiles (Triton) and computes the einsum model with attention dropout 0.1: 2 layers of
 #      BERT-base width, seq 512, bf16, the same masks from the same key (gpu_check_fused.py)
 #   2. MFU at the paper's recipe (attention dropout 0.1): bert_a on the einsum path, then bert_a, tupe_a and tupe_r
@@ -10,22 +12,41 @@
 #   3. MFU at the default settings (attention dropout 0): cuDNN for the three, and pallas for bert_a
 #   4. the fused paths' bias precision (gpu_bias_precision.py: xla float32 bias, cudnn shifted bf16 bias)
 #   5. whether cuDNN's own attention dropout could serve training (gpu_cudnn_dropout_probe.py)
-# Outputs in $OUT (the device tool brings back at most 8 files): five JSON files and gpu_round2.log.
+#   6. the pallas kernel's tiles at the paper's recipe (bert_a; gpu_mfu.py --pallas_blocks), as time allows
+# Outputs in $OUT (the device tool brings back at most 8 files): seven JSON files and gpu_round2.log.
 set -u
+START=$SECONDS
+DEADLINE=${GPU_ROUND_DEADLINE_S:-560}
 OUT=${OUT:-benchmarks}
 LOG="$OUT/gpu_round2.log"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-step() {  # step SECONDS NAME COMMAND...: run with a timeout, everything into the one log
+step() {  # step SECONDS NAME COMMAND...: run with a timeout (capped by the deadline), everything into the one log
   local seconds=$1 name=$2; shift 2
-  echo "=== $name ($(date -u +%H:%M:%S), timeout ${seconds}s): $*" | tee -a "$LOG"
+  local left=$((DEADLINE - (SECONDS - START)))
+  if [ "$left" -lt 20 ]; then
+    echo "=== $name: skipped, ${left}s left of the ${DEADLINE}s deadline" | tee -a "$LOG"; return
+  fi
+  [ "$seconds" -gt "$left" ] && seconds=$left
+  echo "=== $name ($(date -u +%H:%M:%S), +$((SECONDS - START))s, timeout ${seconds}s): $*" | tee -a "$LOG"
   timeout "$seconds" "$@" 2>&1 | tee -a "$LOG"
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee -a "$LOG"
-python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
-  2>&1 | tee -a "$LOG"
+python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__,
+jax.devices())" 2>&1 | tee -a "$LOG"
+if ! timeout 90 python3 benchmarks/gpu_mfu.py --smoke --configs bert_a:bias:xla --json /tmp/smoke.json >>"$LOG" 2>&1
+then
+  echo "=== 0 smoke failed with the machine's flax; flax from .whl/opt instead" | tee -a "$LOG"
+  tail -5 "$LOG"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_flax .whl/opt/*.whl
+  export PYTHONPATH=/tmp/site_flax:$PYTHONPATH
+  step 90 "0 smoke, flax from .whl/opt" python3 benchmarks/gpu_mfu.py --smoke --configs bert_a:bias:xla \
+    --json /tmp/smoke.json
+else
+  echo "=== 0 smoke: passed (+$((SECONDS - START))s)" | tee -a "$LOG"
+fi
 step 120 "1 pallas = einsum with dropout" python3 benchmarks/gpu_check_fused.py --backends pallas \
   --attention_dropout 0.1 --cases bert_a:bias,tupe_r:bias --json "$OUT/results_gpu_pallas_check.json"
 step 190 "2 MFU, paper recipe" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s 150 \
@@ -38,3 +59,9 @@ step 60 "4 bias precision" python3 benchmarks/gpu_bias_precision.py --backends x
   --json "$OUT/results_gpu_bias_precision.json"
 step 40 "5 cuDNN dropout probe" python3 benchmarks/gpu_cudnn_dropout_probe.py \
   --json "$OUT/results_gpu_cudnn_dropout_probe.json"
+for tiles in 128x64x64 64x64x64; do
+  step 60 "6 pallas tiles $tiles, paper recipe" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s 40 \
+    --attention_dropout 0.1 --configs bert_a:bias:pallas --pallas_blocks "$tiles" \
+    --json "$OUT/results_gpu_mfu_tiles_$tiles.json"
+done
+echo "=== done (+$((SECONDS - START))s)" | tee -a "$LOG"
