@@ -1,15 +1,18 @@
 """On a GPU: how exactly each fused attention path keeps the positional bias in bf16; not a test (CI has no GPU).
-Prepared, NOT yet run on a GPU (no device in the session that wrote it); `--backends xla` runs it on CPU.
+Run on an H200 in session 22 (results_gpu_h200_bias_precision.json, before `cudnn_inputs`); `--backends xla` runs
+it on CPU.
 
     python benchmarks/gpu_bias_precision.py [--backends xla,cudnn] [--json out.json]
+    python benchmarks/gpu_bias_precision.py --backends xla,cudnn_model   # on CPU: cuDNN's inputs, xla's kernel
 
 The inputs and reference (tests/attention_fixtures.py) of
-`tests/test_perf.py::test_xla_fused_path_keeps_a_long_alibi_bias_in_float32` and
+`tests/test_fused_bias.py::test_xla_fused_path_keeps_a_long_alibi_bias_in_float32` and
 `::test_fused_paths_keep_a_tupe_r_bias_exact_enough`, at head dim 64 (cuDNN's kernels want a multiple of 8):
 causal ALiBi at 1024 tokens (8 heads; random q/k, and q/k whose content logit +m_h·(i − j) spreads the softmax
 mass over far keys, where the bias is largest) and TUPE-R's real bias at 512 tokens magnified to about ±32 (random
-q/k, and q = 0). bf16 q/k/v; each backend through `attention.fused_attention` (xla: float32 bias; cudnn: the
-row-max-shifted bias in bf16, `attention.fused_bias`) against the float32 einsum path on the same values. Reported
+q/k, and q = 0). bf16 q/k/v; each backend through `attention.fused_attention` (xla: float32 bias; cudnn:
+`attention.cudnn_inputs`, causal ALiBi as four exact q/k columns, TUPE-R's bias shifted and in bf16) against the
+float32 einsum path on the same values. Reported
 per case: max |difference|, the bound 2u·max|v| + 1e-4 (u = 2⁻⁸: the kernel's own bf16 roundings of the
 probabilities and the output; the tests' tolerance) and the pre-fix path (bias cast to bf16, xla kernel).
 Exit 1 if a backend exceeds the bound or errors.
@@ -44,6 +47,19 @@ def cases():
     return out
 
 
+def cudnn_model(terms, mask):
+    """cuDNN's inputs (`attention.cudnn_inputs`: bf16 q/k/v and bias) through the xla kernel (float32 logits and
+    softmax): a model of cuDNN's arithmetic that runs on CPU."""
+    import jax  # pylint: disable=import-outside-toplevel
+    from tupe_jax.attention import cudnn_inputs  # pylint: disable=import-outside-toplevel
+
+    def run(q, k, v):
+        qc, kc, vc, bias = cudnn_inputs(q, k, v, terms, mask)
+        return jax.nn.dot_product_attention(qc, kc, vc, bias=bias, mask=mask, scale=terms.logit_scale,
+                                            implementation="xla")[..., :v.shape[-1]]
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="xla,cudnn")
@@ -63,7 +79,8 @@ def main() -> None:
                "pre_fix_bf16_bias_xla": err(pre_fix, ref)}
         for backend in args.backends.split(","):
             try:
-                out = jax.jit(lambda a, b, c, be=backend: fused_attention(a, b, c, terms, mask, be))(q, k, v)
+                out = jax.jit(cudnn_model(terms, mask) if backend == "cudnn_model" else
+                              lambda a, b, c, be=backend: fused_attention(a, b, c, terms, mask, be))(q, k, v)
                 row[backend] = err(out, ref)
                 failed |= row[backend] > bound
             except Exception as e:  # pylint: disable=broad-except

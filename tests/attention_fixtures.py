@@ -28,7 +28,8 @@ def alibi_cases(length: int, heads: int, dim: int):
     (dims 0–1), so the softmax mass spreads over keys far back, where the bias is largest. One v for both; q/k/v
     are drawn in float32 and rounded to bfloat16 (the fused kernels' input dtype; the reference upcasts them)."""
     scale = 1.0 / np.sqrt(dim)
-    terms = PositionalTerms(logit_bias=alibi_bias(length, heads, True), logit_scale=float(scale))
+    terms = PositionalTerms(logit_bias=alibi_bias(length, heads, True), logit_scale=float(scale),
+                            key_slopes=jnp.asarray(alibi_slopes(heads)))
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(1, length, heads, dim)).astype(np.float32) for _ in range(3))
     slopes, pos = alibi_slopes(heads)[None, :], np.arange(length, dtype=np.float32)[:, None]

@@ -16,13 +16,15 @@ otherwise, and on every other platform, the einsum path runs: the same maths and
 may widen the head dim of q and k (TUPE's concat form); the fused paths then pad v with zeros to match and slice
 the output back.
 
-Bias precision on the fused paths (`fused_bias`): `xla` gets the float32 bias as is — its kernel adds it to float32
-logits (bf16 q·k accumulate in float32), so nothing is rounded. cuDNN's kernel takes the bias only in q's dtype
-(bf16: unit roundoff u = 2⁻⁸, an ALiBi entry −m·|i−j| ≈ −128 is off by up to 0.5): there the bias is first shifted
-by its row maximum (in float32; softmax is shift-invariant per row, so the maths and gradients are unchanged),
-which makes the entries that carry the softmax mass the smallest in magnitude. Rounding error of an entry
-≤ u·(its distance below the row's top bias), so where the error is large the entry's weight is already
-≤ e^(−distance); for bits that match float32 use `xla` or `einsum`.
+Bias precision on the fused paths: `xla` gets the float32 bias as is — its kernel adds it to float32 logits (bf16
+q·k accumulate in float32), so nothing is rounded. cuDNN's kernel takes the bias only in q's dtype (bf16: unit
+roundoff u = 2⁻⁸, an ALiBi entry −m·|i−j| ≈ −128 is off by up to 0.5), so `cudnn_inputs` prepares it: causal
+ALiBi, whose bias on the allowed keys is m_h·j plus a per-row constant, leaves the bias altogether and enters as
+four exact extra q/k dimensions (`key_slope_parts`); any other bias is shifted by its row maximum over the allowed
+keys (`fused_bias`; in float32; softmax is shift-invariant per row, so the maths and gradients are unchanged),
+which makes the entries near the row's top bias the smallest in magnitude. Rounding error of an entry ≤ u·(its
+distance below that top), so it is small where the bias alone carries the softmax mass, but not where q·k lifts a
+far entry back up (an error of up to u·|b|); for bits that match float32 use `xla` or `einsum`.
 """
 from __future__ import annotations
 
@@ -74,16 +76,70 @@ def _add_shared_bias_bwd(_, g):
 add_shared_bias.defvjp(_add_shared_bias_fwd, _add_shared_bias_bwd)
 
 
-def fused_bias(bias: Optional[jax.Array], backend: str, dtype: jnp.dtype) -> Optional[jax.Array]:
+def fused_bias(bias: Optional[jax.Array], backend: str, dtype: jnp.dtype,
+               mask: Optional[jax.Array] = None) -> Optional[jax.Array]:
     """The positional bias handed to `jax.nn.dot_product_attention` (module docstring: bias precision).
 
-    `xla`: float32 unchanged (added to float32 logits, no rounding). `cudnn`: b − max_k b (row-wise, float32,
-    stop-gradient on the max; same softmax and gradients), then cast to the compute dtype, as the kernel requires.
+    `xla`: float32 unchanged (added to float32 logits, no rounding). `cudnn`: b − max_k b, the maximum over the keys
+    that `mask` (B|1, 1, L, L) allows in any row of the batch (row-wise, float32, stop-gradient on the max; same
+    softmax and gradients; 0 where no key is allowed), then cast to the compute dtype, as the kernel requires. A
+    maximum over masked keys would be wrong for causal ALiBi: its future keys carry +m·(j − i), up to +511 at 1024
+    tokens, and shifting by that rounds every allowed entry at magnitude ~500 (bf16 spacing 2 there).
     """
     if bias is None or backend == "xla" or bias.dtype == dtype:
         return bias
     bias = bias.astype(jnp.float32)
-    return (bias - jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True))).astype(dtype)
+    if mask is not None:
+        allowed = jnp.any(mask, axis=0, keepdims=True)      # (1, 1, L, L): keeps the bias shared over the batch
+        top = jnp.max(jnp.where(allowed, bias, -jnp.inf), axis=-1, keepdims=True)
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+    else:
+        top = jnp.max(bias, axis=-1, keepdims=True)
+    return (bias - jax.lax.stop_gradient(top)).astype(dtype)
+
+
+KEY_SLOPE_DIMS = 4      # the extra q/k dimensions of `key_slope_parts`
+KEY_SLOPE_BASE = 256    # j = 256·j_hi + j_lo: both parts are integers that bfloat16 holds exactly (≤ 256)
+
+
+def key_slope_parts(slopes: jax.Array, scale: float, length: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """(H, 4) query and (L, 4) key columns, in `dtype`, whose dot product times `scale` is m_h·j for key j.
+
+    μ = m/scale is split as μ_hi + μ_lo (each rounded to `dtype`; together exact to ~2⁻¹⁶ relative) and
+    j = 256·j_hi + j_lo (exact), so [256μ_hi, 256μ_lo, μ_hi, μ_lo]·[j_hi, j_hi, j_lo, j_lo] = (μ_hi + μ_lo)·j: each
+    product of two `dtype` numbers is exact in the kernel's float32 accumulator, so the only rounding is the float32
+    sum's (≈ 2⁻²⁴·m·j). At m = 1/2, j = 1023 the term is off by ~0.004 logits, against ~1 for a bf16 bias.
+    """
+    if length > KEY_SLOPE_BASE ** 2:
+        raise ValueError(f"key_slope_parts: {length} keys; j_hi must stay ≤ {KEY_SLOPE_BASE} to be exact")
+    mu = slopes.astype(jnp.float32) / scale
+    mu_hi = mu.astype(dtype)
+    mu_lo = (mu - mu_hi.astype(jnp.float32)).astype(dtype)
+    j = jnp.arange(length)
+    j_hi, j_lo = (j // KEY_SLOPE_BASE).astype(dtype), (j % KEY_SLOPE_BASE).astype(dtype)
+    base = jnp.asarray(KEY_SLOPE_BASE, dtype)
+    return (jnp.stack([mu_hi * base, mu_lo * base, mu_hi, mu_lo], axis=-1),
+            jnp.stack([j_hi, j_hi, j_lo, j_lo], axis=-1))
+
+
+def cudnn_inputs(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalTerms,
+                 mask: Optional[jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array]]:
+    """(q, k, v, bias) as cuDNN's kernel takes them: one head dim (a multiple of 8) for all three and the bias in
+    q's dtype. A bias with `key_slopes` (causal ALiBi) in a 16-bit dtype leaves as four more q/k dimensions
+    (`key_slope_parts`) and no bias: exact where a bf16 bias is off by up to ~1 logit at 1024 tokens; any other
+    bias goes through `fused_bias`. v is zero-padded to the head dim; the caller slices the output back."""
+    bias = terms.logit_bias
+    if bias is not None and terms.key_slopes is not None and jnp.dtype(q.dtype).itemsize < 4:
+        (batch, length, heads, _), dim = q.shape, q.shape[-1] + KEY_SLOPE_DIMS
+        q_part, k_part = key_slope_parts(terms.key_slopes, terms.logit_scale, length, q.dtype)
+        pad = [(0, 0)] * 3 + [(0, -dim % 8)]
+        q = jnp.pad(jnp.concatenate([q, jnp.broadcast_to(q_part, (batch, length, heads, KEY_SLOPE_DIMS))], -1), pad)
+        k = jnp.pad(jnp.concatenate([k, jnp.broadcast_to(k_part[:, None], (batch, length, heads, KEY_SLOPE_DIMS))],
+                                    -1), pad)
+        bias = None
+    if q.shape[-1] != v.shape[-1]:
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
+    return q, k, v, fused_bias(bias, "cudnn", q.dtype, mask)
 
 
 def attention_logits(q: jax.Array, k: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array]) -> jax.Array:
@@ -100,13 +156,16 @@ def attention_logits(q: jax.Array, k: jax.Array, terms: PositionalTerms, mask: O
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array],
                     backend: str) -> jax.Array:
-    """(B, L, H, d) q/k/v -> (B, L, H, d_v) through `jax.nn.dot_product_attention(implementation=backend)`, the
-    bias from `fused_bias`; a widened q/k head dim (TUPE concat form) pads v with zeros and slices the output."""
-    value_dim = v.shape[-1]
-    if q.shape[-1] != value_dim:  # concatenated heads (TUPE concat form): the kernel wants one head dim
+    """(B, L, H, d) q/k/v -> (B, L, H, d_v) through `jax.nn.dot_product_attention(implementation=backend)`: `xla`
+    with the float32 bias, `cudnn` with `cudnn_inputs`; a widened q/k head dim (TUPE concat form, the ALiBi key
+    term) pads v with zeros and slices the output back."""
+    value_dim, bias = v.shape[-1], terms.logit_bias
+    if backend == "cudnn":
+        q, k, v, bias = cudnn_inputs(q, k, v, terms, mask)
+    elif q.shape[-1] != value_dim:  # concatenated heads (TUPE concat form): the kernel wants one head dim
         v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - value_dim)))
-    return jax.nn.dot_product_attention(q, k, v, bias=fused_bias(terms.logit_bias, backend, q.dtype), mask=mask,
-                                        scale=terms.logit_scale, implementation=backend)[..., :value_dim]
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=terms.logit_scale,
+                                        implementation=backend)[..., :value_dim]
 
 
 # `model.attention_backend`: the einsum path (any scheme, dropout, probabilities), jax.nn.dot_product_attention's

@@ -49,4 +49,6 @@ class ALiBi(nn.Module):
     def __call__(self, length: int, offset: int = 0) -> PositionalTerms:
         # Depends on i − j only, so the offset cancels.
         s = self.settings
-        return PositionalTerms(logit_bias=alibi_bias(length, s.num_heads, s.causal), logit_scale=standard_scale(s))
+        # Causal: −m·(i − j) = m·j − m·i on the allowed keys j ≤ i, the per-key form that `key_slopes` announces.
+        return PositionalTerms(logit_bias=alibi_bias(length, s.num_heads, s.causal), logit_scale=standard_scale(s),
+                               key_slopes=jnp.asarray(alibi_slopes(s.num_heads), jnp.float32) if s.causal else None)

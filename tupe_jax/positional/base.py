@@ -63,16 +63,24 @@ class PositionalTerms:
     qk_transform: Optional[QKTransform] = None  # (B, L, H, d_h) x2 -> same, in every layer
     logit_bias: Optional[Array] = None         # (1, H, L, L) float32, shared by every layer
     logit_scale: float = 1.0                   # multiplies q·k (not the bias)
+    # (H,) float32 m_h, set only where logit_bias_h[i, j] = m_h·j + (a constant per row) on every key a causal mask
+    # allows (causal ALiBi: −m_h·(i − j)); a fused kernel that would round the bias may use m_h·j instead
+    # (`attention.cudnn_inputs`), which softmax cannot tell apart.
+    key_slopes: Optional[Array] = None
 
     def merge(self, other: "PositionalTerms") -> "PositionalTerms":
-        """Combine two schemes (e.g. BERT-R = learned input + T5 bias); the scale must agree."""
+        """Combine two schemes (e.g. BERT-R = learned input + T5 bias); the scale must agree. `key_slopes`
+        survives only where the other scheme adds no bias (the sum is no longer m_h·j otherwise)."""
         if self.logit_scale != other.logit_scale:
             raise ValueError("cannot merge positional terms with different logit scales")
+        key_slopes = other.key_slopes if self.logit_bias is None else \
+            self.key_slopes if other.logit_bias is None else None
         return PositionalTerms(
             input_vector=_add(self.input_vector, other.input_vector),
             qk_transform=_compose(self.qk_transform, other.qk_transform),
             logit_bias=_add(self.logit_bias, other.logit_bias),
             logit_scale=self.logit_scale,
+            key_slopes=key_slopes,
         )
 
 
