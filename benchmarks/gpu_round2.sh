@@ -6,7 +6,9 @@
 # (GPU_ROUND_DEADLINE_S, default 560 s after the start; a step with under 20 s left is skipped and says so):
 #   0. a smoke run of the model (gpu_mfu.py --smoke) on the machine's flax; if it fails, flax from .whl/opt
 #   1. the pallas kernel's phases with attention dropout 0.1 (gpu_pallas_phases.py, 60 s): in session 22 its
-#      backward did not finish compiling; if it still does not, the pallas configurations below are left out
+#      backward did not finish compiling; if it still does not, the pallas configurations below are left out and
+#      gpu_pallas_bisect.py (1b) compiles dq and dK/dV alone (and dK/dV with 1 stage, with 32-query tiles) to
+#      find the kernel and the compile stage that stall
 #   2. the pallas kernel computes the einsum model with attention dropout 0.1: 2 layers of BERT-base width, seq
 #      512, bf16, the same masks from the same key (gpu_check_fused.py)
 #   3. MFU at the paper's recipe (attention dropout 0.1): bert_a on the einsum path, then bert_a, tupe_r and tupe_a
@@ -55,6 +57,8 @@ step 60 "1 pallas phases, dropout 0.1" python3 benchmarks/gpu_pallas_phases.py -
   --batch 4 --json "$OUT/results_gpu_pallas_phases.json"
 grep -q '"backward run 0"' "$OUT/results_gpu_pallas_phases.json" 2>/dev/null || PALLAS=
 [ -z "$PALLAS" ] && echo "=== the pallas backward did not compile in time: pallas steps left out" | tee -a "$LOG"
+[ -z "$PALLAS" ] && step 170 "1b which backward kernel, which compile stage" python3 benchmarks/gpu_pallas_bisect.py \
+  --timeout 40 --json "$OUT/results_gpu_pallas_bisect.json"
 [ -n "$PALLAS" ] && step 120 "2 pallas = einsum with dropout" python3 benchmarks/gpu_check_fused.py \
   --backends pallas --attention_dropout 0.1 --cases bert_a:bias,tupe_r:bias \
   --json "$OUT/results_gpu_pallas_check.json"

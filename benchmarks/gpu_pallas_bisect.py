@@ -1,0 +1,110 @@
+"""On a GPU: which backward kernel of the pallas flash attention stalls XLA's compile, and in which stage. Not a test.
+
+In session 22 the kernel's backward with attention dropout did not finish compiling on an H200 (jax 0.11.2) while
+the forward compiled in 1.4 s and the backward without dropout in 0.55 s (RESULTS.md, GPU round 2). On CPU, the
+same kernels' Triton IR (lowered for CUDA here) compiled with pip's Triton for sm_90 within seconds in a one-off
+check (not kept as a file); there `flash_dkv` with dropout was the kernel at the register limit. So this script compiles
+ONE backward kernel alone per case, in a subprocess under `--timeout`, with XLA dumping its LLVM IR, and reports
+how far the compile got from the files XLA left:
+  no LLVM file             -> stuck before LLVM (XLA's Triton pipeline: MLIR passes, Triton -> LLVM);
+  *.ir-no-opt.ll only      -> stuck in LLVM's optimisation;
+  *.ir-with-opt.ll, no ptx -> stuck in LLVM's NVPTX code generation;
+  *.ptx                    -> stuck in ptxas.
+A case is kernel:rate:num_stages:num_warps:block_q, e.g. dkv:0.1:2:4:64 (the code's settings) or dkv:0.1:2:4:32 (a
+32-query tile in dK/dV's loop: half the live tile of scores, probabilities and masks).
+
+    python benchmarks/gpu_pallas_bisect.py [--cases ...] [--timeout 40] [--json out.json]
+    python benchmarks/gpu_pallas_bisect.py --interpret      # on CPU: checks the script itself
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = "dq:0.1:2:4:64,dkv:0.1:2:4:64,dkv:0.1:1:4:64,dkv:0.1:2:4:32"
+STAGES = (".ir-no-opt.ll", ".ir-with-opt.ll", ".ptx")
+
+
+def compile_one(kernel: str, rate: float, stages: int, warps: int, block_q: int, interpret: bool) -> None:
+    """Lower and compile one backward kernel on (1, 512, 1, 64) bf16 inputs; prints COMPILED <seconds>."""
+    sys.path.insert(0, ROOT)
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+    from tupe_jax.kernels import calls, flash  # pylint: disable=import-outside-toplevel
+    calls.NUM_STAGES, calls.NUM_WARPS = stages, warps
+    batch, length, heads, dim = 1, 512, 1, 64
+    q, k, v, do = (jax.random.normal(jax.random.PRNGKey(i), (batch, length, heads, dim), jnp.bfloat16)
+                   for i in range(4))
+    key = jax.random.key_data(jax.random.PRNGKey(1)).astype(jnp.uint32) if rate > 0 else None
+    stats = jnp.zeros((batch, heads, length), jnp.float32)
+    # pylint: disable=protected-access
+    spec = flash._Spec(q, None, None, 0.125, rate, block_q, flash.BACKWARD_BLOCK_K)
+    dkv_kernel, dq_kernel = functools.partial(flash._dkv_kernel, spec), functools.partial(flash._dq_kernel, spec)
+
+    def backward_kernel(q, k, v, do, lse, delta):
+        args = [q, k, v, None, None, key, do, lse, delta]
+        if kernel == "dkv":
+            q_full, kv, bias, mask, key_spec = calls.block_specs(spec, full_q=True, full_rows=True)
+            row = pl.BlockSpec((None, None, length), lambda n, b, h: (b, h, 0))
+            return calls.run(dkv_kernel, (length // spec.bk, batch, heads),
+                             [q_full, kv, kv, bias, mask, key_spec, q_full, row, row], args, [kv, kv],
+                             [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2, interpret, "flash_dkv")
+        q_tile, kv, bias, mask, key_spec = calls.block_specs(spec, full_q=False, full_rows=False)
+        row = pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))
+        return calls.run(dq_kernel, (length // spec.bq, batch, heads),
+                         [q_tile, kv, kv, bias, mask, key_spec, q_tile, row, row], args, q_tile,
+                         jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "flash_dq")
+
+    start = time.perf_counter()
+    jax.jit(backward_kernel).lower(q, k, v, do, stats, stats).compile()
+    print("COMPILED", time.perf_counter() - start, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=CASES)
+    ap.add_argument("--timeout", type=float, default=40.0)
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--dump_root", default="/tmp/gpu_pallas_bisect")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        kernel, rate, stages, warps, block_q = args.child.split(":")
+        return compile_one(kernel, float(rate), int(stages), int(warps), int(block_q), args.interpret)
+    rows = []
+    for case in args.cases.split(","):
+        dump = os.path.join(args.dump_root, case.replace(":", "_"))
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
+                                         "--xla_gpu_dump_llvmir".strip())
+        start = time.perf_counter()
+        try:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", case]
+                                  + (["--interpret"] if args.interpret else []), env=env, timeout=args.timeout,
+                                  capture_output=True, text=True, check=False)
+            status = "compiled" if "COMPILED" in done.stdout else f"error: {done.stderr.strip()[-300:]}"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        # the kernel's own module (jit(backward_kernel)), not the modules that made its random inputs
+        names = [os.path.basename(x) for x in glob.glob(os.path.join(dump, "*jit_backward_kernel*"))]
+        row = {"case": case, "status": status, "seconds": round(time.perf_counter() - start, 2),
+               "dumped": {suffix: sum(n.endswith(suffix) for n in names) for suffix in STAGES},
+               "dump_files": len(names)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"timeout_s": args.timeout, "interpret": args.interpret, "rows": rows}, f, indent=1)
+    return None
+
+
+if __name__ == "__main__":
+    main()
