@@ -259,3 +259,40 @@ def test_the_kernel_keeps_long_alibi_and_tupe_r_biases_exact_enough():
     for qq in (q, jnp.zeros_like(q)):
         err = max_err(run(terms, None)(qq, k, v), einsum_reference(qq, k, v, terms, None))
         assert err <= bf16_bound(v), f"TUPE-R: {err:.4f} > {bf16_bound(v):.4f}"
+
+
+def test_training_refuses_the_pallas_kernel_with_attention_dropout_on_a_gpu(monkeypatch):
+    """On an H200 the kernel's backward with attention dropout did not finish compiling (RESULTS.md, GPU round 2), so
+    a pretraining or fine-tuning config that would train through it on a GPU is refused before any compute, with
+    the way out in the line; the einsum path (same masks), dropout 0, 32-bit masks or rbg keys (the kernel does
+    not run for those) and any other platform pass."""
+    from configs.glue import get_config as glue_config  # pylint: disable=import-outside-toplevel
+    from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    from tupe_jax.finetune import validate as finetune_validate  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain import validate as pretrain_validate  # pylint: disable=import-outside-toplevel
+
+    def stalling(config):
+        with config.unlocked():
+            config.model.attention_backend, config.model.attention_dropout_rate = "pallas", 0.1
+            config.model.dropout_bits = 16
+        return config
+
+    config = stalling(get_config("pe=tupe_r,size=tiny"))
+    with pytest.raises(UserError, match="pallas with attention dropout does not train on a GPU") as error:
+        model_lib.validate_training(config, "gpu")
+    assert "--config.model.attention_backend" in str(error.value) and "einsum" in str(error.value)
+    model_lib.validate_training(config, "cpu")
+    for key, value in (("attention_dropout_rate", 0.0), ("attention_backend", "einsum"), ("dropout_bits", 32)):
+        passing = stalling(get_config("pe=tupe_r,size=tiny"))
+        passing.model[key] = value
+        model_lib.validate_training(passing, "gpu")
+    passing = stalling(get_config("pe=tupe_r,size=tiny"))
+    passing.train.dropout_rng = "rbg"
+    model_lib.validate_training(passing, "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(UserError, match="pallas with attention dropout"):
+        pretrain_validate.validate(config, 1)
+    with pytest.raises(UserError, match="pallas with attention dropout"):
+        finetune_validate.validate(stalling(glue_config("task=rte")), 1)

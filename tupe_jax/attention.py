@@ -194,6 +194,13 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: Positional
         block_k=block_k, interpret=jax.default_backend() != "gpu")[..., :value_dim]
 
 
+# Whether the pallas kernel's backward with attention dropout compiles on a GPU. In session 22 it stalled XLA's
+# compile on an H200 (jax 0.11.2; the forward and the dropout-free backward compile in about a second:
+# benchmarks/RESULTS.md, GPU round 2), so training refuses that combination there (`model.validate_training`).
+# Set True once benchmarks/gpu_round2.sh's pallas canary passes.
+PALLAS_DROPOUT_COMPILES_ON_GPU = False
+
+
 def pallas_runs(length: int) -> bool:
     """Whether the `pallas` backend runs its kernel here for a sequence of `length` (module docstring)."""
     from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel
