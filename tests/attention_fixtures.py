@@ -1,4 +1,4 @@
-"""Inputs and the float32 reference for the fused-attention bias checks, shared by tests/test_perf.py (CPU) and
+"""Inputs and the float32 reference for the fused-attention bias checks, shared by tests/test_fused_bias.py (CPU) and
 benchmarks/gpu_bias_precision.py (the same checks on a GPU's kernels).
 
     alibi_cases(length, heads, dim) -> ({name: (q, k, v)}, terms, mask)   causal ALiBi; bfloat16 q/k/v

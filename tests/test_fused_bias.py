@@ -90,8 +90,49 @@ def test_the_cudnn_preparation_keeps_a_long_causal_alibi_exact_enough():
         before = jax.nn.dot_product_attention(qq, kk, vv, bias=shifted_over_all, mask=mask,
                                               scale=terms.logit_scale, implementation="xla")
         assert max_err(before, ref) > 4 * bound
-        if name == "far keys":
+        if name == "far keys":   # the fold is needed: the shift alone leaves bf16's rounding of far entries
             assert max_err(unfolded(qq, kk, vv), ref) > 2 * bound
+        else:                    # the shift over the allowed keys alone keeps the random case within the bound
+            assert max_err(unfolded(qq, kk, vv), ref) <= bound
+
+
+def test_the_cudnn_shift_takes_each_rows_maximum_over_its_allowed_keys():
+    """`fused_bias(…, 'cudnn', bf16, mask)` for a causal + key-padding mask (B, 1, L, L) and a key-padding mask
+    (B, 1, 1, L): in every row with an allowed key the largest allowed entry becomes exactly 0, whatever the masked
+    entries hold (here the largest of all), and a row with no allowed key is left unshifted; without a mask the
+    maximum runs over every key."""
+    from tupe_jax.attention import attention_mask, fused_bias  # pylint: disable=import-outside-toplevel
+    length = 6
+    bias = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, length, length)), jnp.float32)
+    bias = bias.at[..., -1].set(50.0)          # the last key: the row maximum, and padded in example 1
+    key_padding = jnp.asarray([[1] * length, [1] * (length - 2) + [0, 0]])
+    for causal in (True, False):
+        mask = attention_mask(key_padding, length, causal)
+        shifted = np.asarray(fused_bias(bias, "cudnn", jnp.bfloat16, mask), np.float32)
+        allowed = np.broadcast_to(np.asarray(mask), shifted.shape)
+        assert shifted.shape == (2, 2, length, length)
+        for b, h, i in np.ndindex(2, 2, length):
+            row = shifted[b, h, i][allowed[b, h, i]]
+            assert row.size and row.max() == 0.0, (causal, b, h, i)
+    assert float(np.asarray(fused_bias(bias, "cudnn", jnp.bfloat16), np.float32)[..., -1].max()) == 0.0
+    nothing = jnp.zeros((1, 1, length, length), bool)
+    np.testing.assert_array_equal(np.asarray(fused_bias(bias, "cudnn", jnp.bfloat16, nothing)),
+                                  np.asarray(bias.astype(jnp.bfloat16)))
+
+
+def test_the_fold_stays_within_cudnns_head_dim_limit():
+    """Where the folded head dim would pass cuDNN's limit (128 before Hopper; here, off a GPU, 128 too), causal
+    ALiBi keeps its shifted bf16 bias instead: head dim 128 would become 136. At head dim 64 it folds to 72."""
+    from tupe_jax.attention import cudnn_inputs, cudnn_max_head_dim  # pylint: disable=import-outside-toplevel
+    assert cudnn_max_head_dim() == 128
+    _, terms, mask = alibi_cases(64, 2, 8)
+    for dim, folded in ((64, 72), (128, None)):
+        x = jnp.zeros((1, 64, 2, dim), jnp.bfloat16)
+        q, k, v, bias = cudnn_inputs(x, x, x, terms, mask)
+        if folded:
+            assert q.shape[-1] == k.shape[-1] == v.shape[-1] == folded and bias is None
+        else:
+            assert q.shape[-1] == v.shape[-1] == dim and bias.dtype == jnp.bfloat16
 
 
 def test_the_alibi_key_slope_fold_is_exact_and_keeps_the_gradients():

@@ -281,17 +281,25 @@ def test_training_refuses_the_pallas_kernel_with_attention_dropout_on_a_gpu(monk
 
     config = stalling(get_config("pe=tupe_r,size=tiny"))
     with pytest.raises(UserError, match="pallas with attention dropout does not train on a GPU") as error:
-        model_lib.validate_training(config, "gpu")
+        model_lib.validate_training(config, "gpu", (128,))
     assert "--config.model.attention_backend" in str(error.value) and "einsum" in str(error.value)
-    model_lib.validate_training(config, "cpu")
+    model_lib.validate_training(config, "cpu", (128,))
     for key, value in (("attention_dropout_rate", 0.0), ("attention_backend", "einsum"), ("dropout_bits", 32)):
         passing = stalling(get_config("pe=tupe_r,size=tiny"))
         passing.model[key] = value
-        model_lib.validate_training(passing, "gpu")
+        model_lib.validate_training(passing, "gpu", (128,))
     passing = stalling(get_config("pe=tupe_r,size=tiny"))
     passing.train.dropout_rng = "rbg"
-    model_lib.validate_training(passing, "gpu")
+    model_lib.validate_training(passing, "gpu", (128,))
+    model_lib.validate_training(config, "gpu", (100, 32))   # no length the kernel tiles: the einsum path trains
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    pretraining = stalling(get_config("pe=tupe_r,size=tiny"))
+    pretraining.model.max_len = 100       # the validator passes the lengths the loop trains at
+    pretrain_validate.validate(pretraining, 1)
+    glue = stalling(glue_config("task=rte"))
+    glue.model.max_len, glue.data.glue_buckets = 100, (64,)   # the 64-token bucket runs the kernel
+    with pytest.raises(UserError, match="pallas with attention dropout"):
+        finetune_validate.validate(glue, 1)
     with pytest.raises(UserError, match="pallas with attention dropout"):
         pretrain_validate.validate(config, 1)
     with pytest.raises(UserError, match="pallas with attention dropout"):

@@ -81,17 +81,17 @@ def fused_bias(bias: Optional[jax.Array], backend: str, dtype: jnp.dtype,
     """The positional bias handed to `jax.nn.dot_product_attention` (module docstring: bias precision).
 
     `xla`: float32 unchanged (added to float32 logits, no rounding). `cudnn`: b − max_k b, the maximum over the keys
-    that `mask` (B|1, 1, L, L) allows in any row of the batch (row-wise, float32, stop-gradient on the max; same
-    softmax and gradients; 0 where no key is allowed), then cast to the compute dtype, as the kernel requires. A
-    maximum over masked keys would be wrong for causal ALiBi: its future keys carry +m·(j − i), up to +511 at 1024
-    tokens, and shifting by that rounds every allowed entry at magnitude ~500 (bf16 spacing 2 there).
+    that `mask` (B|1, 1, L|1, L) allows in that row (float32, stop-gradient on the max; same softmax and gradients;
+    0 where no key is allowed), then cast to the compute dtype, as the kernel requires. A key-padding mask makes
+    the result (B, H, L, L), as jax's cuDNN path does anyway when it adds the mask to the bias. A maximum over
+    masked keys would be wrong for causal ALiBi: its future keys carry +m·(j − i), up to +511 at 1024 tokens, and
+    shifting by that rounds every allowed entry at magnitude ~500 (bf16 spacing 2 there).
     """
     if bias is None or backend == "xla" or bias.dtype == dtype:
         return bias
     bias = bias.astype(jnp.float32)
     if mask is not None:
-        allowed = jnp.any(mask, axis=0, keepdims=True)      # (1, 1, L, L): keeps the bias shared over the batch
-        top = jnp.max(jnp.where(allowed, bias, -jnp.inf), axis=-1, keepdims=True)
+        top = jnp.max(jnp.where(mask, bias, -jnp.inf), axis=-1, keepdims=True)
         top = jnp.where(jnp.isfinite(top), top, 0.0)
     else:
         top = jnp.max(bias, axis=-1, keepdims=True)
@@ -100,6 +100,15 @@ def fused_bias(bias: Optional[jax.Array], backend: str, dtype: jnp.dtype,
 
 KEY_SLOPE_DIMS = 4      # the extra q/k dimensions of `key_slope_parts`
 KEY_SLOPE_BASE = 256    # j = 256·j_hi + j_lo: both parts are integers that bfloat16 holds exactly (≤ 256)
+MAX_FOLDED_KEYS = KEY_SLOPE_BASE ** 2
+
+
+def cudnn_max_head_dim() -> int:
+    """The largest head dim cuDNN's flash attention takes on this device: 256 from Hopper (compute capability 9) on,
+    128 before and wherever the capability is unknown (jax's own check, `check_is_flash_attention`)."""
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    major = capability.split(".")[0]
+    return 256 if major.isdigit() and int(major) >= 9 else 128
 
 
 def key_slope_parts(slopes: jax.Array, scale: float, length: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
@@ -110,7 +119,7 @@ def key_slope_parts(slopes: jax.Array, scale: float, length: int, dtype: jnp.dty
     product of two `dtype` numbers is exact in the kernel's float32 accumulator, so the only rounding is the float32
     sum's (≈ 2⁻²⁴·m·j). At m = 1/2, j = 1023 the term is off by ~0.004 logits, against ~1 for a bf16 bias.
     """
-    if length > KEY_SLOPE_BASE ** 2:
+    if length > MAX_FOLDED_KEYS:
         raise ValueError(f"key_slope_parts: {length} keys; j_hi must stay ≤ {KEY_SLOPE_BASE} to be exact")
     mu = slopes.astype(jnp.float32) / scale
     mu_hi = mu.astype(dtype)
@@ -124,13 +133,16 @@ def key_slope_parts(slopes: jax.Array, scale: float, length: int, dtype: jnp.dty
 
 def cudnn_inputs(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalTerms,
                  mask: Optional[jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, Optional[jax.Array]]:
-    """(q, k, v, bias) as cuDNN's kernel takes them: one head dim (a multiple of 8) for all three and the bias in
-    q's dtype. A bias with `key_slopes` (causal ALiBi) in a 16-bit dtype leaves as four more q/k dimensions
-    (`key_slope_parts`) and no bias: exact where a bf16 bias is off by up to ~1 logit at 1024 tokens; any other
-    bias goes through `fused_bias`. v is zero-padded to the head dim; the caller slices the output back."""
+    """(q, k, v, bias) as cuDNN's kernel takes them: one head dim for all three and the bias in q's dtype. A bias
+    with `key_slopes` (causal ALiBi) in a 16-bit dtype leaves as four more q/k dimensions (`key_slope_parts`,
+    the head dim then zero-padded to a multiple of 8) and no bias: exact where a bf16 bias is off by up to ~1 logit
+    at 1024 tokens; where the padded head dim would pass `cudnn_max_head_dim` (e.g. 128 before Hopper) or the keys
+    `MAX_FOLDED_KEYS`, and for any other bias, the bias goes through `fused_bias`. v is zero-padded to the head
+    dim; the caller slices the output back."""
     bias = terms.logit_bias
-    if bias is not None and terms.key_slopes is not None and jnp.dtype(q.dtype).itemsize < 4:
-        (batch, length, heads, _), dim = q.shape, q.shape[-1] + KEY_SLOPE_DIMS
+    (batch, length, heads, _), dim = q.shape, q.shape[-1] + KEY_SLOPE_DIMS
+    if (bias is not None and terms.key_slopes is not None and jnp.dtype(q.dtype).itemsize < 4
+            and dim + (-dim % 8) <= cudnn_max_head_dim() and length <= MAX_FOLDED_KEYS):
         q_part, k_part = key_slope_parts(terms.key_slopes, terms.logit_scale, length, q.dtype)
         pad = [(0, 0)] * 3 + [(0, -dim % 8)]
         q = jnp.pad(jnp.concatenate([q, jnp.broadcast_to(q_part, (batch, length, heads, KEY_SLOPE_DIMS))], -1), pad)
@@ -201,11 +213,17 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: Positional
 PALLAS_DROPOUT_COMPILES_ON_GPU = False
 
 
+def pallas_kernel_fits(length: int) -> bool:
+    """Whether the pallas kernel can tile a sequence of `length` (on a GPU it then runs: `pallas_runs`)."""
+    from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel
+    return flash.supported(length, flash.blocks(length)[1])
+
+
 def pallas_runs(length: int) -> bool:
     """Whether the `pallas` backend runs its kernel here for a sequence of `length` (module docstring)."""
     from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel
     on_gpu = jax.default_backend() == "gpu"
-    return (on_gpu or PALLAS_OFF_GPU == "interpret") and flash.supported(length, flash.blocks(length)[1])
+    return (on_gpu or PALLAS_OFF_GPU == "interpret") and pallas_kernel_fits(length)
 
 
 class SelfAttention(nn.Module):

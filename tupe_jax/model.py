@@ -12,7 +12,7 @@ pretraining checkpoint's `params['encoder']` drops straight in.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from tupe_jax import positional
 from tupe_jax.activations import gelu
-from tupe_jax.attention import ATTENTION_BACKENDS, PALLAS_DROPOUT_COMPILES_ON_GPU, SelfAttention, attention_mask
+from tupe_jax import attention as attention_lib
+from tupe_jax.attention import ATTENTION_BACKENDS, SelfAttention, attention_mask
 from tupe_jax.dropout import DROPOUT_BITS, make_dropout
 from tupe_jax.errors import require
 from tupe_jax.head import tied_cross_entropy, tied_logits
@@ -110,14 +111,16 @@ def validate_config(model: Any) -> None:
             "set it to false")
 
 
-def validate_training(config: Any, platform: str) -> None:
+def validate_training(config: Any, platform: str, lengths: Sequence[int]) -> None:
     """Check what only training meets, before any compute: on a GPU (`platform`, `jax.default_backend()`), the pallas
-    kernel would train with attention dropout (16-bit masks, threefry keys) through a backward whose compile does
-    not finish there (`attention.PALLAS_DROPOUT_COMPILES_ON_GPU`)."""
+    kernel would train with attention dropout (16-bit masks, threefry keys, one of the sequence `lengths` the loop
+    trains at that it tiles) through a backward whose compile does not finish there
+    (`attention.PALLAS_DROPOUT_COMPILES_ON_GPU`)."""
     m = config.model
     stalls = (platform == "gpu" and m.attention_backend == "pallas" and m.attention_dropout_rate > 0
               and m.dropout_bits == 16 and config.train.get("dropout_rng", "threefry2x32") == "threefry2x32"
-              and not PALLAS_DROPOUT_COMPILES_ON_GPU)
+              and any(attention_lib.pallas_kernel_fits(n) for n in lengths)
+              and not attention_lib.PALLAS_DROPOUT_COMPILES_ON_GPU)
     require(not stalls, "model.attention_backend=pallas with attention dropout does not train on a GPU yet: its "
             "backward stalled XLA's compile on an H200 (benchmarks/RESULTS.md, GPU round 2)",
             "--config.model.attention_backend", "use attention_backend=einsum (the same masks and model) or "

@@ -23,7 +23,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     """Check a fine-tuning config against `num_devices` before any compute; return the mesh (data, fsdp, tensor)."""
     require_finite(config)
     model.validate_config(config.model)
-    model.validate_training(config, jax.default_backend())
+    buckets = [b for b in config.data.get("glue_buckets", ()) if b <= config.model.max_len]
+    model.validate_training(config, jax.default_backend(), [config.model.max_len, *buckets])
     require(config.model.objective == "mlm", f"model.objective={config.model.objective!r}: the classifier reads "
             "[CLS] at position 0, which a causal decoder computes without seeing the rest of the text",
             "--config.model.objective", "fine-tune an MLM (bidirectional) run")
