@@ -6,18 +6,18 @@
 # (GPU_ROUND_DEADLINE_S, default 560 s after the start; a step with under 20 s left is skipped and says so):
 #   0. a smoke run of the model (gpu_mfu.py --smoke) on the machine's flax; if it fails, flax from .whl/opt
 #   1. the pallas kernel's phases with attention dropout 0.1 (gpu_pallas_phases.py, 60 s): in session 22 its
-#      backward did not finish compiling; if it still does not, the pallas configurations below are left out and
-#      gpu_pallas_bisect.py (1b) compiles dq and dK/dV alone (and dK/dV with 1 stage, with 32-query tiles) to
-#      find the kernel and the compile stage that stall
-#   2. the pallas kernel computes the einsum model with attention dropout 0.1: 2 layers of BERT-base width, seq
-#      512, bf16, the same masks from the same key (gpu_check_fused.py)
-#   3. MFU at the paper's recipe (attention dropout 0.1): bert_a on the einsum path, then bert_a, tupe_r and tupe_a
-#      on the pallas kernel (gpu_mfu.py; `attention_kernels` in each row says which kernel ran)
-#   4. MFU at the default settings (attention dropout 0): cuDNN for the three, and pallas for bert_a
-#   5. the fused paths' bias precision (gpu_bias_precision.py: xla float32 bias; cudnn through
+#      backward did not finish compiling; if it still does not, the pallas steps below are left out
+#   2. the fused paths' bias precision (gpu_bias_precision.py: xla float32 bias; cudnn through
 #      attention.cudnn_inputs, causal ALiBi folded into q/k; the cuDNN column session 22 measured before that)
-#   6. the pallas kernel's tiles at the paper's recipe (bert_a; gpu_mfu.py --pallas_blocks), as time allows
-# Outputs in $OUT (the device tool brings back at most 8 files): seven JSON files and gpu_round2.log.
+#   3. cuDNN and xla compute the causal models (ALiBi, its bias folded into q/k for cuDNN; RoPE) as the einsum path
+#   4. if the canary failed: gpu_pallas_bisect.py compiles dq and dK/dV alone (and dK/dV with 1 stage, with
+#      32-query tiles) to find the kernel and the compile stage that stall; else the pallas kernel computes the
+#      einsum model with attention dropout 0.1 (2 layers of BERT-base width, seq 512, bf16, the same masks)
+#   5. MFU at the paper's recipe (attention dropout 0.1): bert_a on the einsum path, then bert_a, tupe_r and tupe_a
+#      on the pallas kernel (gpu_mfu.py; `attention_kernels` in each row says which kernel ran)
+#   6. MFU at the default settings (attention dropout 0): cuDNN for the three, and pallas for bert_a
+#   7. the pallas kernel's tiles at the paper's recipe (bert_a; gpu_mfu.py --pallas_blocks 128x64x64)
+# Outputs in $OUT (the device tool brings back at most 8 files): at most seven JSON files and gpu_round2.log.
 # (Session 22 also ran gpu_cudnn_dropout_probe.py: cuDNN's dropout takes no traced seed, so it is not rerun.)
 set -u
 START=$SECONDS
@@ -57,23 +57,25 @@ step 60 "1 pallas phases, dropout 0.1" python3 benchmarks/gpu_pallas_phases.py -
   --batch 4 --json "$OUT/results_gpu_pallas_phases.json"
 grep -q '"backward run 0"' "$OUT/results_gpu_pallas_phases.json" 2>/dev/null || PALLAS=
 [ -z "$PALLAS" ] && echo "=== the pallas backward did not compile in time: pallas steps left out" | tee -a "$LOG"
-[ -z "$PALLAS" ] && step 170 "1b which backward kernel, which compile stage" python3 benchmarks/gpu_pallas_bisect.py \
-  --timeout 40 --json "$OUT/results_gpu_pallas_bisect.json"
-[ -n "$PALLAS" ] && step 120 "2 pallas = einsum with dropout" python3 benchmarks/gpu_check_fused.py \
-  --backends pallas --attention_dropout 0.1 --cases bert_a:bias,tupe_r:bias \
-  --json "$OUT/results_gpu_pallas_check.json"
-step 190 "3 MFU, paper recipe" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s 150 \
+step 60 "2 bias precision" python3 benchmarks/gpu_bias_precision.py --backends xla,cudnn,cudnn_model \
+  --json "$OUT/results_gpu_bias_precision.json"
+step 90 "3 cuDNN computes the causal models" python3 benchmarks/gpu_check_fused.py --backends cudnn,xla \
+  --cases alibi:bias:clm,rope:bias:clm --json "$OUT/results_gpu_cudnn_clm_check.json"
+if [ -z "$PALLAS" ]; then
+  step 170 "4 which backward kernel, which compile stage" python3 benchmarks/gpu_pallas_bisect.py --timeout 40 \
+    --json "$OUT/results_gpu_pallas_bisect.json"
+else
+  step 120 "4 pallas = einsum with dropout" python3 benchmarks/gpu_check_fused.py --backends pallas \
+    --attention_dropout 0.1 --cases bert_a:bias,tupe_r:bias --json "$OUT/results_gpu_pallas_check.json"
+fi
+step 190 "5 MFU, paper recipe" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s 150 \
   --attention_dropout 0.1 \
   --configs "bert_a:bias:einsum${PALLAS:+,bert_a:bias:pallas,tupe_r:bias:pallas,tupe_a:bias:pallas}" \
   --json "$OUT/results_gpu_mfu_paper.json"
-step 140 "4 MFU, default settings" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s 100 \
+step 140 "6 MFU, default settings" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s 100 \
   --configs "bert_a:bias:cudnn,tupe_a:bias:cudnn,tupe_r:bias:cudnn${PALLAS:+,bert_a:bias:pallas}" \
   --json "$OUT/results_gpu_mfu_default.json"
-step 60 "5 bias precision" python3 benchmarks/gpu_bias_precision.py --backends xla,cudnn,cudnn_model \
-  --json "$OUT/results_gpu_bias_precision.json"
-for tiles in 128x64x64 64x64x64; do
-  [ -n "$PALLAS" ] && step 60 "6 pallas tiles $tiles, paper recipe" python3 benchmarks/gpu_mfu.py --batch 32 \
-    --steps 20 --budget_s 40 --attention_dropout 0.1 --configs bert_a:bias:pallas --pallas_blocks "$tiles" \
-    --json "$OUT/results_gpu_mfu_tiles_$tiles.json"
-done
+[ -n "$PALLAS" ] && step 60 "7 pallas tiles 128x64x64, paper recipe" python3 benchmarks/gpu_mfu.py --batch 32 \
+  --steps 20 --budget_s 40 --attention_dropout 0.1 --configs bert_a:bias:pallas --pallas_blocks 128x64x64 \
+  --json "$OUT/results_gpu_mfu_tiles_128x64x64.json"
 echo "=== done (+$((SECONDS - START))s)" | tee -a "$LOG"
