@@ -51,7 +51,8 @@ def measured_matmul_peak(dtype_name: str, n: int) -> float:
     return 2.0 * n ** 3 / best
 
 
-def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "threefry2x32") -> dict:
+def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "threefry2x32",
+               causal_mask: str = "explicit") -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
@@ -63,7 +64,10 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
     from tupe_jax.pretrain.steps import make_train_step  # pylint: disable=import-outside-toplevel
     from tupe_jax.trainer import init_state_fn  # pylint: disable=import-outside-toplevel
 
-    config = get_config(f"pe={scheme},size={'tiny' if args.smoke else 'base'}")
+    from tupe_jax import attention  # pylint: disable=import-outside-toplevel
+    attention.NATIVE_CAUSAL_MASK = causal_mask == "native"   # read when the step is traced below
+    causal = args.objective == "clm"
+    config = get_config(f"pe={scheme},size={'tiny' if args.smoke else 'base'},objective={args.objective}")
     with config.unlocked():
         m = config.model
         m.max_len, m.dtype = args.seq, args.dtype
@@ -85,6 +89,10 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
     batches = []
     for _ in range(2):
         inputs = rng.integers(5, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32)
+        if causal:   # every next token scored; no padding, so the mask is the bare causal triangle
+            batches.append(jax.device_put(LMBatch(inputs=inputs, targets=np.roll(inputs, -1, 1),
+                                                  weights=np.ones(inputs.shape, np.float32))))
+            continue
         positions = np.sort(np.stack([rng.choice(np.arange(1, args.seq), predictions, replace=False)
                                       for _ in range(args.batch)]), axis=1).astype(np.int32)
         batches.append(jax.device_put(LMBatch(
@@ -117,8 +125,9 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
         for path in glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[:1]:
             shutil.copy(path, os.path.join(args.profile_dir, f"trace_{scheme}_{form}_{backend}_{rng_impl}.json.gz"))
     flops = transformer_training_flops(cfg.num_layers, cfg.hidden_size, cfg.mlp_dim, cfg.vocab_size, args.seq,
-                                       args.batch, causal=False, mlm_predictions=predictions)
+                                       args.batch, causal=causal, mlm_predictions=None if causal else predictions)
     return {"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl,
+            "objective": args.objective, "causal_mask": causal_mask if causal else "",
             "attention_dropout": args.attention_dropout,
             "attention_kernels": kernels,   # the fused kernels in the compiled step (none: the einsum path ran)
             "fused_attention_ran": bool(kernels) or (backend == "xla" and args.attention_dropout == 0.0),
@@ -145,6 +154,10 @@ def main() -> None:
     ap.add_argument("--pallas_blocks", default="", help="QxK[xKb] tiles of the pallas kernel: query and key tile "
                     "of the forward [and the backward's key tile], e.g. 64x128x64 (default: tupe_jax/kernels/flash.py's "
                     "BLOCK_Q, BLOCK_K, BACKWARD_BLOCK_K)")
+    ap.add_argument("--objective", default="mlm", help="mlm, or clm: a causal LM scoring every next token")
+    ap.add_argument("--causal_mask", default="explicit", help="clm only: explicit (the (1, 1, L, L) triangle), "
+                    "native (attention.NATIVE_CAUSAL_MASK: is_causal=True) or both, e.g. explicit,native: each "
+                    "configuration runs once per mode")
     ap.add_argument("--smoke", action="store_true", help="tiny model, seq 128, batch 4, float32, 2 steps")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile_dir", default="", help="also write a 3-step jax.profiler trace per configuration")
@@ -168,16 +181,17 @@ def main() -> None:
                        "table_peak_tflops": table_peak, "measured_peak_flops": measured, "rows": rows}, f, indent=1)
 
     write(rows)
-    for scheme, form, backend, *rng in configs:
+    modes = args.causal_mask.split(",") if args.objective == "clm" else ["explicit"]
+    for (scheme, form, backend, *rng), mode in [(c, m) for c in configs for m in modes]:
         rng_impl = rng[0] if rng else "threefry2x32"
         if time.perf_counter() - start > args.budget_s:
             rows.append({"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl,
-                         "error": "skipped: time budget spent"})
+                         "causal_mask": mode, "error": "skipped: time budget spent"})
             continue
         try:
-            row = run_config(args, scheme, form, backend, rng_impl)
+            row = run_config(args, scheme, form, backend, rng_impl, mode)
         except Exception as e:  # pylint: disable=broad-except
-            row = {"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl,
+            row = {"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl, "causal_mask": mode,
                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
                    "traceback": traceback.format_exc()[-2000:]}
         rows.append(row)
@@ -188,15 +202,18 @@ def main() -> None:
           f"{'(smoke: tiny) ' if args.smoke else ''}seq {args.seq}, batch {args.batch}, {args.dtype}; "
           f"median of {args.steps} steps after {args.warmup}; peak: table {table_peak:.0f} TFLOP/s, measured "
           f"{args.dtype} matmul {measured / 1e12:.1f} TFLOP/s; total {time.perf_counter() - start:.0f} s\n")
-    print("| scheme | form | attention | dropout rng | step ms | tokens/s | model TFLOP/s | MFU (table peak) | "
+    print("| scheme | form | attention | dropout rng, causal mask | step ms | tokens/s | model TFLOP/s | "
+          "MFU (table peak) | "
           "MFU (measured) |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['dropout_rng']} | {r['error']} | | | | |")
+            print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['dropout_rng']} {r.get('causal_mask', '')} | "
+                  f"{r['error']} | | | | |")
             continue
         mfu_table = f"{100 * r['model_tflops_per_s'] / table_peak:.1f}%" if table_peak else "n/a"
-        print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['dropout_rng']} | {r['step_ms']:.1f} | "
+        print(f"| {r['scheme']} | {r['form']} | {r['backend']} | {r['dropout_rng']} {r['causal_mask']} | "
+              f"{r['step_ms']:.1f} | "
               f"{r['tokens_per_s']:,.0f} | "
               f"{r['model_tflops_per_s']:.1f} | {mfu_table} | "
               f"{100 * r['model_tflops_per_s'] * 1e12 / measured:.1f}% |")

@@ -16,7 +16,8 @@
 #   5. MFU at the paper's recipe (attention dropout 0.1): bert_a on the einsum path, then bert_a, tupe_r and tupe_a
 #      on the pallas kernel (gpu_mfu.py; `attention_kernels` in each row says which kernel ran)
 #   6. MFU at the default settings (attention dropout 0): cuDNN for the three, and pallas for bert_a
-#   7. the pallas kernel's tiles at the paper's recipe (bert_a; gpu_mfu.py --pallas_blocks 128x64x64)
+#   7. causal LMs (alibi, rope) on cuDNN with the causal mask as an explicit array and as is_causal
+#      (attention.NATIVE_CAUSAL_MASK, off until this A/B shows a gain); the pallas tiles come after the kernel compiles
 # Outputs in $OUT (the device tool brings back at most 8 files): at most seven JSON files and gpu_round2.log.
 # (Session 22 also ran gpu_cudnn_dropout_probe.py: cuDNN's dropout takes no traced seed, so it is not rerun.)
 set -u
@@ -75,7 +76,7 @@ step 190 "5 MFU, paper recipe" python3 benchmarks/gpu_mfu.py --batch 32 --steps 
 step 140 "6 MFU, default settings" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 --budget_s 100 \
   --configs "bert_a:bias:cudnn,tupe_a:bias:cudnn,tupe_r:bias:cudnn${PALLAS:+,bert_a:bias:pallas}" \
   --json "$OUT/results_gpu_mfu_default.json"
-[ -n "$PALLAS" ] && step 60 "7 pallas tiles 128x64x64, paper recipe" python3 benchmarks/gpu_mfu.py --batch 32 \
-  --steps 20 --budget_s 40 --attention_dropout 0.1 --configs bert_a:bias:pallas --pallas_blocks 128x64x64 \
-  --json "$OUT/results_gpu_mfu_tiles_128x64x64.json"
+step 150 "7 MFU, causal LMs: explicit vs native causal mask" python3 benchmarks/gpu_mfu.py --batch 32 --steps 20 \
+  --budget_s 120 --objective clm --causal_mask explicit,native --configs alibi:bias:cudnn,rope:bias:cudnn \
+  --json "$OUT/results_gpu_mfu_clm.json"
 echo "=== done (+$((SECONDS - START))s)" | tee -a "$LOG"

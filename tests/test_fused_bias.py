@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tupe_jax.positional import PositionalSettings, make_positional
 from tupe_jax.positional.alibi import alibi_slopes
@@ -200,3 +201,44 @@ def test_cudnn_bias_preparation_keeps_the_maths():
     np.testing.assert_allclose(np.asarray(gb), np.asarray(ga), rtol=1e-4, atol=1e-6)
     shifted = fused_bias(bias, "cudnn", jnp.bfloat16)
     assert shifted.dtype == jnp.bfloat16 and float(shifted.max()) == 0.0
+
+
+@pytest.mark.parametrize("pe", ["alibi", "rope"])
+def test_the_native_causal_mask_computes_the_same_model(pe, monkeypatch):
+    """With `attention.NATIVE_CAUSAL_MASK` on, a causal model on the fused `xla` path hands the kernel is_causal
+    instead of the triangle: the logits and every parameter gradient equal the explicit mask's bit for bit (jax's
+    xla implementation builds the same triangle). The switch is taken (the kernel is called with is_causal and no
+    mask, as recorded), and a batch with a key padding mask keeps its explicit mask."""
+    from tupe_jax import attention  # pylint: disable=import-outside-toplevel
+    from tupe_jax.model import ModelConfig, TransformerLM, init_params  # pylint: disable=import-outside-toplevel
+    cfg = ModelConfig(pe=pe, objective="clm", untie_cls=False, vocab_size=64, hidden_size=32, num_layers=2,
+                      num_heads=4, mlp_dim=64, max_len=16, dropout_rate=0.0, attention_dropout_rate=0.0,
+                      attention_backend="xla")
+    model, params = TransformerLM(cfg), init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 5, 64)
+    padding = jnp.ones((2, 16), jnp.int32).at[1, 12:].set(0)
+
+    def loss(p, input_mask=None):
+        logits = model.apply({"params": p}, tokens, input_mask=input_mask, deterministic=True)["logits"]
+        return jnp.sum(jnp.sin(logits)), logits
+
+    calls, kernel = [], jax.nn.dot_product_attention
+
+    def recorded(*args, mask=None, is_causal=False, **kwargs):
+        calls.append((mask is None, is_causal))
+        return kernel(*args, mask=mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recorded)
+    runs, seen = {}, {}
+    for native in (False, True):
+        monkeypatch.setattr(attention, "NATIVE_CAUSAL_MASK", native)
+        calls.clear()
+        runs[native] = jax.jit(jax.value_and_grad(lambda p: loss(p), has_aux=True))(params)  # fresh: no trace cache
+        seen[native] = set(calls)
+        calls.clear()
+        jax.jit(lambda p, m: loss(p, m))(params, padding)
+        seen[native, "padded"] = set(calls)
+    assert seen[False] == {(False, False)} and seen[True] == {(True, True)}
+    assert seen[False, "padded"] == seen[True, "padded"] == {(False, False)}
+    for a, b in zip(jax.tree_util.tree_leaves(runs[False]), jax.tree_util.tree_leaves(runs[True])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

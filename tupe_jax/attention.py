@@ -166,18 +166,28 @@ def attention_logits(q: jax.Array, k: jax.Array, terms: PositionalTerms, mask: O
     return logits
 
 
+# Whether the fused paths hand a causal model's mask (the bare triangle: no key padding) to the kernel as
+# `is_causal=True` rather than as an explicit (1, 1, L, L) array, which jax adds to the bias, so that cuDNN reads an
+# L×L bias per head and computes every block; with is_causal it may skip the blocks above the diagonal (and, for
+# causal ALiBi folded into q/k, reads no bias at all). The same values (tests/test_fused_bias.py). Off until
+# benchmarks/gpu_round2.sh's A/B (gpu_mfu.py --causal_mask explicit,native) shows the gain on a GPU.
+NATIVE_CAUSAL_MASK = False
+
+
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array],
-                    backend: str) -> jax.Array:
+                    backend: str, causal_only: bool = False) -> jax.Array:
     """(B, L, H, d) q/k/v -> (B, L, H, d_v) through `jax.nn.dot_product_attention(implementation=backend)`: `xla`
     with the float32 bias, `cudnn` with `cudnn_inputs`; a widened q/k head dim (TUPE concat form, the ALiBi key
-    term) pads v with zeros and slices the output back."""
+    term) pads v with zeros and slices the output back. `causal_only`: `mask` is the bare causal triangle (see
+    `NATIVE_CAUSAL_MASK`)."""
     value_dim, bias = v.shape[-1], terms.logit_bias
     if backend == "cudnn":
         q, k, v, bias = cudnn_inputs(q, k, v, terms, mask)
     elif q.shape[-1] != value_dim:  # concatenated heads (TUPE concat form): the kernel wants one head dim
         v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - value_dim)))
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=terms.logit_scale,
-                                        implementation=backend)[..., :value_dim]
+    native = causal_only and NATIVE_CAUSAL_MASK
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=None if native else mask, is_causal=native,
+                                        scale=terms.logit_scale, implementation=backend)[..., :value_dim]
 
 
 # `model.attention_backend`: the einsum path (any scheme, dropout, probabilities), jax.nn.dot_product_attention's
@@ -236,7 +246,7 @@ class SelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array], deterministic: bool,
-                 return_probs: bool = False) -> tuple[jax.Array, Optional[jax.Array]]:
+                 return_probs: bool = False, causal_only: bool = False) -> tuple[jax.Array, Optional[jax.Array]]:
         qkv = nn.DenseGeneral(
             (3, self.num_heads, self.head_dim), dtype=self.dtype, name="qkv", dot_general=dense_dot_general,
             kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "qkv", "heads", "kv")),
@@ -256,7 +266,7 @@ class SelfAttention(nn.Module):
             else:   # an rbg key: XLA's bit generator makes its masks, so the einsum path below applies this draw
                 dropped = lambda p: apply_mask16(p, key, self.dropout_rate)  # noqa: E731
         elif self.backend in ("xla", "cudnn") and not return_probs and not dropping:
-            out = fused_attention(q, k, v, terms, mask, self.backend)
+            out = fused_attention(q, k, v, terms, mask, self.backend, causal_only)
         if out is None:
             probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
             out = jnp.einsum("bhqk,bkhd->bqhd", dropped(probs).astype(self.dtype), v)

@@ -145,7 +145,7 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, terms, mask, deterministic: bool, return_probs: bool = False):
+    def __call__(self, x, terms, mask, deterministic: bool, return_probs: bool = False, causal_only: bool = False):
         cfg = self.cfg
         drop = make_dropout(cfg.dropout_rate, cfg.dropout_bits)
         attn = SelfAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype, cfg.attention_dropout_rate,
@@ -157,7 +157,7 @@ class Block(nn.Module):
             return mlp_out(gelu(mlp_in(h)))
 
         if cfg.causal:  # pre-LN
-            a, probs = attn(layer_norm(cfg, "ln_attention")(x), terms, mask, deterministic, return_probs)
+            a, probs = attn(layer_norm(cfg, "ln_attention")(x), terms, mask, deterministic, return_probs, causal_only)
             x = x + drop(a, deterministic=deterministic)
             x = x + drop(mlp(layer_norm(cfg, "ln_mlp")(x)), deterministic=deterministic)
         else:  # post-LN
@@ -196,9 +196,10 @@ class Transformer(nn.Module):
             x = self.embed_ln(x)
         x = self.dropout(x, deterministic=deterministic)
         mask = attention_mask(input_mask, length, cfg.causal)
+        causal_only = cfg.causal and input_mask is None   # the mask is the bare triangle (attention.fused_attention)
         hidden, attentions = [x], []
         for block in self.blocks:
-            x, probs = block(x, terms, mask, deterministic, return_attention)
+            x, probs = block(x, terms, mask, deterministic, return_attention, causal_only)
             hidden.append(x)
             attentions.append(probs)
         if self.final_ln is not None:
