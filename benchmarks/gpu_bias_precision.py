@@ -47,19 +47,6 @@ def cases():
     return out
 
 
-def cudnn_model(terms, mask):
-    """cuDNN's inputs (`attention.cudnn_inputs`: bf16 q/k/v and bias) through the xla kernel (float32 logits and
-    softmax): a model of cuDNN's arithmetic that runs on CPU."""
-    import jax  # pylint: disable=import-outside-toplevel
-    from tupe_jax.attention import cudnn_inputs  # pylint: disable=import-outside-toplevel
-
-    def run(q, k, v):
-        qc, kc, vc, bias = cudnn_inputs(q, k, v, terms, mask)
-        return jax.nn.dot_product_attention(qc, kc, vc, bias=bias, mask=mask, scale=terms.logit_scale,
-                                            implementation="xla")[..., :v.shape[-1]]
-    return run
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="xla,cudnn")
@@ -67,8 +54,8 @@ def main() -> None:
     args = ap.parse_args()
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from tests.attention_fixtures import (bf16_bound, bias_cast_to_bf16, einsum_reference,  # pylint: disable=import-outside-toplevel
-                                          max_err as err)
+    from tests.attention_fixtures import (bf16_bound, bias_cast_to_bf16, cudnn_like,  # pylint: disable=import-outside-toplevel
+                                          einsum_reference, max_err as err)
     from tupe_jax.attention import fused_attention  # pylint: disable=import-outside-toplevel
 
     rows, failed = [], False
@@ -79,8 +66,8 @@ def main() -> None:
                "pre_fix_bf16_bias_xla": err(pre_fix, ref)}
         for backend in args.backends.split(","):
             try:
-                out = jax.jit(cudnn_model(terms, mask) if backend == "cudnn_model" else
-                              lambda a, b, c, be=backend: fused_attention(a, b, c, terms, mask, be))(q, k, v)
+                out = (cudnn_like(terms, mask) if backend == "cudnn_model" else
+                       jax.jit(lambda a, b, c, be=backend: fused_attention(a, b, c, terms, mask, be)))(q, k, v)
                 row[backend] = err(out, ref)
                 failed |= row[backend] > bound
             except Exception as e:  # pylint: disable=broad-except

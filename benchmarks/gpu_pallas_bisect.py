@@ -19,7 +19,6 @@ A case is kernel:rate:num_stages:num_warps:block_q, e.g. dkv:0.1:2:4:64 (the cod
 from __future__ import annotations
 
 import argparse
-import functools
 import glob
 import json
 import os
@@ -37,7 +36,6 @@ def compile_one(kernel: str, rate: float, stages: int, warps: int, block_q: int,
     sys.path.insert(0, ROOT)
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
     from tupe_jax.kernels import calls, flash  # pylint: disable=import-outside-toplevel
     calls.NUM_STAGES, calls.NUM_WARPS = stages, warps
     batch, length, heads, dim = 1, 512, 1, 64
@@ -47,21 +45,10 @@ def compile_one(kernel: str, rate: float, stages: int, warps: int, block_q: int,
     stats = jnp.zeros((batch, heads, length), jnp.float32)
     # pylint: disable=protected-access
     spec = flash._Spec(q, None, None, 0.125, rate, block_q, flash.BACKWARD_BLOCK_K)
-    dkv_kernel, dq_kernel = functools.partial(flash._dkv_kernel, spec), functools.partial(flash._dq_kernel, spec)
+    call = flash._dkv if kernel == "dkv" else flash._dq   # the calls `flash._backward` makes
 
     def backward_kernel(q, k, v, do, lse, delta):
-        args = [q, k, v, None, None, key, do, lse, delta]
-        if kernel == "dkv":
-            q_full, kv, bias, mask, key_spec = calls.block_specs(spec, full_q=True, full_rows=True)
-            row = pl.BlockSpec((None, None, length), lambda n, b, h: (b, h, 0))
-            return calls.run(dkv_kernel, (length // spec.bk, batch, heads),
-                             [q_full, kv, kv, bias, mask, key_spec, q_full, row, row], args, [kv, kv],
-                             [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2, interpret, "flash_dkv")
-        q_tile, kv, bias, mask, key_spec = calls.block_specs(spec, full_q=False, full_rows=False)
-        row = pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))
-        return calls.run(dq_kernel, (length // spec.bq, batch, heads),
-                         [q_tile, kv, kv, bias, mask, key_spec, q_tile, row, row], args, q_tile,
-                         jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "flash_dq")
+        return call(spec, [q, k, v, None, None, key, do, lse, delta], interpret)
 
     start = time.perf_counter()
     jax.jit(backward_kernel).lower(q, k, v, do, stats, stats).compile()

@@ -59,6 +59,20 @@ def einsum_reference(q, k, v, terms, mask):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def cudnn_like(terms, mask):
+    """What cuDNN computes from `attention.cudnn_inputs` (its bf16 q/k/v and bias), run through the xla kernel:
+    float32 logits and softmax, the output sliced back. A CPU model of cuDNN's arithmetic: the code before the
+    allowed-key shift failed on an H200 by about the margin this model gives it (1.39 against a bound of 0.042,
+    benchmarks/results_gpu_h200_bias_precision.json). Jitted; (q, k, v) -> output."""
+    from tupe_jax.attention import cudnn_inputs  # pylint: disable=import-outside-toplevel
+
+    def run(q, k, v):
+        qc, kc, vc, bias = cudnn_inputs(q, k, v, terms, mask)
+        return jax.nn.dot_product_attention(qc, kc, vc, bias=bias, mask=mask, scale=terms.logit_scale,
+                                            implementation="xla")[..., :v.shape[-1]]
+    return jax.jit(run)
+
+
 def bias_cast_to_bf16(q, k, v, terms, mask):
     """What the fused path did before: the bias rounded to bfloat16 before the kernel."""
     return jax.nn.dot_product_attention(q, k, v, bias=terms.logit_bias.astype(jnp.bfloat16), mask=mask,

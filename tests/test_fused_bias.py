@@ -2,7 +2,7 @@
 cuDNN's inputs (`attention.cudnn_inputs`: causal ALiBi folded into four exact q/k columns, any other bias shifted by
 its row maximum over the allowed keys, then bf16) stay within the kernel's own bf16 roundings of the float32 einsum
 path on a long ALiBi and a TUPE-R input. CPU has no cuDNN: its arithmetic is modelled by the xla kernel on the
-same bf16 inputs (`_cudnn_like`; benchmarks/gpu_bias_precision.py measures the real kernel on a GPU)."""
+same bf16 inputs (`attention_fixtures.cudnn_like`; benchmarks/gpu_bias_precision.py measures the real kernel on a GPU)."""
 from __future__ import annotations
 
 import jax
@@ -12,8 +12,8 @@ import pytest
 
 from tupe_jax.positional import PositionalSettings, make_positional
 from tupe_jax.positional.alibi import alibi_slopes
-from tests.attention_fixtures import (alibi_cases, bf16_bound, bias_cast_to_bf16, einsum_reference, max_err,
-                                     tupe_r_terms)
+from tests.attention_fixtures import (alibi_cases, bf16_bound, bias_cast_to_bf16, cudnn_like, einsum_reference,
+                                     max_err, tupe_r_terms)
 
 
 def test_xla_fused_path_keeps_a_long_alibi_bias_in_float32():
@@ -41,37 +41,23 @@ def test_fused_paths_keep_a_tupe_r_bias_exact_enough():
     """TUPE-R's real bias (untied absolute term + T5 buckets with the [CLS] rows, 512 tokens, 8 heads × 32), its
     U^Q/U^K kernels ×9 and bucket table ×100 so the bias spans about ±34 (bf16 spacing 0.25 there). bf16 fused
     (`xla`) vs the float32 einsum path on bf16 q/k/v: within `bf16_bound` (the kernel's own roundings), for
-    random q/k and for q = 0 (probabilities from the bias alone). The cuDNN preparation (`fused_bias(…,
-    'cudnn')`: row-max shift, then bf16, as cuDNN takes it), run through the xla kernel here since CPU has no
-    cuDNN, stays within the same bound; the pre-fix cast does not (checked, so the test can fail)."""
-    from tupe_jax.attention import fused_attention, fused_bias  # pylint: disable=import-outside-toplevel
+    random q/k and for q = 0 (probabilities from the bias alone). The cuDNN preparation (`cudnn_inputs`: row-max
+    shift, then bf16, as cuDNN takes it), run through the xla kernel here since CPU has no cuDNN (`cudnn_like`),
+    stays within the same bound; the pre-fix cast does not (checked, so the test can fail)."""
+    from tupe_jax.attention import fused_attention  # pylint: disable=import-outside-toplevel
     length, heads, hidden = 512, 8, 256
     terms = tupe_r_terms(length, heads, hidden, kernel_growth=9.0)
     assert 30 < float(jnp.abs(terms.logit_bias).max()) < 60 and terms.logit_bias.dtype == jnp.float32
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(2, length, heads, hidden // heads)), jnp.bfloat16) for _ in range(3))
-    cudnn_like = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
-        q, k, v, bias=fused_bias(terms.logit_bias, "cudnn", q.dtype), scale=terms.logit_scale, implementation="xla")
+    cudnn = cudnn_like(terms, None)
     old_errors = []
     for qq in (q, jnp.zeros_like(q)):
         ref, bound = einsum_reference(qq, k, v, terms, None), bf16_bound(v)
         assert max_err(jax.jit(lambda a, b, c: fused_attention(a, b, c, terms, None, "xla"))(qq, k, v), ref) <= bound
-        assert max_err(jax.jit(cudnn_like)(qq, k, v), ref) <= bound
+        assert max_err(cudnn(qq, k, v), ref) <= bound
         old_errors.append(max_err(bias_cast_to_bf16(qq, k, v, terms, None), ref) / bound)
     assert max(old_errors) > 1.5
-
-
-def _cudnn_like(terms, mask):
-    """What cuDNN computes from `cudnn_inputs`, run through the xla kernel (CPU has no cuDNN): bf16 q/k/v and
-    bias, float32 logits and softmax, the output sliced back. The code before failed on an H200 by about the margin
-    that this model gives it here (1.39 against a bound of 0.042: benchmarks/results_gpu_h200_bias_precision.json)."""
-    from tupe_jax.attention import cudnn_inputs  # pylint: disable=import-outside-toplevel
-
-    def run(q, k, v):
-        qc, kc, vc, bias = cudnn_inputs(q, k, v, terms, mask)
-        return jax.nn.dot_product_attention(qc, kc, vc, bias=bias, mask=mask, scale=terms.logit_scale,
-                                            implementation="xla")[..., :v.shape[-1]]
-    return jax.jit(run)
 
 
 def test_the_cudnn_preparation_keeps_a_long_causal_alibi_exact_enough():
@@ -82,7 +68,7 @@ def test_the_cudnn_preparation_keeps_a_long_causal_alibi_exact_enough():
     without the key-slope fold even the shift over allowed keys leaves 'far keys' at bf16's ~0.16; both asserted."""
     import dataclasses  # pylint: disable=import-outside-toplevel
     cases, terms, mask = alibi_cases(1024, 8, 8)
-    fused, unfolded = _cudnn_like(terms, mask), _cudnn_like(dataclasses.replace(terms, key_slopes=None), mask)
+    fused, unfolded = cudnn_like(terms, mask), cudnn_like(dataclasses.replace(terms, key_slopes=None), mask)
     for name, (qq, kk, vv) in cases.items():
         ref, bound = einsum_reference(qq, kk, vv, terms, mask), bf16_bound(vv)
         err = max_err(fused(qq, kk, vv), ref)
@@ -150,7 +136,7 @@ def test_the_alibi_key_slope_fold_is_exact_and_keeps_the_gradients():
     assert float(jnp.max(jnp.abs(want.astype(jnp.bfloat16).astype(jnp.float32) - want))) > 1e-3 * float(want.max())
     cases, terms, mask = alibi_cases(256, 4, 8)
     q, k, v = cases["random"]
-    fused = _cudnn_like(terms, mask)
+    fused = cudnn_like(terms, mask)
 
     def loss(fn, q, k, v):
         return jnp.sum(jnp.sin(fn(q, k, v).astype(jnp.float32)))

@@ -76,6 +76,12 @@ def _add_shared_bias_bwd(_, g):
 add_shared_bias.defvjp(_add_shared_bias_fwd, _add_shared_bias_bwd)
 
 
+def pad_values(v: jax.Array, dim: int) -> jax.Array:
+    """(B, L, H, d_v) -> (B, L, H, dim) with zeros: the one head dim a kernel wants when q/k were widened (TUPE's
+    concat form, the ALiBi key term); the caller slices the output back to d_v."""
+    return v if v.shape[-1] == dim else jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dim - v.shape[-1])))
+
+
 def fused_bias(bias: Optional[jax.Array], backend: str, dtype: jnp.dtype,
                mask: Optional[jax.Array] = None) -> Optional[jax.Array]:
     """The positional bias handed to `jax.nn.dot_product_attention` (module docstring: bias precision).
@@ -149,9 +155,7 @@ def cudnn_inputs(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalTerm
         k = jnp.pad(jnp.concatenate([k, jnp.broadcast_to(k_part[:, None], (batch, length, heads, KEY_SLOPE_DIMS))],
                                     -1), pad)
         bias = None
-    if q.shape[-1] != v.shape[-1]:
-        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
-    return q, k, v, fused_bias(bias, "cudnn", q.dtype, mask)
+    return q, k, pad_values(v, q.shape[-1]), fused_bias(bias, "cudnn", q.dtype, mask)
 
 
 def attention_logits(q: jax.Array, k: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array]) -> jax.Array:
@@ -183,8 +187,7 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalT
     value_dim, bias = v.shape[-1], terms.logit_bias
     if backend == "cudnn":
         q, k, v, bias = cudnn_inputs(q, k, v, terms, mask)
-    elif q.shape[-1] != value_dim:  # concatenated heads (TUPE concat form): the kernel wants one head dim
-        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - value_dim)))
+    v = pad_values(v, q.shape[-1])
     native = causal_only and NATIVE_CAUSAL_MASK
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=None if native else mask, is_causal=native,
                                         scale=terms.logit_scale, implementation=backend)[..., :value_dim]
@@ -205,8 +208,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: Positional
     words, when given); a widened q/k head dim pads v with zeros, as `fused_attention`."""
     from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel  # Pallas: only when used
     value_dim, length = v.shape[-1], q.shape[1]
-    if q.shape[-1] != value_dim:
-        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - value_dim)))
+    v = pad_values(v, q.shape[-1])
     if mask is not None:   # the kernel reads mask rows: a key-padding mask (B, 1, 1, L) is broadcast over them
         mask = jnp.broadcast_to(mask, (mask.shape[0], 1, length, length))
     block_q, block_k = flash.blocks(length)
@@ -231,7 +233,6 @@ def pallas_kernel_fits(length: int) -> bool:
 
 def pallas_runs(length: int) -> bool:
     """Whether the `pallas` backend runs its kernel here for a sequence of `length` (module docstring)."""
-    from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel
     on_gpu = jax.default_backend() == "gpu"
     return (on_gpu or PALLAS_OFF_GPU == "interpret") and pallas_kernel_fits(length)
 

@@ -91,6 +91,12 @@ def encoded_split(config, tokenizer: Tokenizer, task: str, split: str, max_len: 
     return _CACHE[key]
 
 
+def batch_widths(config, max_len: int) -> tuple[int, ...]:
+    """Every padded width a GLUE batch can take: the `data.glue_buckets` up to max_len, and max_len itself."""
+    buckets = tuple(config.data.get("glue_buckets", DEFAULT_BUCKETS)) or (max_len,)
+    return tuple(sorted({int(b) for b in buckets if int(b) <= max_len} | {max_len}))
+
+
 def bucket_length(longest: int, buckets, max_len: int) -> int:
     for b in sorted(int(x) for x in buckets):
         if longest <= b <= max_len:
@@ -157,7 +163,6 @@ def glue_batches(config, tokenizer: Tokenizer, task: str, split: str, *, batch_s
     shuffle = (split == "train") if shuffle is None else shuffle
     drop_remainder = shuffle if drop_remainder is None else drop_remainder
     enc = encoded_split(config, tokenizer, task, split, max_len)
-    buckets = tuple(config.data.get("glue_buckets", DEFAULT_BUCKETS)) or (max_len,)
-    return GlueBatches(enc, batch_size=batch_size, max_len=max_len, buckets=buckets, shuffle=shuffle, seed=seed,
+    return GlueBatches(enc, batch_size=batch_size, max_len=max_len, buckets=batch_widths(config, max_len), shuffle=shuffle, seed=seed,
                        epoch=epoch, drop_remainder=drop_remainder, process_index=process_index,
                        process_count=process_count)

@@ -9,6 +9,7 @@ import ml_collections
 from tupe_jax import model, optim, sharding
 from tupe_jax.config import require_finite, require_positive, require_seed
 from tupe_jax.data import GLUE_TASKS
+from tupe_jax.data.classification import batch_widths
 from tupe_jax.errors import require
 
 PAPER_EPOCHS = {"mnli": 5, "qnli": 5, "qqp": 5}  # everything else: 10 (TUPE App. B)
@@ -23,8 +24,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     """Check a fine-tuning config against `num_devices` before any compute; return the mesh (data, fsdp, tensor)."""
     require_finite(config)
     model.validate_config(config.model)
-    buckets = [b for b in config.data.get("glue_buckets", ()) if b <= config.model.max_len]
-    model.validate_training(config, jax.default_backend(), [config.model.max_len, *buckets])
+    model.validate_training(config, jax.default_backend(), batch_widths(config, int(config.model.max_len)))
     require(config.model.objective == "mlm", f"model.objective={config.model.objective!r}: the classifier reads "
             "[CLS] at position 0, which a causal decoder computes without seeing the rest of the text",
             "--config.model.objective", "fine-tune an MLM (bidirectional) run")

@@ -254,21 +254,31 @@ def _forward(spec: _Spec, q, k, v, bias, mask, key, interpret: bool):
 
 def _backward(spec: _Spec, bias_grad: bool, q, k, v, bias, mask, key, out, lse, do, interpret: bool):
     delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
-    L = spec.length
     args = [q, k, v, bias, mask, key, do, lse, delta]
-    row = pl.BlockSpec((None, None, L), lambda n, b, h: (b, h, 0))
+    dk, dv = _dkv(spec, args, interpret)
+    return _dq(spec, args, interpret), dk, dv, (_bias_grad(spec, args, interpret) if bias_grad else None)
+
+
+def _dkv(spec: _Spec, args, interpret: bool):
+    """(dK, dV) over a (key tile, b, h) grid; args = [q, k, v, bias, mask, key, dO, lse, delta]."""
     q_full, kv, bias_full, mask_full, key_spec = block_specs(spec, full_q=True, full_rows=True)
-    dk, dv = run(functools.partial(_dkv_kernel, spec), (L // spec.bk, spec.batch, spec.heads),
-                 [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row], args,
-                 [kv, kv],    # dK, dV: each program writes the four quarter slices of its key tile
-                 [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)], interpret,
-                 "flash_dkv")
+    row = pl.BlockSpec((None, None, spec.length), lambda n, b, h: (b, h, 0))
+    k, v = args[1], args[2]
+    return run(functools.partial(_dkv_kernel, spec), (spec.length // spec.bk, spec.batch, spec.heads),
+               [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row], args,
+               [kv, kv],    # dK, dV: each program writes the four quarter slices of its key tile
+               [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)], interpret,
+               "flash_dkv")
+
+
+def _dq(spec: _Spec, args, interpret: bool):
+    """dQ over a (query tile, b, h) grid; args as `_dkv`'s."""
     q_tile, kv, bias_rows, mask_rows, key_spec = block_specs(spec, full_q=False, full_rows=False)
     row_tile = pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))
-    dq = run(functools.partial(_dq_kernel, spec), (L // spec.bq, spec.batch, spec.heads),
-             [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile], args, q_tile,
-             jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "flash_dq")
-    return dq, dk, dv, (_bias_grad(spec, args, interpret) if bias_grad else None)
+    q = args[0]
+    return run(functools.partial(_dq_kernel, spec), (spec.length // spec.bq, spec.batch, spec.heads),
+               [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile], args, q_tile,
+               jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "flash_dq")
 
 
 def _bias_grad(spec: _Spec, args, interpret: bool):
