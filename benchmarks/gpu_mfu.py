@@ -131,7 +131,8 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
             "attention_dropout": args.attention_dropout,
             "attention_kernels": kernels,   # the fused kernels in the compiled step (none: the einsum path ran)
             "fused_attention_ran": bool(kernels) or (backend == "xla" and args.attention_dropout == 0.0),
-            "pallas_blocks": args.pallas_blocks, "step_ms": 1e3 * step_s,
+            "pallas_blocks": args.pallas_blocks, "pallas_dropout_mask": attention.PALLAS_DROPOUT_MASK,
+            "step_ms": 1e3 * step_s,
             "min_step_ms": 1e3 * min(times), "tokens_per_s": args.batch * args.seq / step_s,
             "model_tflops_per_s": flops / step_s / 1e12, "model_tflop_per_step": flops / 1e12,
             "loss_after_warmup": loss0, "final_loss": float(metrics["loss"]),

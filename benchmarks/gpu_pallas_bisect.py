@@ -10,8 +10,10 @@ how far the compile got from the files XLA left:
   *.ir-no-opt.ll only      -> stuck in LLVM's optimisation;
   *.ir-with-opt.ll, no ptx -> stuck in LLVM's NVPTX code generation;
   *.ptx                    -> stuck in ptxas.
-A case is kernel:rate:num_stages:num_warps:block_q, e.g. dkv:0.1:2:4:64 (the code's settings) or dkv:0.1:2:4:32 (a
-32-query tile in dK/dV's loop: half the live tile of scores, probabilities and masks).
+A case is kernel:rate:num_stages:num_warps:block_q[:mask], e.g. dkv:0.1:2:4:64 (the code's settings) or
+dkv:0.1:2:4:32 (a 32-query tile in dK/dV's loop: half the live tile of scores, probabilities and masks); mask is
+where the dropout mask comes from (kernels/masks.py): in_kernel (hashed, the default; what stalled in session 22)
+or precomputed (bytes drawn by XLA, the model's default since session 23).
 
     python benchmarks/gpu_pallas_bisect.py [--cases ...] [--timeout 40] [--json out.json]
     python benchmarks/gpu_pallas_bisect.py --interpret      # on CPU: checks the script itself
@@ -27,24 +29,29 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = "dq:0.1:2:4:64,dkv:0.1:2:4:64,dkv:0.1:1:4:64,dkv:0.1:2:4:32"
+CASES = "dq:0.1:2:4:64,dkv:0.1:2:4:64,dkv:0.1:1:4:64,dkv:0.1:2:4:32,dkv:0.1:2:4:64:precomputed"
 STAGES = (".ir-no-opt.ll", ".ir-with-opt.ll", ".ptx")
 
 
-def compile_one(kernel: str, rate: float, stages: int, warps: int, block_q: int, interpret: bool) -> None:
+def compile_one(kernel: str, rate: float, stages: int, warps: int, block_q: int, interpret: bool,
+                mask: str = "in_kernel") -> None:
     """Lower and compile one backward kernel on (1, 512, 1, 64) bf16 inputs; prints COMPILED <seconds>."""
     sys.path.insert(0, ROOT)
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from tupe_jax.dropout import keep_bits16  # pylint: disable=import-outside-toplevel
     from tupe_jax.kernels import calls, flash  # pylint: disable=import-outside-toplevel
     calls.NUM_STAGES, calls.NUM_WARPS = stages, warps
     batch, length, heads, dim = 1, 512, 1, 64
     q, k, v, do = (jax.random.normal(jax.random.PRNGKey(i), (batch, length, heads, dim), jnp.bfloat16)
                    for i in range(4))
+    precomputed = mask == "precomputed" and rate > 0
     key = jax.random.key_data(jax.random.PRNGKey(1)).astype(jnp.uint32) if rate > 0 else None
+    if precomputed:   # the kernel's source slot holds keep_bits16's bytes instead of the key's words
+        key = keep_bits16(jax.random.PRNGKey(1), (batch, heads, length, length), 1.0 - rate)
     stats = jnp.zeros((batch, heads, length), jnp.float32)
     # pylint: disable=protected-access
-    spec = flash._Spec(q, None, None, 0.125, rate, block_q, flash.BACKWARD_BLOCK_K)
+    spec = flash._Spec(q, None, None, 0.125, rate, block_q, flash.BACKWARD_BLOCK_K, precomputed=precomputed)
     call = flash._dkv if kernel == "dkv" else flash._dq   # the calls `flash._backward` makes
 
     def backward_kernel(q, k, v, do, lse, delta):
@@ -65,8 +72,8 @@ def main() -> None:
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        kernel, rate, stages, warps, block_q = args.child.split(":")
-        return compile_one(kernel, float(rate), int(stages), int(warps), int(block_q), args.interpret)
+        kernel, rate, stages, warps, block_q, *mask = args.child.split(":")
+        return compile_one(kernel, float(rate), int(stages), int(warps), int(block_q), args.interpret, *mask)
     rows = []
     for case in args.cases.split(","):
         dump = os.path.join(args.dump_root, case.replace(":", "_"))

@@ -1,6 +1,7 @@
 """On a GPU: where the pallas kernel's time goes, phase by phase (lower, compile, run; forward, then backward), on
 one small input, each line printed as it ends, so a run cut off by its timeout still says which phase hung. Not a
-test. `python benchmarks/gpu_pallas_phases.py [--length 512] [--heads 1] [--rate 0.1] [--json out.json]`"""
+test. `python benchmarks/gpu_pallas_phases.py [--length 512] [--heads 1] [--rate 0.1] [--dropout_mask precomputed]
+[--json out.json]` (the mask: precomputed bytes, the default, or hashed in the kernels: kernels/masks.py)."""
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rate", type=float, default=0.1)
     ap.add_argument("--bias", action="store_true")
+    ap.add_argument("--dropout_mask", choices=("precomputed", "in_kernel"), default="precomputed")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from tupe_jax.dropout import keep_bits16  # pylint: disable=import-outside-toplevel
     from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel
     rows = []
 
@@ -39,7 +42,10 @@ def main() -> None:
     bias = jax.random.normal(jax.random.PRNGKey(3), (1, args.heads, args.length, args.length)) if args.bias else None
 
     def fwd(q, k, v, bias):
-        return flash.flash_attention(q, k, v, bias, None, jax.random.PRNGKey(1), scale=0.125,
+        key, bits = jax.random.PRNGKey(1), None
+        if args.dropout_mask == "precomputed" and args.rate > 0:     # drawn by XLA in the step, as the model does
+            key, bits = None, keep_bits16(key, (args.batch, args.heads, args.length, args.length), 1.0 - args.rate)
+        return flash.flash_attention(q, k, v, bias, None, key, keep_bits=bits, scale=0.125,
                                      dropout_rate=args.rate,
                                      interpret=jax.default_backend() != "gpu").astype(jnp.float32).sum()
 

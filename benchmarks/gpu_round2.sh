@@ -5,14 +5,16 @@
 # timeout_s=600). Steps in order of importance, each under its own timeout and all under one deadline
 # (GPU_ROUND_DEADLINE_S, default 560 s after the start; a step with under 20 s left is skipped and says so):
 #   0. a smoke run of the model (gpu_mfu.py --smoke) on the machine's flax; if it fails, flax from .whl/opt
-#   1. the pallas kernel's phases with attention dropout 0.1 (gpu_pallas_phases.py, 60 s): in session 22 its
-#      backward did not finish compiling; if it still does not, the pallas steps below are left out
+#   1. the pallas kernel's phases with attention dropout 0.1 (gpu_pallas_phases.py, 60 s), its mask precomputed by
+#      XLA (kernels/masks.py; session 23's default): in session 22 the backward hashing its mask in the kernels did
+#      not finish compiling; if this one does not either, the pallas steps below are left out
 #   2. the fused paths' bias precision (gpu_bias_precision.py: xla float32 bias; cudnn through
 #      attention.cudnn_inputs, causal ALiBi folded into q/k; the cuDNN column session 22 measured before that)
 #   3. cuDNN and xla compute the causal models (ALiBi, its bias folded into q/k for cuDNN; RoPE) as the einsum path
-#   4. if the canary failed: gpu_pallas_bisect.py compiles dq and dK/dV alone (and dK/dV with 1 stage, with
-#      32-query tiles) to find the kernel and the compile stage that stall; else the pallas kernel computes the
-#      einsum model with attention dropout 0.1 (2 layers of BERT-base width, seq 512, bf16, the same masks)
+#   4. if the canary failed: gpu_pallas_bisect.py compiles dq and dK/dV alone (hashing in the kernel; and dK/dV with
+#      1 stage, with 32-query tiles, with the precomputed mask) to find the kernel and the compile stage that stall;
+#      else the pallas kernel computes the einsum model with attention dropout 0.1 (2 layers of BERT-base width,
+#      seq 512, bf16, the same masks)
 #   5. MFU at the paper's recipe (attention dropout 0.1): bert_a on the einsum path, then bert_a, tupe_r and tupe_a
 #      on the pallas kernel (gpu_mfu.py; `attention_kernels` in each row says which kernel ran)
 #   6. MFU at the default settings (attention dropout 0): cuDNN for the three, and pallas for bert_a
@@ -54,8 +56,8 @@ else
   echo "=== 0 smoke: passed (+$((SECONDS - START))s)" | tee -a "$LOG"
 fi
 PALLAS=1
-step 60 "1 pallas phases, dropout 0.1" python3 benchmarks/gpu_pallas_phases.py --rate 0.1 --bias --heads 12 \
-  --batch 4 --json "$OUT/results_gpu_pallas_phases.json"
+step 60 "1 pallas phases, dropout 0.1, precomputed mask" python3 benchmarks/gpu_pallas_phases.py --rate 0.1 --bias \
+  --heads 12 --batch 4 --dropout_mask precomputed --json "$OUT/results_gpu_pallas_phases.json"
 grep -q '"backward run 0"' "$OUT/results_gpu_pallas_phases.json" 2>/dev/null || PALLAS=
 [ -z "$PALLAS" ] && echo "=== the pallas backward did not compile in time: pallas steps left out" | tee -a "$LOG"
 step 60 "2 bias precision" python3 benchmarks/gpu_bias_precision.py --backends xla,cudnn,cudnn_model \

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tupe_jax.dropout import Dropout16, keep_mask16
+from tupe_jax.dropout import Dropout16, keep_bits16, keep_mask16
 
 N = 1 << 20
 
@@ -76,6 +76,21 @@ def test_odd_sizes_and_an_rbg_key():
     key = jax.random.key(3, impl="rbg")
     mask, p = keep_mask16(key, (N,), 0.9)
     assert _within(float(jnp.mean(mask)), p, N)
+
+
+@pytest.mark.parametrize("shape,key", [((2, 3, 64, 64), "threefry"), ((3, 5, 10), "threefry"), ((7,), "rbg"),
+                                       ((2, 4, 128, 128), "rbg")])
+def test_keep_bits16_packs_keep_mask16_one_byte_per_hash(shape, key):
+    """Bit t of keep_bits16's byte (…, c) is keep_mask16's element (…, c + t·q), q = ceil(L/4), for the same rng
+    (what the flash kernel reads instead of hashing); bits past L (L not a multiple of 4) are the padding hash's."""
+    rng = jax.random.key(3, impl="rbg") if key == "rbg" else jax.random.PRNGKey(3)
+    mask, _ = keep_mask16(rng, shape, 0.7)
+    bits = keep_bits16(rng, shape, 0.7)
+    q = -(-shape[-1] // 4)
+    assert bits.dtype == jnp.int8 and bits.shape == shape[:-1] + (q,)
+    unpacked = np.concatenate([(np.asarray(bits) >> t) & 1 for t in range(4)], axis=-1)[..., :shape[-1]]
+    np.testing.assert_array_equal(unpacked.astype(bool), np.asarray(mask))
+    assert 0 <= int(bits.min()) and int(bits.max()) <= 15
 
 
 def test_dropout16_is_unbiased_and_keeps_or_zeroes():

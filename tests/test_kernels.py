@@ -3,7 +3,8 @@
 The kernel runs here through Pallas' interpreter (the same kernel code the GPU compiles with Triton) and must
 equal the einsum path of `attention.py` — softmax attention with the positional bias, the mask and 16-bit dropout
 whose masks come from `dropout.keep_mask16` for the same key — in values and in the gradients of q, k, v and the
-bias (float32 to 1e-5; bf16 within its rounding). It must also still lower to Triton for CUDA.
+bias (float32 to 1e-5; bf16 within its rounding), with its mask from either source (`kernels/masks.py`: bytes
+precomputed by `dropout.keep_bits16`, or hashed in the kernels). It must also still lower to Triton for CUDA.
 """
 import dataclasses
 import functools
@@ -16,7 +17,7 @@ import pytest
 from jax.extend.random import threefry2x32_p
 
 from tupe_jax import attention
-from tupe_jax.dropout import apply_mask16, keep_mask16
+from tupe_jax.dropout import apply_mask16, keep_bits16, keep_mask16
 from tupe_jax.kernels import flash
 from tupe_jax.kernels.threefry import threefry2x32
 from tupe_jax.model import ModelConfig, TransformerLM
@@ -61,18 +62,26 @@ def reference(q, k, v, bias, mask, rate):
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(q.dtype), v)
 
 
-def kernel(q, k, v, bias, mask, rate, blocks=(64, 64)):
-    return flash.flash_attention(q, k, v, bias, mask, jax.random.key_data(KEY), scale=SCALE, dropout_rate=rate,
-                                 block_q=blocks[0], block_k=blocks[1], interpret=True)
+SOURCES = ("precomputed", "in_kernel")    # where the kernels' dropout mask comes from (kernels/masks.py)
 
 
-def test_the_kernels_masks_are_keep_mask16s():
+def kernel(q, k, v, bias, mask, rate, blocks=(64, 64), source="precomputed"):
+    """The kernel with the mask of KEY: the key's words hashed in the kernels, or keep_bits16's bytes."""
+    batch, length, heads, _ = q.shape
+    bits = keep_bits16(KEY, (batch, heads, length, length), 1.0 - rate) if source == "precomputed" and rate else None
+    return flash.flash_attention(q, k, v, bias, mask, jax.random.key_data(KEY) if source == "in_kernel" else None,
+                                 keep_bits=bits, scale=SCALE, dropout_rate=rate, block_q=blocks[0],
+                                 block_k=blocks[1], interpret=True)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_kernels_masks_are_keep_mask16s(source):
     """q = k = 0 makes every probability 1/L and v = the identity reads them out: out[b, i, h, j] > 0 exactly
     where keep_mask16(key, (B, H, L, L)) keeps (b, h, i, j) — across key tiles and the four quarters of a hash."""
     b, length, heads = 2, 128, 2
     q = jnp.zeros((b, length, heads, length))
     v = jnp.broadcast_to(jnp.eye(length)[None, :, None, :], (b, length, heads, length))
-    out = kernel(q, q, v, None, None, 0.25)
+    out = kernel(q, q, v, None, None, 0.25, source=source)
     keep, p = keep_mask16(KEY, (b, heads, length, length), 0.75)
     np.testing.assert_array_equal(np.asarray(out > 0).transpose(0, 2, 1, 3), np.asarray(keep))
     kept = np.asarray(out)[np.asarray(out) > 0]
@@ -100,12 +109,13 @@ CASES = {   # name -> (bias's (batch, heads) or None, mask kind, dropout rate, (
 }
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_kernel_equals_the_einsum_path_with_its_gradients(case):
+def test_the_kernel_equals_the_einsum_path_with_its_gradients(case, source):
     """float32: output and the gradients of q, k, v (and the bias, whichever of its batch and head axes it has:
     the bias-gradient kernel sums over the others) within 1e-5 of the einsum path's, at a head dim (24) padded to
     32, two query tiles and two key tiles (or one of 128 keys in the forward and the backward's two of 64:
-    `flash.BACKWARD_BLOCK_K`)."""
+    `flash.BACKWARD_BLOCK_K`); the dropout mask from either source."""
     bias_axes, mask_kind, rate, blocks = CASES[case]
     q, k, v, g, _, padding = _inputs()
     causal = jnp.tril(jnp.ones((128, 128), bool))[None, None]
@@ -116,10 +126,10 @@ def test_the_kernel_equals_the_einsum_path_with_its_gradients(case):
     def loss(fn, **kw):
         return lambda q, k, v, b: jnp.sum(fn(q, k, v, b, mask, rate, **kw) * g)
 
-    np.testing.assert_allclose(kernel(q, k, v, bias, mask, rate, blocks), reference(q, k, v, bias, mask, rate),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(kernel(q, k, v, bias, mask, rate, blocks, source),
+                               reference(q, k, v, bias, mask, rate), atol=1e-5, rtol=1e-5)
     expected = jax.grad(loss(reference), args)(q, k, v, bias)
-    got = jax.grad(loss(kernel, blocks=blocks), args)(q, k, v, bias)
+    got = jax.grad(loss(kernel, blocks=blocks, source=source), args)(q, k, v, bias)
     for name, e, o in zip("q k v bias".split(), expected, got):
         scale = float(jnp.abs(e).max())
         assert scale > 0
@@ -141,17 +151,22 @@ def test_unsupported_lengths_and_missing_keys_are_refused():
     assert not flash.supported(96, 64) and flash.supported(128, 64) and not flash.supported(128, 32)
     with pytest.raises(ValueError, match="does not tile"):
         flash.flash_attention(q, q, q, scale=1.0, interpret=True)
-    with pytest.raises(ValueError, match="needs the rng"):
-        flash.flash_attention(jnp.zeros((1, 64, 1, 16)), jnp.zeros((1, 64, 1, 16)), jnp.zeros((1, 64, 1, 16)),
-                              scale=1.0, dropout_rate=0.1, interpret=True)
+    q = jnp.zeros((1, 64, 1, 16))
+    with pytest.raises(ValueError, match="needs keep_bits or the rng"):
+        flash.flash_attention(q, q, q, scale=1.0, dropout_rate=0.1, interpret=True)
+    for bits in (keep_bits16(KEY, (1, 1, 64, 32), 0.9), keep_bits16(KEY, (1, 1, 64, 64), 0.9).astype(jnp.uint8)):
+        with pytest.raises(ValueError, match=r"keep_bits is .*, not int8\[1, 1, 64, 16\]"):
+            flash.flash_attention(q, q, q, keep_bits=bits, scale=1.0, dropout_rate=0.1, interpret=True)
     assert flash.blocks(128) == (64, 128) and flash.blocks(192) == (64, 64) and flash.blocks(512) == (64, 128)
 
 
-def test_the_kernels_lower_to_triton_for_cuda():
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_kernels_lower_to_triton_for_cuda(source):
     """Lowered for CUDA on this CPU-only machine (no compile), for an abstract H200 (JAX ≥ 0.11 asks for the target
     device; the device tool's H200 runs 0.11.2): the forward is one Triton call, the gradient three (forward,
     dK/dV, dQ) and a fourth (the bias gradient) when the bias is differentiated; bf16 at BERT-base's head size,
-    bias, mask and dropout on."""
+    bias, mask and dropout on. With precomputed masks no kernel hashes (no xor in any kernel: Threefry's rounds
+    are the only xors) and XLA hashes once, outside them."""
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     q = jax.ShapeDtypeStruct((2, 512, 12, 64), jnp.bfloat16)
@@ -159,14 +174,19 @@ def test_the_kernels_lower_to_triton_for_cuda():
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
     def forward(q, k, v, b, m, key):
-        return flash.flash_attention(q, k, v, b, m, key, scale=SCALE, dropout_rate=0.1, block_q=64, block_k=128)
+        bits = keep_bits16(key, (2, 12, 512, 512), 0.9) if source == "precomputed" else None
+        return flash.flash_attention(q, k, v, b, m, None if bits is not None else key, keep_bits=bits, scale=SCALE,
+                                     dropout_rate=0.1, block_q=64, block_k=128)
 
     grad = functools.partial(jax.grad, lambda *a: jnp.sum(forward(*a).astype(jnp.float32)))
     for fn, calls in ((forward, 1), (grad((0, 1, 2)), 3), (grad((0, 1, 2, 3)), 4)):
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(q, q, q, bias, mask, key).lower(lowering_platforms=("cuda",)).as_text()
+            program = str(jax.make_jaxpr(fn)(q, q, q, bias, mask, key))
         assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"] * calls
         assert "2x12x512x512xf32" not in text     # no per-row buffer of dS for a bias shared over the batch
+        assert (program.count("xor") == 0) == (source == "precomputed")
+        assert program.count("threefry2x32") == (source == "precomputed")
 
 
 # ----------------------------------------------------------------------------------------------- in the model
@@ -174,8 +194,10 @@ TINY = dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=6
             dropout_rate=0.1, attention_dropout_rate=0.1)
 
 
-def _loss_and_grads(cfg, params=None):
-    """(params, (loss, grads)) of a training-mode forward; asserts whether the kernel is in the program."""
+def _loss_and_grads(cfg, params=None, key=None):
+    """(params, (loss, grads)) of a training-mode forward with dropout rng `key` (PRNGKey(7)); asserts whether the
+    kernel is in the program."""
+    key = jax.random.PRNGKey(7) if key is None else key
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 64), 0, 128)
     input_mask = jnp.ones((2, 64), jnp.int32).at[1, 50:].set(0)
     model = TransformerLM(cfg)
@@ -183,7 +205,7 @@ def _loss_and_grads(cfg, params=None):
 
     def loss(p):
         out = model.apply({"params": p}, tokens, input_mask=input_mask, deterministic=False,
-                          rngs={"dropout": jax.random.PRNGKey(7)})
+                          rngs={"dropout": key})
         return jnp.mean(out["logits"] ** 2)
 
     step = jax.value_and_grad(loss)
@@ -191,16 +213,22 @@ def _loss_and_grads(cfg, params=None):
     return params, jax.jit(step)(params)
 
 
-@pytest.mark.parametrize("pe,objective", [("tupe_r", "mlm"), ("alibi", "clm"), ("rope", "mlm")])
-def test_the_pallas_backend_is_the_einsum_model(pe, objective, monkeypatch):
+@pytest.mark.parametrize("pe,objective,source,rng", [
+    ("tupe_r", "mlm", "precomputed", "threefry"), ("alibi", "clm", "precomputed", "threefry"),
+    ("rope", "mlm", "in_kernel", "threefry"), ("tupe_a", "mlm", "precomputed", "rbg")])
+def test_the_pallas_backend_is_the_einsum_model(pe, objective, source, rng, monkeypatch):
     """The whole model in training mode (dropout 0.1 everywhere, a padded row): `attention_backend='pallas'` with
-    the kernel (interpreted) gives the einsum backend's loss and gradients: the kernel draws the same attention
-    masks from the same keys. Gradients to 1e-5 of the largest one (a bias gradient that is zero in exact maths,
-    TUPE's key-projection bias, holds only rounding in both)."""
+    the kernel (interpreted) gives the einsum backend's loss and gradients: the kernel uses the same attention
+    masks from the same keys, whether precomputed (from a threefry or an rbg key) or hashed in the kernel.
+    Gradients to 1e-5 of the largest one (a bias gradient that is zero in exact maths, TUPE's key-projection bias,
+    holds only rounding in both)."""
     monkeypatch.setattr(attention, "PALLAS_OFF_GPU", "interpret")
+    monkeypatch.setattr(attention, "PALLAS_DROPOUT_MASK", source)
+    key = jax.random.key(7, impl="rbg") if rng == "rbg" else None      # typed, as `optim.dropout_key` makes it
     cfg = ModelConfig(**TINY, pe=pe, objective=objective, untie_cls=objective == "mlm")
-    params, (loss, grads) = _loss_and_grads(cfg)
-    _, (kernel_loss, kernel_grads) = _loss_and_grads(dataclasses.replace(cfg, attention_backend="pallas"), params)
+    params, (loss, grads) = _loss_and_grads(cfg, key=key)
+    _, (kernel_loss, kernel_grads) = _loss_and_grads(dataclasses.replace(cfg, attention_backend="pallas"), params,
+                                                     key)
     np.testing.assert_allclose(float(kernel_loss), float(loss), rtol=1e-5)
     scale = max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(grads))
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(kernel_grads)):
@@ -208,18 +236,21 @@ def test_the_pallas_backend_is_the_einsum_model(pe, objective, monkeypatch):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("setting", ["off the GPU", "32-bit masks", "rbg key", "length 48"])
+@pytest.mark.parametrize("setting", ["off the GPU", "32-bit masks", "rbg key, mask hashed in the kernel",
+                                     "length 48"])
 def test_where_the_kernel_does_not_run_the_einsum_path_does_with_the_same_masks(setting, monkeypatch):
-    """Off a GPU (the default), with flax's 32-bit masks, an rbg dropout key or an untileable length, `pallas`
-    runs the einsum path: bit for bit the einsum backend's loss and gradients."""
+    """Off a GPU (the default), with flax's 32-bit masks, an rbg dropout key where the kernel would hash the mask
+    itself (it hashes threefry only) or an untileable length, `pallas` runs the einsum path: bit for bit the
+    einsum backend's loss and gradients."""
     cfg = ModelConfig(**TINY, pe="tupe_r")
     key = jax.random.PRNGKey(7)
     if setting != "off the GPU":
         monkeypatch.setattr(attention, "PALLAS_OFF_GPU", "interpret")
     if setting == "32-bit masks":
         cfg = dataclasses.replace(cfg, dropout_bits=32)
-    if setting == "rbg key":
+    if setting.startswith("rbg key"):
         key = jax.random.key(7, impl="rbg")        # typed, as `optim.dropout_key` makes it
+        monkeypatch.setattr(attention, "PALLAS_DROPOUT_MASK", "in_kernel")
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 48 if setting == "length 48" else 64), 0, 128)
 
     def loss_and_grads(backend, params=None):
@@ -261,11 +292,12 @@ def test_the_kernel_keeps_long_alibi_and_tupe_r_biases_exact_enough():
         assert err <= bf16_bound(v), f"TUPE-R: {err:.4f} > {bf16_bound(v):.4f}"
 
 
-def test_training_refuses_the_pallas_kernel_with_attention_dropout_on_a_gpu(monkeypatch):
-    """On an H200 the kernel's backward with attention dropout did not finish compiling (RESULTS.md, GPU round 2), so
-    a pretraining or fine-tuning config that would train through it on a GPU is refused before any compute, with
-    the way out in the line; the einsum path (same masks), dropout 0, 32-bit masks or rbg keys (the kernel does
-    not run for those) and any other platform pass."""
+def test_training_refuses_the_pallas_kernel_hashing_its_dropout_mask_on_a_gpu(monkeypatch):
+    """On an H200 the kernel's backward with its dropout mask hashed in the kernel did not finish compiling
+    (RESULTS.md, GPU round 2), so with `attention.PALLAS_DROPOUT_MASK = "in_kernel"` a pretraining or fine-tuning
+    config that would train through it on a GPU is refused before any compute, with the way out in the line; the
+    precomputed masks (the default), the einsum path (same masks), dropout 0, 32-bit masks or rbg keys (the kernel
+    does not run for those) and any other platform pass."""
     from configs.glue import get_config as glue_config  # pylint: disable=import-outside-toplevel
     from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
     from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
@@ -280,9 +312,12 @@ def test_training_refuses_the_pallas_kernel_with_attention_dropout_on_a_gpu(monk
         return config
 
     config = stalling(get_config("pe=tupe_r,size=tiny"))
-    with pytest.raises(UserError, match="pallas with attention dropout does not train on a GPU") as error:
+    model_lib.validate_training(config, "gpu", (128,))          # the precomputed masks: no hash in the kernels
+    monkeypatch.setattr(attention, "PALLAS_DROPOUT_MASK", "in_kernel")
+    with pytest.raises(UserError, match="pallas with attention dropout hashed in the kernel does not train") as error:
         model_lib.validate_training(config, "gpu", (128,))
-    assert "--config.model.attention_backend" in str(error.value) and "einsum" in str(error.value)
+    assert "attention.PALLAS_DROPOUT_MASK" in str(error.value) and "precomputed" in str(error.value)
+    assert str(error.value).count("\n") == 0
     model_lib.validate_training(config, "cpu", (128,))
     for key, value in (("attention_dropout_rate", 0.0), ("attention_backend", "einsum"), ("dropout_bits", 32)):
         passing = stalling(get_config("pe=tupe_r,size=tiny"))

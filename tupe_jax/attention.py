@@ -10,9 +10,10 @@ Backends: `einsum` (explicit logits; can return attention probabilities; attenti
 `xla` / `cudnn` (`jax.nn.dot_product_attention` with that implementation; used when no probabilities are asked
 for and attention dropout is off or the pass is deterministic — otherwise the einsum path runs); `pallas`
 (`kernels/flash.py`: a flash-attention kernel, Triton on GPU, that also takes attention dropout with 16-bit masks,
-drawing bit for bit the mask the einsum path draws from the same key; used on a GPU when no probabilities are
-asked for and L is a multiple of 64, with `model.dropout_bits=16` when dropping and a threefry dropout key —
-otherwise, and on every other platform, the einsum path runs: the same maths and the same masks). A q/k transform
+bit for bit the mask the einsum path draws from the same key; used on a GPU when no probabilities are asked for
+and L is a multiple of 64, with `model.dropout_bits=16` when dropping (and a threefry dropout key if the kernel
+hashes the mask itself: `PALLAS_DROPOUT_MASK`) — otherwise, and on every other platform, the einsum path runs: the
+same maths and the same masks). A q/k transform
 may widen the head dim of q and k (TUPE's concat form); the fused paths then pad v with zeros to match and slice
 the output back.
 
@@ -34,7 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tupe_jax.dropout import apply_mask16, make_dropout, threefry_words
+from tupe_jax.dropout import apply_mask16, keep_bits16, make_dropout, threefry_words
 from tupe_jax.positional.base import PositionalTerms
 from tupe_jax.projection import dense_dot_general
 
@@ -202,27 +203,41 @@ ATTENTION_BACKENDS = ("einsum", "xla", "cudnn", "pallas")
 PALLAS_OFF_GPU = "einsum"
 
 
+# Where the pallas kernel's attention-dropout mask comes from (`kernels/masks.py`): "precomputed", drawn by XLA
+# before the kernel, one byte per hash (dropout.keep_bits16), read tile by tile (any dropout generator); or
+# "in_kernel", hashed by each kernel from the threefry key's words (threefry keys only; in session 22 its backward
+# did not finish compiling on an H200: `PALLAS_IN_KERNEL_DROPOUT_COMPILES_ON_GPU`). The same masks either way.
+PALLAS_DROPOUT_MASKS = ("precomputed", "in_kernel")
+PALLAS_DROPOUT_MASK = "precomputed"
+
+
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array],
                      dropout_rate: float, dropout_key: Optional[jax.Array]) -> jax.Array:
-    """(B, L, H, d) q/k/v -> (B, L, H, d_v) through `kernels.flash` (dropout from the threefry `dropout_key`'s
-    words, when given); a widened q/k head dim pads v with zeros, as `fused_attention`."""
+    """(B, L, H, d) q/k/v -> (B, L, H, d_v) through `kernels.flash` (dropout, when `dropout_key` is given, with
+    keep_mask16's masks for it, from `PALLAS_DROPOUT_MASK`'s source); a widened q/k head dim pads v with zeros, as
+    `fused_attention`."""
     from tupe_jax.kernels import flash  # pylint: disable=import-outside-toplevel  # Pallas: only when used
-    value_dim, length = v.shape[-1], q.shape[1]
+    (batch, length, heads, _), value_dim = q.shape, v.shape[-1]
     v = pad_values(v, q.shape[-1])
     if mask is not None:   # the kernel reads mask rows: a key-padding mask (B, 1, 1, L) is broadcast over them
         mask = jnp.broadcast_to(mask, (mask.shape[0], 1, length, length))
+    words = bits = None
+    if dropout_key is not None and PALLAS_DROPOUT_MASK == "precomputed":
+        bits = keep_bits16(dropout_key, (batch, heads, length, length), 1.0 - dropout_rate)
+    elif dropout_key is not None:
+        words = threefry_words(dropout_key)
     block_q, block_k = flash.blocks(length)
     return flash.flash_attention(
-        q, k, v, terms.logit_bias, mask, None if dropout_key is None else threefry_words(dropout_key),
-        scale=terms.logit_scale, dropout_rate=dropout_rate if dropout_key is not None else 0.0, block_q=block_q,
-        block_k=block_k, interpret=jax.default_backend() != "gpu")[..., :value_dim]
+        q, k, v, terms.logit_bias, mask, words, keep_bits=bits, scale=terms.logit_scale,
+        dropout_rate=dropout_rate if dropout_key is not None else 0.0, block_q=block_q, block_k=block_k,
+        interpret=jax.default_backend() != "gpu")[..., :value_dim]
 
 
-# Whether the pallas kernel's backward with attention dropout compiles on a GPU. In session 22 it stalled XLA's
-# compile on an H200 (jax 0.11.2; the forward and the dropout-free backward compile in about a second:
+# Whether the pallas kernel's backward with in-kernel dropout hashing compiles on a GPU. In session 22 it stalled
+# XLA's compile on an H200 (jax 0.11.2; the forward and the dropout-free backward compile in about a second:
 # benchmarks/RESULTS.md, GPU round 2), so training refuses that combination there (`model.validate_training`).
-# Set True once benchmarks/gpu_round2.sh's pallas canary passes.
-PALLAS_DROPOUT_COMPILES_ON_GPU = False
+# The precomputed masks (the default) take the hash out of the kernels; not yet compiled on a GPU either.
+PALLAS_IN_KERNEL_DROPOUT_COMPILES_ON_GPU = False
 
 
 def pallas_kernel_fits(length: int) -> bool:
@@ -262,9 +277,9 @@ class SelfAttention(nn.Module):
         if (self.backend == "pallas" and not return_probs and pallas_runs(q.shape[1])
                 and (not dropping or self.dropout_bits == 16)):
             key = drop.key() if dropping else None          # the rng drop() would draw: the same masks
-            if key is None or threefry_words(key) is not None:
+            if key is None or PALLAS_DROPOUT_MASK == "precomputed" or threefry_words(key) is not None:
                 out = pallas_attention(q, k, v, terms, mask, self.dropout_rate, key)
-            else:   # an rbg key: XLA's bit generator makes its masks, so the einsum path below applies this draw
+            else:   # hashing in the kernel needs threefry words: the einsum path below applies this rbg draw
                 dropped = lambda p: apply_mask16(p, key, self.dropout_rate)  # noqa: E731
         elif self.backend in ("xla", "cudnn") and not return_probs and not dropping:
             out = fused_attention(q, k, v, terms, mask, self.backend, causal_only)

@@ -16,6 +16,7 @@ rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per wor
 
     make_dropout(rate, bits) -> nn.Module          nn.Dropout for 32, Dropout16 for 16
     keep_mask16(rng, shape, keep_prob) -> (bool mask, realised keep probability)
+    keep_bits16(rng, shape, keep_prob) -> the same mask, four bits a byte (one byte per hash)
     threshold16(keep_prob) -> t, the 16-bit threshold of keep_mask16 (and of kernels/flash.py's masks)
     apply_mask16(x, rng, rate) -> x masked and scaled (what Dropout16 does with the rng it draws)
 """
@@ -51,6 +52,16 @@ def threshold16(keep_prob: float) -> int:
     return int(round(keep_prob * 65536))
 
 
+def _hash_words(rng: jax.Array, counter_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The two uint32 words of each of keep_mask16's hashes, `counter_shape` (the mask's leading axes, then q)."""
+    raw = threefry_words(rng)
+    if raw is not None:               # a threefry key: both 32-bit words of each hash are used
+        return tuple(threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape),
+                                         jnp.zeros(counter_shape, jnp.uint32)))
+    # rbg / unsafe_rbg (4-word keys): their own bit generator, two words per slot
+    return tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
+
+
 def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tuple[jax.Array, float]:
     """Boolean `shape` mask with P(True) = round(keep_prob·2¹⁶)/2¹⁶, and that probability.
 
@@ -61,16 +72,23 @@ def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tup
     out_shape, shape = tuple(shape), tuple(shape) or (1,)
     threshold = threshold16(keep_prob)
     quarter = -(-shape[-1] // 4)
-    counter_shape = shape[:-1] + (quarter,)
-    raw = threefry_words(rng)
-    if raw is not None:               # a threefry key: both 32-bit words of each hash are used
-        words = threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape), jnp.zeros(counter_shape, jnp.uint32))
-    else:                             # rbg / unsafe_rbg (4-word keys): their own bit generator, two words per slot
-        words = tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
+    words = _hash_words(rng, shape[:-1] + (quarter,))
     # compared before they are put side by side: the four quarters are stacked as booleans (1 byte per element,
     # not the 4 of the uint32 halves) and (…, 4, q) -> (…, 4q) is a free reshape; same masks, 1.03x faster step
     keep = jnp.stack([((w >> shift) & 0xFFFF) < threshold for w in words for shift in (0, 16)], axis=-2)
     return keep.reshape(shape[:-1] + (4 * quarter,))[..., :shape[-1]].reshape(out_shape), threshold / 65536
+
+
+def keep_bits16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax.Array:
+    """keep_mask16(rng, shape, keep_prob)'s mask packed by hash: int8 of shape[:-1] + (q,), q = ceil(L/4), whose
+    bit t (t = 0..3) of element (…, c) is the mask at (…, c + t·q) — the four masks one hash gives, a quarter of
+    the bytes (what `kernels/flash.py` reads tile by tile; bits past L are padding)."""
+    shape = tuple(shape) or (1,)
+    threshold = threshold16(keep_prob)
+    words = _hash_words(rng, shape[:-1] + (-(-shape[-1] // 4),))
+    halves = [(w >> shift) & 0xFFFF for w in words for shift in (0, 16)]
+    bits = [(half < threshold).astype(jnp.uint8) << jnp.uint8(t) for t, half in enumerate(halves)]
+    return (bits[0] | bits[1] | bits[2] | bits[3]).astype(jnp.int8)
 
 
 def apply_mask16(inputs: jax.Array, rng: jax.Array, rate: float) -> jax.Array:

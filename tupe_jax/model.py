@@ -113,18 +113,19 @@ def validate_config(model: Any) -> None:
 
 def validate_training(config: Any, platform: str, lengths: Sequence[int]) -> None:
     """Check what only training meets, before any compute: on a GPU (`platform`, `jax.default_backend()`), the pallas
-    kernel would train with attention dropout (16-bit masks, threefry keys, one of the sequence `lengths` the loop
-    trains at that it tiles) through a backward whose compile does not finish there
-    (`attention.PALLAS_DROPOUT_COMPILES_ON_GPU`)."""
+    kernel would train with attention dropout hashed in the kernel (`attention.PALLAS_DROPOUT_MASK = "in_kernel"`,
+    16-bit masks, threefry keys, one of the sequence `lengths` the loop trains at that it tiles) through a backward
+    whose compile does not finish there (`attention.PALLAS_IN_KERNEL_DROPOUT_COMPILES_ON_GPU`)."""
     m = config.model
     stalls = (platform == "gpu" and m.attention_backend == "pallas" and m.attention_dropout_rate > 0
               and m.dropout_bits == 16 and config.train.get("dropout_rng", "threefry2x32") == "threefry2x32"
+              and attention_lib.PALLAS_DROPOUT_MASK == "in_kernel"
               and any(attention_lib.pallas_kernel_fits(n) for n in lengths)
-              and not attention_lib.PALLAS_DROPOUT_COMPILES_ON_GPU)
-    require(not stalls, "model.attention_backend=pallas with attention dropout does not train on a GPU yet: its "
-            "backward stalled XLA's compile on an H200 (benchmarks/RESULTS.md, GPU round 2)",
-            "--config.model.attention_backend", "use attention_backend=einsum (the same masks and model) or "
-            "attention_dropout_rate=0")
+              and not attention_lib.PALLAS_IN_KERNEL_DROPOUT_COMPILES_ON_GPU)
+    require(not stalls, "model.attention_backend=pallas with attention dropout hashed in the kernel does not train "
+            "on a GPU yet: its backward stalled XLA's compile on an H200 (benchmarks/RESULTS.md, GPU round 2)",
+            "attention.PALLAS_DROPOUT_MASK", "set it to \"precomputed\" (the default; the same masks) or use "
+            "attention_backend=einsum")
 
 
 def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:

@@ -1,7 +1,7 @@
 """pallas_call plumbing for `flash.py`'s kernels: BlockSpecs over a (tile, b, h) grid and a call that passes
 absent inputs (None) through to the kernel; Triton's launch settings.
 
-    block_specs(spec, full_q, full_rows) -> (q, kv, bias, mask, key) BlockSpecs
+    block_specs(spec, full_q, full_rows) -> (q, kv, bias, mask, dropout source) BlockSpecs
     run(kernel, grid, in_specs, args, out_specs, out_shape, interpret, name) -> outputs
 """
 from __future__ import annotations
@@ -9,13 +9,15 @@ from __future__ import annotations
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tupe_jax.kernels import masks
+
 NUM_WARPS, NUM_STAGES = 4, 2   # Triton's launch settings: first guesses, not tuned on a GPU yet
 
 
 def block_specs(spec, full_q: bool, full_rows: bool):
-    """BlockSpecs for (q, k, v, bias, mask, key) over a (tile, b, h) grid, for a `flash._Spec` (sizes, tiles and
-    which inputs have batch or head axes); `full_q`: q (and dO) whole per (b, h); `full_rows`: bias and mask rows
-    whole (else the program's query tile)."""
+    """BlockSpecs for (q, k, v, bias, mask, dropout source) over a (tile, b, h) grid, for a `flash._Spec` (sizes,
+    tiles and which inputs have batch or head axes); `full_q`: q (and dO) whole per (b, h); `full_rows`: the rows of
+    the bias, the mask and precomputed dropout bits whole (else the program's query tile)."""
     L, d, bq = spec.length, spec.dim, spec.bq
     q = pl.BlockSpec((None, L, None, d), lambda n, b, h: (b, 0, h, 0)) if full_q else \
         pl.BlockSpec((None, bq, None, d), lambda n, b, h: (b, n, h, 0))
@@ -26,8 +28,7 @@ def block_specs(spec, full_q: bool, full_rows: bool):
                                                               0 if full_rows else n, 0))
     mask = pl.BlockSpec((None, None, rows, L), lambda n, b, h: (b if spec.mask_batched else 0, 0,
                                                               0 if full_rows else n, 0))
-    key = pl.BlockSpec((2,), lambda n, b, h: (0,))
-    return q, kv, bias, mask, key
+    return q, kv, bias, mask, masks.source_spec(spec, rows)
 
 
 def run(kernel, grid, in_specs, args, out_specs, out_shape, interpret: bool, name: str):

@@ -4,24 +4,24 @@
 
 the same maths as `attention.py`'s einsum path, but tiled so that no (B, H, L, L) array is written in the forward
 (the FlashAttention-2 scheme: an online softmax over key tiles, the log-sum-exp kept per query row, the
-probabilities recomputed in the backward). The dropout mask of element (b, h, i, j) is drawn inside the kernel
-from the same counter and the same Threefry hash as `dropout.keep_mask16(key, (B, H, L, L), 1 − rate)`: bit for
-bit the einsum path's mask for the same key, so the two backends compute the same model, checkpoints resume
-across them, and a test compares them on the CPU (interpret mode).
+probabilities recomputed in the backward). The dropout mask of element (b, h, i, j) is bit for bit
+`dropout.keep_mask16(key, (B, H, L, L), 1 − rate)`, the einsum path's mask for the same key, so the two backends
+compute the same model, checkpoints resume across them, and a test compares them on the CPU (interpret mode). The
+kernels read it from `keep_bits` (`dropout.keep_bits16`, drawn by XLA once per call, one byte per hash) or hash
+it themselves from the key's words (`key`): `masks.py`. keep_mask16 takes four masks from one hash: with Q = L/4,
+hash (b, h, i, c) gives columns c, c+Q, c+2Q, c+3Q. So a key tile here is not contiguous: tile n holds the columns
+t·Q + n·w + [0, w) for the quarters t = 0..3, where w = block_k/4, and each hash serves four of its elements.
 
-keep_mask16 takes four masks from one hash: with Q = L/4, hash (b, h, i, c) gives columns c, c+Q, c+2Q, c+3Q. So
-a key tile here is not contiguous: tile n holds the columns t·Q + n·w + [0, w) for the quarters t = 0..3, where
-w = block_k/4, and each hash serves four of its elements, as in the einsum path.
+Shapes: q, k, v (B, L, H, d); bias (B|1, H|1, L, L) float32; mask (B|1, 1, L, L) bool; keep_bits (B, H, L, L/4)
+int8, or key uint32 (2,) (the threefry key data of the dropout rng); out (B, L, H, d). d is padded with zeros to a
+power of two ≥ 16 (exact). L must be a multiple of 64 (`supported`). The bias gradient, only where the bias is
+differentiated (`custom_vjp` symbolic zeros), has a kernel of its own: per tile of a bias entry, dS summed in a
+fixed order over the (b, h) pairs that share it, P and dP recomputed there; no (B, H, L, L) array of dS is
+written. Written for one device: no sharding rule tells XLA how to split the kernel over several.
+`interpret=True` runs it through Pallas' interpreter (any platform; the CPU tests), otherwise Pallas lowers it to
+Triton (GPU only).
 
-Shapes: q, k, v (B, L, H, d); bias (B|1, H|1, L, L) float32; mask (B|1, 1, L, L) bool; key uint32 (2,) (the
-threefry key data of the dropout rng); out (B, L, H, d). d is padded with zeros to a power of two ≥ 16 (exact).
-L must be a multiple of 64 (`supported`). The bias gradient, only where the bias is differentiated (`custom_vjp`
-symbolic zeros), has a kernel of its own: per tile of a bias entry, dS summed in a fixed order over the (b, h)
-pairs that share it, P and dP recomputed there; no (B, H, L, L) array of dS is written. Written for one device:
-no sharding rule tells XLA how to split the kernel over several. `interpret=True` runs it through Pallas'
-interpreter (any platform; the CPU tests), otherwise Pallas lowers it to Triton (GPU only).
-
-    flash_attention(q, k, v, bias, mask, key, *, scale, dropout_rate, block_q, block_k, interpret) -> out
+    flash_attention(q, k, v, bias, mask, key, *, keep_bits, scale, dropout_rate, block_q, block_k, interpret)
     supported(length, block_k) -> bool;   blocks(length) -> (block_q, block_k)
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from tupe_jax.dropout import threshold16
+from tupe_jax.kernels import masks
 from tupe_jax.kernels.calls import block_specs, run
-from tupe_jax.kernels.threefry import threefry2x32
 
 NEG_INF = -1e30        # attention.NEG_INF: finite, so fully masked rows stay NaN-free (a uniform softmax)
 MIN_TILE = 16          # Triton's smallest dot operand side: a quarter of a key tile is at least this wide
@@ -64,8 +64,9 @@ def supported(length: int, block_k: int = 64) -> bool:
 class _Spec:
     """The static description of one call: sizes, which optional inputs exist, dropout, tiles."""
 
-    def __init__(self, q, bias, mask, scale, rate, block_q, block_k):
+    def __init__(self, q, bias, mask, scale, rate, block_q, block_k, precomputed=False):
         self.batch, self.length, self.heads, self.dim = q.shape
+        self.precomputed = bool(precomputed and rate > 0)    # the mask source: keep_bits, else the key (masks.py)
         self.scale, self.rate = float(scale), float(rate)
         self.bias_batched = bias is not None and bias.shape[0] > 1
         self.bias_headed = bias is not None and bias.shape[1] > 1
@@ -75,22 +76,6 @@ class _Spec:
         self.quarter, self.w = self.length // 4, block_k // 4
         self.threshold = threshold16(1.0 - rate) if rate > 0 else 0     # keep_mask16's, for the same rate
         self.inv_keep = 65536.0 / self.threshold if rate > 0 else 1.0     # the scale of a kept value
-
-
-def _row_index(spec: _Spec, b, h, start):
-    """(bq, w) uint32 hash counters' row part ((b·H + h)·L + i)·Q for the query rows start + [0, bq)."""
-    rows = jax.lax.broadcasted_iota(jnp.int32, (spec.bq, spec.w), 0) + start
-    base = (b * spec.heads + h).astype(jnp.uint32) * jnp.uint32(spec.length)
-    return (base + rows.astype(jnp.uint32)) * jnp.uint32(spec.quarter)
-
-
-def _keeps(spec: _Spec, key_ref, row_part, column_start):
-    """The four (bq, w) keep masks of the quarters t = 0..3 at hash columns column_start + [0, w)."""
-    cols = jax.lax.broadcasted_iota(jnp.int32, (spec.bq, spec.w), 1) + column_start
-    w0, w1 = threefry2x32(key_ref[0], key_ref[1], row_part + cols.astype(jnp.uint32), jnp.zeros_like(row_part))
-    t = jnp.uint32(spec.threshold)
-    return ((w0 & jnp.uint32(0xFFFF)) < t, (w0 >> jnp.uint32(16)) < t, (w1 & jnp.uint32(0xFFFF)) < t,
-            (w1 >> jnp.uint32(16)) < t)
 
 
 def _scores(spec: _Spec, q, ks, bias_ref, mask_ref, rows, starts, bias_at=(), mask_at=()):
@@ -124,11 +109,10 @@ def _ds(spec: _Spec, s, allowed, keep, lse, delta, do, v):
     return p, ds
 
 
-def _forward_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, o_ref, lse_ref):
+def _forward_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, source_ref, o_ref, lse_ref):
     i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = q_ref[...]
     rows = slice(None)
-    row_part = _row_index(spec, b, h, i * spec.bq) if spec.rate > 0 else None
 
     def body(n, carry):
         m, l, acc = carry
@@ -139,7 +123,7 @@ def _forward_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_re
         p = [jnp.exp(x - m_new[:, None]) for x in s]
         l = l * alpha + functools.reduce(jnp.add, [jnp.sum(x, axis=1) for x in p])
         if spec.rate > 0:
-            keeps = _keeps(spec, key_ref, row_part, n * spec.w)
+            keeps = masks.tile_keeps(spec, source_ref, b, h, i * spec.bq, rows, n * spec.w)
             p = [jnp.where(keep, x * spec.inv_keep, 0.0) for keep, x in zip(keeps, p)]
         acc = acc * alpha[:, None]
         for start, x in zip(starts, p):
@@ -154,7 +138,7 @@ def _forward_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_re
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dkv_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do_ref, lse_ref, delta_ref, dk_ref,
+def _dkv_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, source_ref, do_ref, lse_ref, delta_ref, dk_ref,
                 dv_ref):
     n, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     starts = [t * spec.quarter + n * spec.w for t in range(4)]
@@ -167,7 +151,7 @@ def _dkv_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, d
         q, do = q_ref[rows, :], do_ref[rows, :]
         s, allowed = _scores(spec, q, ks, bias_ref, mask_ref, rows, starts)
         lse, delta = lse_ref[rows], delta_ref[rows]
-        keeps = _keeps(spec, key_ref, _row_index(spec, b, h, i * spec.bq), n * spec.w) if spec.rate > 0 else None
+        keeps = masks.tile_keeps(spec, source_ref, b, h, i * spec.bq, rows, n * spec.w) if spec.rate > 0 else None
         new_dks, new_dvs = [], []
         for t in range(4):
             keep = keeps[t] if keeps else None
@@ -186,17 +170,17 @@ def _dkv_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, d
         dv_ref[pl.ds(start, spec.w), :] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do_ref, lse_ref, delta_ref, dq_ref):
+def _dq_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, source_ref, do_ref, lse_ref, delta_ref, dq_ref):
     i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
-    row_part = _row_index(spec, b, h, i * spec.bq) if spec.rate > 0 else None
 
     def body(n, dq):
         starts = [t * spec.quarter + n * spec.w for t in range(4)]
         ks = [k_ref[pl.ds(x, spec.w), :] for x in starts]
         s, allowed = _scores(spec, q, ks, bias_ref, mask_ref, slice(None), starts)
-        keeps = _keeps(spec, key_ref, row_part, n * spec.w) if spec.rate > 0 else None
+        keeps = (masks.tile_keeps(spec, source_ref, b, h, i * spec.bq, slice(None), n * spec.w)
+                 if spec.rate > 0 else None)
         for t, start in enumerate(starts):
             _, ds = _ds(spec, s[t], allowed[t], keeps[t] if keeps else None, lse, delta, do,
                         v_ref[pl.ds(start, spec.w), :])
@@ -212,7 +196,7 @@ def _bias_entry(spec: _Spec, g):
     return (g, 0) if not spec.bias_headed else (g // spec.heads, g % spec.heads)   # (no `% 1`: Triton's lowering)
 
 
-def _dbias_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref, do_ref, lse_ref, delta_ref,
+def _dbias_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, source_ref, do_ref, lse_ref, delta_ref,
                   dbias_ref):
     """dS summed over the (b, h) pairs that share bias entry g, on one (query tile i, key tile n) of it. q, k, v,
     dO, lse, delta, the bias and the mask come whole; dbias as the entry's (bq, L) rows."""
@@ -230,7 +214,8 @@ def _dbias_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref,
         s, allowed = _scores(spec, q, ks, bias_ref, mask_ref, rows, starts, bias_at=(b0, h0),
                              mask_at=(b if spec.mask_batched else 0, 0))
         lse, delta = lse_ref[b, h, rows], delta_ref[b, h, rows]
-        keeps = _keeps(spec, key_ref, _row_index(spec, b, h, i * spec.bq), n * spec.w) if spec.rate > 0 else None
+        keeps = (masks.tile_keeps(spec, source_ref, b, h, i * spec.bq, rows, n * spec.w, at=(b, h))
+                 if spec.rate > 0 else None)
         return [acc[t] + _ds(spec, s[t], allowed[t], keeps[t] if keeps else None, lse, delta, do,
                              v_ref[b, pl.ds(start, spec.w), h, :])[1] for t, start in enumerate(starts)]
 
@@ -240,32 +225,32 @@ def _dbias_kernel(spec: _Spec, q_ref, k_ref, v_ref, bias_ref, mask_ref, key_ref,
 
 
 # ================================================================================================ calls
-def _forward(spec: _Spec, q, k, v, bias, mask, key, interpret: bool):
-    q_spec, kv, bias_spec, mask_spec, key_spec = block_specs(spec, full_q=False, full_rows=False)
+def _forward(spec: _Spec, q, k, v, bias, mask, source, interpret: bool):
+    q_spec, kv, bias_spec, mask_spec, source_spec = block_specs(spec, full_q=False, full_rows=False)
     out_specs = [pl.BlockSpec((None, spec.bq, None, spec.dim), lambda n, b, h: (b, n, h, 0)),
                  pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((spec.batch, spec.heads, spec.length), jnp.float32)]
     grid = (spec.length // spec.bq, spec.batch, spec.heads)
     return run(functools.partial(_forward_kernel, spec), grid,
-               [q_spec, kv, kv, bias_spec, mask_spec, key_spec], [q, k, v, bias, mask, key], out_specs,
+               [q_spec, kv, kv, bias_spec, mask_spec, source_spec], [q, k, v, bias, mask, source], out_specs,
                out_shape, interpret, "flash_forward")
 
 
-def _backward(spec: _Spec, bias_grad: bool, q, k, v, bias, mask, key, out, lse, do, interpret: bool):
+def _backward(spec: _Spec, bias_grad: bool, q, k, v, bias, mask, source, out, lse, do, interpret: bool):
     delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
-    args = [q, k, v, bias, mask, key, do, lse, delta]
+    args = [q, k, v, bias, mask, source, do, lse, delta]
     dk, dv = _dkv(spec, args, interpret)
     return _dq(spec, args, interpret), dk, dv, (_bias_grad(spec, args, interpret) if bias_grad else None)
 
 
 def _dkv(spec: _Spec, args, interpret: bool):
-    """(dK, dV) over a (key tile, b, h) grid; args = [q, k, v, bias, mask, key, dO, lse, delta]."""
-    q_full, kv, bias_full, mask_full, key_spec = block_specs(spec, full_q=True, full_rows=True)
+    """(dK, dV) over a (key tile, b, h) grid; args = [q, k, v, bias, mask, source, dO, lse, delta]."""
+    q_full, kv, bias_full, mask_full, source_spec = block_specs(spec, full_q=True, full_rows=True)
     row = pl.BlockSpec((None, None, spec.length), lambda n, b, h: (b, h, 0))
     k, v = args[1], args[2]
     return run(functools.partial(_dkv_kernel, spec), (spec.length // spec.bk, spec.batch, spec.heads),
-               [q_full, kv, kv, bias_full, mask_full, key_spec, q_full, row, row], args,
+               [q_full, kv, kv, bias_full, mask_full, source_spec, q_full, row, row], args,
                [kv, kv],    # dK, dV: each program writes the four quarter slices of its key tile
                [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)], interpret,
                "flash_dkv")
@@ -273,11 +258,11 @@ def _dkv(spec: _Spec, args, interpret: bool):
 
 def _dq(spec: _Spec, args, interpret: bool):
     """dQ over a (query tile, b, h) grid; args as `_dkv`'s."""
-    q_tile, kv, bias_rows, mask_rows, key_spec = block_specs(spec, full_q=False, full_rows=False)
+    q_tile, kv, bias_rows, mask_rows, source_spec = block_specs(spec, full_q=False, full_rows=False)
     row_tile = pl.BlockSpec((None, None, spec.bq), lambda n, b, h: (b, h, n))
     q = args[0]
     return run(functools.partial(_dq_kernel, spec), (spec.length // spec.bq, spec.batch, spec.heads),
-               [q_tile, kv, kv, bias_rows, mask_rows, key_spec, q_tile, row_tile, row_tile], args, q_tile,
+               [q_tile, kv, kv, bias_rows, mask_rows, source_spec, q_tile, row_tile, row_tile], args, q_tile,
                jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "flash_dq")
 
 
@@ -292,27 +277,32 @@ def _bias_grad(spec: _Spec, args, interpret: bool):
                jax.ShapeDtypeStruct(bias.shape, jnp.float32), interpret, "flash_dbias")
 
 
+def _is_bits(source) -> bool:
+    return source is not None and source.ndim == 4
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _flash(q, k, v, bias, mask, key, scale, rate, block_q, block_k, interpret):
-    spec = _Spec(q, bias, mask, scale, rate, block_q, block_k)
-    return _forward(spec, q, k, v, bias, mask, key, interpret)[0]
+def _flash(q, k, v, bias, mask, source, scale, rate, block_q, block_k, interpret):
+    """`source`: the dropout mask's, keep_bits (B, H, L, L/4) int8 or the key's words uint32 (2,) (masks.py)."""
+    spec = _Spec(q, bias, mask, scale, rate, block_q, block_k, precomputed=_is_bits(source))
+    return _forward(spec, q, k, v, bias, mask, source, interpret)[0]
 
 
 def _flash_fwd(*primals):
     """`symbolic_zeros`: each array comes as (value, perturbed); an absent input (None) comes as None."""
-    (q, k, v, bias, mask, key), static = [getattr(x, "value", x) for x in primals[:6]], primals[6:]
-    spec = _Spec(q, bias, mask, *static[:4])
-    out, lse = _forward(spec, q, k, v, bias, mask, key, static[4])
+    (q, k, v, bias, mask, source), static = [getattr(x, "value", x) for x in primals[:6]], primals[6:]
+    spec = _Spec(q, bias, mask, *static[:4], precomputed=_is_bits(source))
+    out, lse = _forward(spec, q, k, v, bias, mask, source, static[4])
     bias_grad = bias is not None and bool(primals[3].perturbed)
-    return out, (q, k, v, bias, mask, key, out, lse, bias_grad)
+    return out, (q, k, v, bias, mask, source, out, lse, bias_grad)
 
 
 def _flash_bwd(scale, rate, block_q, block_k, interpret, residuals, do):
-    q, k, v, bias, mask, key, out, lse, bias_grad = residuals
+    q, k, v, bias, mask, source, out, lse, bias_grad = residuals
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
         do = jnp.zeros(do.shape, do.dtype)
-    spec = _Spec(q, bias, mask, scale, rate, block_q, min(block_k, BACKWARD_BLOCK_K))
-    dq, dk, dv, dbias = _backward(spec, bias_grad, q, k, v, bias, mask, key, out, lse, do, interpret)
+    spec = _Spec(q, bias, mask, scale, rate, block_q, min(block_k, BACKWARD_BLOCK_K), precomputed=_is_bits(source))
+    dq, dk, dv, dbias = _backward(spec, bias_grad, q, k, v, bias, mask, source, out, lse, do, interpret)
     return dq, dk, dv, (dbias.astype(bias.dtype) if dbias is not None else None), None, None
 
 
@@ -320,21 +310,26 @@ _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: Optional[jax.Array] = None,
-                    mask: Optional[jax.Array] = None, key: Optional[jax.Array] = None, *, scale: float,
-                    dropout_rate: float = 0.0, block_q: int = 64, block_k: int = 64,
-                    interpret: bool = False) -> jax.Array:
-    """(B, L, H, d) q, k, v -> (B, L, H, d) attention output (module docstring). `key`: the dropout rng's
-    threefry key data, uint32 (2,), needed when `dropout_rate` > 0."""
-    length, dim = q.shape[1], q.shape[-1]
+                    mask: Optional[jax.Array] = None, key: Optional[jax.Array] = None, *,
+                    keep_bits: Optional[jax.Array] = None, scale: float, dropout_rate: float = 0.0,
+                    block_q: int = 64, block_k: int = 64, interpret: bool = False) -> jax.Array:
+    """(B, L, H, d) q, k, v -> (B, L, H, d) attention output (module docstring). When `dropout_rate` > 0 the mask
+    comes from `keep_bits`, `dropout.keep_bits16(rng, (B, H, L, L), 1 − dropout_rate)`, or, without it, is hashed
+    in the kernels from `key`, the dropout rng's threefry key data, uint32 (2,) (masks.py)."""
+    batch, length, heads, dim = q.shape
     if not supported(length, block_k) or length % block_q:
         raise ValueError(f"flash_attention: length {length} does not tile into blocks {block_q}x{block_k}")
-    if dropout_rate > 0 and key is None:
-        raise ValueError("flash_attention: dropout needs the rng's key data")
+    if dropout_rate > 0 and key is None and keep_bits is None:
+        raise ValueError("flash_attention: dropout needs keep_bits or the rng's key data")
+    bits_shape = (batch, heads, length, length // 4)
+    if keep_bits is not None and (keep_bits.shape != bits_shape or keep_bits.dtype != jnp.int8):
+        raise ValueError(f"flash_attention: keep_bits is {keep_bits.dtype}{list(keep_bits.shape)}, not int8"
+                         f"{list(bits_shape)} (dropout.keep_bits16 of the (B, H, L, L) mask)")
     padded = max(MIN_TILE, 1 << math.ceil(math.log2(dim)))
     if padded != dim:    # zeros in the head dimension change no dot product; the output's extra columns are sliced
         q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, padded - dim))) for x in (q, k, v))
-    key = key.astype(jnp.uint32) if dropout_rate > 0 else None
+    source = None if dropout_rate == 0 else keep_bits if keep_bits is not None else key.astype(jnp.uint32)
     mask = mask.astype(jnp.int8) if mask is not None else None
     bias = bias.astype(jnp.float32) if bias is not None else None
-    out = _flash(q, k, v, bias, mask, key, float(scale), float(dropout_rate), block_q, block_k, interpret)
+    out = _flash(q, k, v, bias, mask, source, float(scale), float(dropout_rate), block_q, block_k, interpret)
     return out[..., :dim]
