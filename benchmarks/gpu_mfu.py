@@ -84,6 +84,9 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
         tiles = [int(x) for x in args.pallas_blocks.split("x")]
         flash.BLOCK_Q, flash.BLOCK_K = tiles[:2]
         flash.BACKWARD_BLOCK_K = tiles[2] if len(tiles) > 2 else flash.BACKWARD_BLOCK_K
+    if args.pallas_warps:    # Triton's num_warps for every pallas kernel (tupe_jax/kernels/calls.py)
+        from tupe_jax.kernels import calls  # pylint: disable=import-outside-toplevel
+        calls.NUM_WARPS = args.pallas_warps
     predictions = -(-15 * args.seq // 100)
     rng = np.random.default_rng(0)
     batches = []
@@ -131,7 +134,8 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
             "attention_dropout": args.attention_dropout,
             "attention_kernels": kernels,   # the fused kernels in the compiled step (none: the einsum path ran)
             "fused_attention_ran": bool(kernels) or (backend == "xla" and args.attention_dropout == 0.0),
-            "pallas_blocks": args.pallas_blocks, "pallas_dropout_mask": attention.PALLAS_DROPOUT_MASK,
+            "pallas_blocks": args.pallas_blocks, "pallas_warps": args.pallas_warps,
+            "pallas_dropout_mask": attention.PALLAS_DROPOUT_MASK,
             "step_ms": 1e3 * step_s,
             "min_step_ms": 1e3 * min(times), "tokens_per_s": args.batch * args.seq / step_s,
             "model_tflops_per_s": flops / step_s / 1e12, "model_tflop_per_step": flops / 1e12,
@@ -155,6 +159,9 @@ def main() -> None:
     ap.add_argument("--pallas_blocks", default="", help="QxK[xKb] tiles of the pallas kernel: query and key tile "
                     "of the forward [and the backward's key tile], e.g. 64x128x64 (default: tupe_jax/kernels/flash.py's "
                     "BLOCK_Q, BLOCK_K, BACKWARD_BLOCK_K)")
+    ap.add_argument("--pallas_warps", type=int, default=0, help="Triton num_warps of the pallas kernels (default: "
+                    "tupe_jax/kernels/calls.py's NUM_WARPS, 4; benchmarks/triton_registers.py: at 8 the dK/dV kernel "
+                    "with the precomputed mask needs no spill)")
     ap.add_argument("--objective", default="mlm", help="mlm, or clm: a causal LM scoring every next token")
     ap.add_argument("--causal_mask", default="explicit", help="clm only: explicit (the (1, 1, L, L) triangle), "
                     "native (attention.NATIVE_CAUSAL_MASK: is_causal=True) or both, e.g. explicit,native: each "
