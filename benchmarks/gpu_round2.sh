@@ -11,8 +11,8 @@
 #   2. the fused paths' bias precision (gpu_bias_precision.py: xla float32 bias; cudnn through
 #      attention.cudnn_inputs, causal ALiBi folded into q/k; the cuDNN column session 22 measured before that)
 #   3. cuDNN and xla compute the causal models (ALiBi, its bias folded into q/k for cuDNN; RoPE) as the einsum path
-#   4. if the canary failed: gpu_pallas_bisect.py compiles dq and dK/dV alone (hashing in the kernel; and dK/dV with
-#      1 stage, with 32-query tiles, with the precomputed mask) to find the kernel and the compile stage that stall;
+#   4. if the canary failed: gpu_pallas_bisect.py compiles dK/dV and dQ alone (the precomputed form; dK/dV also at
+#      8 warps, at 1 stage, and hashing in the kernel) to find the kernel and the compile stage that stall;
 #      else the pallas kernel computes the einsum model with attention dropout 0.1 (2 layers of BERT-base width,
 #      seq 512, bf16, the same masks)
 #   5. MFU at the paper's recipe (attention dropout 0.1): bert_a on the einsum path, then bert_a, tupe_r and tupe_a
@@ -21,17 +21,24 @@
 #   7. causal LMs (alibi, rope) on cuDNN with the causal mask as an explicit array and as is_causal
 #      (attention.NATIVE_CAUSAL_MASK, off until this A/B shows a gain); the pallas tiles come after the kernel compiles
 # Outputs in $OUT (the device tool brings back at most 8 files): at most seven JSON files and gpu_round2.log.
+# GPU_ROUND_STEPS=6,7 runs only those steps (a second device call for what the first one's deadline left out; the
+# pallas rows then run unless GPU_ROUND_PALLAS=0, i.e. when the first call's canary passed).
 # (Session 22 also ran gpu_cudnn_dropout_probe.py: cuDNN's dropout takes no traced seed, so it is not rerun.)
 set -u
 START=$SECONDS
 DEADLINE=${GPU_ROUND_DEADLINE_S:-560}
+ONLY=${GPU_ROUND_STEPS:-}
 OUT=${OUT:-benchmarks}
 LOG="$OUT/gpu_round2.log"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
+selected() {  # selected N: whether step N runs (GPU_ROUND_STEPS)
+  [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]
+}
 step() {  # step SECONDS NAME COMMAND...: run with a timeout (capped by the deadline), everything into the one log
   local seconds=$1 name=$2; shift 2
+  selected "${name%% *}" || return 0
   local left=$((DEADLINE - (SECONDS - START)))
   if [ "$left" -lt 20 ]; then
     echo "=== $name: skipped, ${left}s left of the ${DEADLINE}s deadline" | tee -a "$LOG"; return
@@ -56,10 +63,14 @@ else
   echo "=== 0 smoke: passed (+$((SECONDS - START))s)" | tee -a "$LOG"
 fi
 PALLAS=1
-step 60 "1 pallas phases, dropout 0.1, precomputed mask" python3 benchmarks/gpu_pallas_phases.py --rate 0.1 --bias \
-  --heads 12 --batch 4 --dropout_mask precomputed --json "$OUT/results_gpu_pallas_phases.json"
-grep -q '"backward run 0"' "$OUT/results_gpu_pallas_phases.json" 2>/dev/null || PALLAS=
-[ -z "$PALLAS" ] && echo "=== the pallas backward did not compile in time: pallas steps left out" | tee -a "$LOG"
+if selected 1; then
+  step 60 "1 pallas phases, dropout 0.1, precomputed mask" python3 benchmarks/gpu_pallas_phases.py --rate 0.1 \
+    --bias --heads 12 --batch 4 --dropout_mask precomputed --json "$OUT/results_gpu_pallas_phases.json"
+  grep -q '"backward run 0"' "$OUT/results_gpu_pallas_phases.json" 2>/dev/null || PALLAS=
+  [ -z "$PALLAS" ] && echo "=== the pallas backward did not compile in time: pallas steps left out" | tee -a "$LOG"
+elif [ "${GPU_ROUND_PALLAS:-1}" = 0 ]; then
+  PALLAS=
+fi
 step 60 "2 bias precision" python3 benchmarks/gpu_bias_precision.py --backends xla,cudnn,cudnn_model \
   --json "$OUT/results_gpu_bias_precision.json"
 step 90 "3 cuDNN computes the causal models" python3 benchmarks/gpu_check_fused.py --backends cudnn,xla \
