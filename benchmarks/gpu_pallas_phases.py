@@ -49,7 +49,8 @@ def main() -> None:
                                      dropout_rate=args.rate,
                                      interpret=jax.default_backend() != "gpu").astype(jnp.float32).sum()
 
-    for name, fn in (("forward", jax.jit(fwd)), ("backward", jax.jit(jax.grad(fwd, argnums=(0, 1, 2))))):
+    argnums = (0, 1, 2, 3) if args.bias else (0, 1, 2)      # with --bias the backward holds the dbias kernel too
+    for name, fn in (("forward", jax.jit(fwd)), ("backward", jax.jit(jax.grad(fwd, argnums=argnums)))):
         t = time.perf_counter()
         lowered = fn.lower(q, k, v, bias)
         note(f"{name} lower", time.perf_counter() - t, triton_calls=lowered.as_text().count(flash.TRITON_CALL))

@@ -22,7 +22,7 @@
 #      (attention.NATIVE_CAUSAL_MASK, off until this A/B shows a gain); the pallas tiles come after the kernel compiles
 # Outputs in $OUT (the device tool brings back at most 8 files): at most seven JSON files and gpu_round2.log.
 # GPU_ROUND_STEPS=6,7 runs only those steps (a second device call for what the first one's deadline left out; the
-# pallas rows then run unless GPU_ROUND_PALLAS=0, i.e. when the first call's canary passed).
+# pallas rows then run unless GPU_ROUND_PALLAS=0: set it when the first call's canary failed).
 # (Session 22 also ran gpu_cudnn_dropout_probe.py: cuDNN's dropout takes no traced seed, so it is not rerun.)
 set -u
 START=$SECONDS
@@ -76,7 +76,7 @@ step 60 "2 bias precision" python3 benchmarks/gpu_bias_precision.py --backends x
 step 90 "3 cuDNN computes the causal models" python3 benchmarks/gpu_check_fused.py --backends cudnn,xla \
   --cases alibi:bias:clm,rope:bias:clm --json "$OUT/results_gpu_cudnn_clm_check.json"
 if [ -z "$PALLAS" ]; then
-  step 170 "4 which backward kernel, which compile stage" python3 benchmarks/gpu_pallas_bisect.py --timeout 40 \
+  step 170 "4 which backward kernel, which compile stage" python3 benchmarks/gpu_pallas_bisect.py --timeout 30 \
     --json "$OUT/results_gpu_pallas_bisect.json"
 else
   step 120 "4 pallas = einsum with dropout" python3 benchmarks/gpu_check_fused.py --backends pallas \

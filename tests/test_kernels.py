@@ -21,6 +21,7 @@ from tupe_jax.dropout import apply_mask16, keep_bits16, keep_mask16
 from tupe_jax.kernels import flash
 from tupe_jax.kernels.threefry import threefry2x32
 from tupe_jax.model import ModelConfig, TransformerLM
+from tupe_jax.positional.base import PositionalTerms
 from tests.attention_fixtures import alibi_cases, bf16_bound, einsum_reference, max_err, tupe_r_terms
 
 SCALE = 0.125
@@ -198,8 +199,8 @@ def _loss_and_grads(cfg, params=None, key=None):
     """(params, (loss, grads)) of a training-mode forward with dropout rng `key` (PRNGKey(7)); asserts whether the
     kernel is in the program."""
     key = jax.random.PRNGKey(7) if key is None else key
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 64), 0, 128)
-    input_mask = jnp.ones((2, 64), jnp.int32).at[1, 50:].set(0)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 64), 0, 128)    # batch 3 ≠ 2 heads: the mask's axes
+    input_mask = jnp.ones((3, 64), jnp.int32).at[1, 50:].set(0)
     model = TransformerLM(cfg)
     params = model.init({"params": jax.random.PRNGKey(0)}, tokens)["params"] if params is None else params
 
@@ -296,8 +297,8 @@ def test_training_refuses_the_pallas_kernel_hashing_its_dropout_mask_on_a_gpu(mo
     """On an H200 the kernel's backward with its dropout mask hashed in the kernel did not finish compiling
     (RESULTS.md, GPU round 2), so with `attention.PALLAS_DROPOUT_MASK = "in_kernel"` a pretraining or fine-tuning
     config that would train through it on a GPU is refused before any compute, with the way out in the line; the
-    precomputed masks (the default), the einsum path (same masks), dropout 0, 32-bit masks or rbg keys (the kernel
-    does not run for those) and any other platform pass."""
+    precomputed masks (the default), the einsum path (same masks), dropout 0, 32-bit masks or rbg keys (which the
+    kernel does not hash: the einsum path runs for them in this form) and any other platform pass."""
     from configs.glue import get_config as glue_config  # pylint: disable=import-outside-toplevel
     from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
     from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
@@ -318,6 +319,13 @@ def test_training_refuses_the_pallas_kernel_hashing_its_dropout_mask_on_a_gpu(mo
         model_lib.validate_training(config, "gpu", (128,))
     assert "attention.PALLAS_DROPOUT_MASK" in str(error.value) and "precomputed" in str(error.value)
     assert str(error.value).count("\n") == 0
+    monkeypatch.setattr(attention, "PALLAS_DROPOUT_MASK", "in-kernel")     # a misspelt source: refused as well
+    with pytest.raises(UserError, match="attention.PALLAS_DROPOUT_MASK"):
+        model_lib.validate_training(config, "gpu", (128,))
+    q = jnp.zeros((1, 64, 1, 16))
+    with pytest.raises(ValueError, match="'in-kernel': not one of"):
+        attention.pallas_attention(q, q, q, PositionalTerms(), None, 0.1, KEY)
+    monkeypatch.setattr(attention, "PALLAS_DROPOUT_MASK", "in_kernel")
     model_lib.validate_training(config, "cpu", (128,))
     for key, value in (("attention_dropout_rate", 0.0), ("attention_backend", "einsum"), ("dropout_bits", 32)):
         passing = stalling(get_config("pe=tupe_r,size=tiny"))

@@ -221,6 +221,8 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: Positional
     v = pad_values(v, q.shape[-1])
     if mask is not None:   # the kernel reads mask rows: a key-padding mask (B, 1, 1, L) is broadcast over them
         mask = jnp.broadcast_to(mask, (mask.shape[0], 1, length, length))
+    if PALLAS_DROPOUT_MASK not in PALLAS_DROPOUT_MASKS:
+        raise ValueError(f"attention.PALLAS_DROPOUT_MASK = {PALLAS_DROPOUT_MASK!r}: not one of {PALLAS_DROPOUT_MASKS}")
     words = bits = None
     if dropout_key is not None and PALLAS_DROPOUT_MASK == "precomputed":
         bits = keep_bits16(dropout_key, (batch, heads, length, length), 1.0 - dropout_rate)

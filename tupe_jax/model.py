@@ -119,7 +119,7 @@ def validate_training(config: Any, platform: str, lengths: Sequence[int]) -> Non
     m = config.model
     stalls = (platform == "gpu" and m.attention_backend == "pallas" and m.attention_dropout_rate > 0
               and m.dropout_bits == 16 and config.train.get("dropout_rng", "threefry2x32") == "threefry2x32"
-              and attention_lib.PALLAS_DROPOUT_MASK == "in_kernel"
+              and attention_lib.PALLAS_DROPOUT_MASK != "precomputed"
               and any(attention_lib.pallas_kernel_fits(n) for n in lengths)
               and not attention_lib.PALLAS_IN_KERNEL_DROPOUT_COMPILES_ON_GPU)
     require(not stalls, "model.attention_backend=pallas with attention dropout hashed in the kernel does not train "

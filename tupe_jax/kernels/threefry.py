@@ -1,6 +1,7 @@
 """Threefry-2x32 with 20 rounds (Salmon, Moraes, Dror, Shaw, SC 2011, "Parallel random numbers: as easy as 1, 2, 3")
 written as elementwise uint32 operations, so that it runs where JAX's `threefry2x32_p` cannot: inside a Pallas
-kernel, which must draw its dropout masks tile by tile from the same counters as `dropout.keep_mask16`.
+kernel that hashes its own dropout masks tile by tile from the same counters as `dropout.keep_mask16`
+(`masks.py`'s in_kernel source; the default source, precomputed, draws them with XLA before the kernels).
 
     key (k0, k1), counter (x0, x1):   k2 = k0 ⊕ k1 ⊕ 0x1BD11BDA,   x0 += k0,  x1 += k1
     20 rounds r = 0..19:   x0 += x1;  x1 = rotl(x1, R[r mod 8]) ⊕ x0,   R = 13 15 26 6 17 29 16 24
