@@ -1,5 +1,6 @@
 """The house rules, checked on the source: layered imports without loops, files under 350 lines, one trainer."""
 import ast
+import contextlib
 import gc
 import os
 import traceback
@@ -45,26 +46,41 @@ def modules() -> dict[str, str]:
     return out
 
 
-def parse(path: str) -> ast.Module:
-    """`ast.parse` with the garbage collector held off. In CPython 3.11 a collection that runs inside ast.parse can
-    finalise an object left by an earlier test on this worker (an Orbax asyncio task whose failure was never
+@contextlib.contextmanager
+def collector_held():
+    """The garbage collector held off, after one collection. In CPython 3.11 a collection that runs inside ast.parse
+    can finalise an object left by an earlier test on this worker (an Orbax asyncio task whose failure was never
     retrieved), whose log line formats a traceback, which calls ast.parse again: the nested parse breaks the
-    outer one's shared recursion-depth count ("SystemError: AST constructor recursion depth mismatch")."""
-    gc.collect()                        # such finalisers run here, outside any parse
+    outer one's shared recursion-depth count ("SystemError: AST constructor recursion depth mismatch"). One
+    collection first (such finalisers run there, outside any parse), then none until the block ends: a collection
+    of a worker's heap takes about a second, so the graph's ~180 parses share one."""
+    gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with open(path, encoding="utf-8") as f:
-            return ast.parse(f.read())
+        yield
     finally:
         if enabled:
             gc.enable()
 
 
+def read_ast(path: str) -> ast.Module:
+    """The file's AST; call it inside `collector_held()` (or use `parse`)."""
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read())
+
+
+def parse(path: str) -> ast.Module:
+    """`ast.parse` of one file with the collector held off (`collector_held`)."""
+    with collector_held():
+        return read_ast(path)
+
+
 def imports(path: str, known: set[str]) -> set[str]:
-    """Project modules imported anywhere in the file (module level or inside functions)."""
+    """Project modules imported anywhere in the file (module level or inside functions); call it inside
+    `collector_held()`."""
     found = set()
-    for node in ast.walk(parse(path)):
+    for node in ast.walk(read_ast(path)):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -79,7 +95,8 @@ def imports(path: str, known: set[str]) -> set[str]:
 @pytest.fixture(scope="module")
 def graph():
     known = modules()
-    return {m: imports(p, set(known)) - {m} for m, p in known.items()}
+    with collector_held():
+        return {m: imports(p, set(known)) - {m} for m, p in known.items()}
 
 
 def test_no_module_imports_a_higher_layer(graph):
@@ -129,7 +146,8 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     """The layer rule is live: a low module importing the launcher would be reported."""
     fake = tmp_path / "m.py"
     fake.write_text("def f():\n    from launch import COMMANDS\n")
-    found = imports(str(fake), set(modules()))
+    with collector_held():
+        found = imports(str(fake), set(modules()))
     assert found == {"launch.COMMANDS"} or found == {"launch"}
     assert layer_of("launch") > layer_of("tupe_jax.optim")
 
@@ -152,7 +170,7 @@ def test_the_source_parses_while_garbage_formats_tracebacks():
                 traceback.format_exception(err)
 
     path = os.path.join(ROOT, "tupe_jax", "trainer.py")
-    for _ in range(20):
+    for _ in range(3):                  # a plain ast.parse fails at each of them
         garbage = [Leftover() for _ in range(300)]
         del garbage
         assert any(isinstance(node, ast.ClassDef) and node.name == "Trainer" for node in ast.walk(parse(path)))
