@@ -5,6 +5,8 @@ path on a long ALiBi and a TUPE-R input. CPU has no cuDNN: its arithmetic is mod
 same bf16 inputs (`attention_fixtures.cudnn_like`; benchmarks/gpu_bias_precision.py measures the real kernel on a GPU)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,6 +189,26 @@ def test_cudnn_bias_preparation_keeps_the_maths():
     np.testing.assert_allclose(np.asarray(gb), np.asarray(ga), rtol=1e-4, atol=1e-6)
     shifted = fused_bias(bias, "cudnn", jnp.bfloat16)
     assert shifted.dtype == jnp.bfloat16 and float(shifted.max()) == 0.0
+
+
+def test_the_per_layer_cudnn_preparation_compiles_to_one_copy():
+    """Every layer calls `cudnn_inputs` on the same shared bias and mask (the shift is written per layer, as the
+    attention module is); XLA's CSE must leave one row-maximum for the whole model, not one per layer."""
+    import re  # pylint: disable=import-outside-toplevel
+    from tupe_jax.attention import cudnn_inputs  # pylint: disable=import-outside-toplevel
+    terms = tupe_r_terms(128, 4, 64, kernel_growth=9.0)
+    padding = (jnp.arange(128)[None, :] < jnp.array([128, 100])[:, None])[:, None, None, :]
+    layers = jax.random.normal(jax.random.key(0), (4, 3, 2, 128, 4, 16), jnp.bfloat16)   # (layer, q/k/v, B, L, H, d)
+
+    def model(layers, bias):
+        out = 0.0
+        for q, k, v in layers:
+            q, k, v, b = cudnn_inputs(q, k, v, dataclasses.replace(terms, logit_bias=bias), padding)
+            out = out + jnp.sum(b.astype(jnp.float32) * jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32))
+        return out
+
+    text = jax.jit(model).lower(layers, terms.logit_bias).compile().as_text()
+    assert len(re.findall(r"reduce\(.*to_apply=.*max", text)) == 1
 
 
 @pytest.mark.parametrize("pe", ["alibi", "rope"])

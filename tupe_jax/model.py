@@ -18,9 +18,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tupe_jax import attention as attention_lib
 from tupe_jax import positional
 from tupe_jax.activations import gelu
-from tupe_jax import attention as attention_lib
 from tupe_jax.attention import ATTENTION_BACKENDS, SelfAttention, attention_mask
 from tupe_jax.dropout import DROPOUT_BITS, make_dropout
 from tupe_jax.errors import require

@@ -163,6 +163,6 @@ def glue_batches(config, tokenizer: Tokenizer, task: str, split: str, *, batch_s
     shuffle = (split == "train") if shuffle is None else shuffle
     drop_remainder = shuffle if drop_remainder is None else drop_remainder
     enc = encoded_split(config, tokenizer, task, split, max_len)
-    return GlueBatches(enc, batch_size=batch_size, max_len=max_len, buckets=batch_widths(config, max_len), shuffle=shuffle, seed=seed,
-                       epoch=epoch, drop_remainder=drop_remainder, process_index=process_index,
-                       process_count=process_count)
+    return GlueBatches(enc, batch_size=batch_size, max_len=max_len, buckets=batch_widths(config, max_len),
+                       shuffle=shuffle, seed=seed, epoch=epoch, drop_remainder=drop_remainder,
+                       process_index=process_index, process_count=process_count)
