@@ -38,7 +38,9 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
   where the rounds alternate within seconds: steadier than bench_train's one process per job);
 - HF Flax (peer): HF `FlaxBertForMaskedLM`'s step as bench_train runs it (dense logits over all 128 positions,
   whatever `--slots`), the same XLA in the same process: at `--slots 128` the equal-work ratio without the spread
-  between processes.
+  between processes;
+- HF torch (peer): HF `BertForMaskedLM`'s step as bench_train runs it (torch's default threads), in the same
+  process and rounds.
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
 process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two.
 """
@@ -135,6 +137,17 @@ def build_hf_flax(slots: int) -> dict:
         state, loss = step(state, batch)
         return state, {"loss": loss}
     variant = {"state": state, "step": with_metrics, "jitted": step, "batches": batches, "i": 0}
+    run(variant, 2)
+    return variant
+
+
+def build_hf_torch(slots: int) -> dict:
+    """The HF torch peer's step (`train_workers.torch_peer`, torch's default threads) at the same shape, as a
+    variant. Its OpenMP workers may spin for a moment after each of its steps; at ~0.5 s a step that is noise."""
+    from train_workers import SHAPES, torch_peer  # pylint: disable=import-outside-toplevel
+    shape = dict(zip(("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"), SHAPES["small"]))
+    step, _ = torch_peer(shape, 0.1, slots)
+    variant = {"state": None, "step": lambda state, batch: (state, {"loss": step()}), "batches": [None] * 4, "i": 0}
     run(variant, 2)
     return variant
 
@@ -243,7 +256,8 @@ def main() -> None:
               "no dropout": lambda: build(args.slots, dropout=0.0),
               "tupe_a": lambda: build(args.slots, scheme="tupe_a"),
               "tupe_r": lambda: build(args.slots, scheme="tupe_r"),
-              "HF Flax (peer)": lambda: build_hf_flax(args.slots)}
+              "HF Flax (peer)": lambda: build_hf_flax(args.slots),
+              "HF torch (peer)": lambda: build_hf_torch(args.slots)}
     chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]
     unknown = [n for n in chosen if n not in makers]
     if unknown:

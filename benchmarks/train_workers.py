@@ -146,26 +146,27 @@ def worker_ours(args, s: dict) -> dict:
             "devices": str(jax.devices()), "np": np.__version__}
 
 
-def worker_torch(args, s: dict) -> dict:
+def torch_peer(s: dict, dropout: float, predictions: int, threads: int = 0):
+    """HF `BertForMaskedLM`'s train step (dense labels, -100 ignored, global-norm clipping, AdamW with HF's decay
+    groups): (step() -> loss, model). `threads` > 0 sets torch's intra-op threads."""
     import torch  # pylint: disable=import-outside-toplevel
     from transformers import BertForMaskedLM  # pylint: disable=import-outside-toplevel
-    import transformers  # pylint: disable=import-outside-toplevel
     torch.manual_seed(0)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    model = BertForMaskedLM(hf_config(s, args.dropout))
+    if threads:
+        torch.set_num_threads(threads)
+    model = BertForMaskedLM(hf_config(s, dropout))
     model.train()
     decay = [p for n, p in model.named_parameters() if not ("bias" in n or "LayerNorm" in n)]
     no_decay = [p for n, p in model.named_parameters() if "bias" in n or "LayerNorm" in n]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=5e-4, betas=(0.9, 0.999), eps=1e-6)
     batches = []
-    for b in synthetic_batches(s, 4, args.predictions):
+    for b in synthetic_batches(s, 4, predictions):
         batches.append((torch.from_numpy(b["inputs"]).long(), torch.from_numpy(b["input_mask"]).long(),
                         torch.from_numpy(dense_labels(b, -100)).long()))
-    holder = {"i": 0, "loss": 0.0}
+    holder = {"i": 0}
 
-    def step():
+    def step() -> float:
         ids, mask, labels = batches[holder["i"] % len(batches)]
         holder["i"] += 1
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
@@ -173,7 +174,18 @@ def worker_torch(args, s: dict) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        holder["loss"] = float(out.loss)
+        return out.loss.item()
+    return step, model
+
+
+def worker_torch(args, s: dict) -> dict:
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+    step_fn, model = torch_peer(s, args.dropout, args.predictions, args.torch_threads)
+    holder = {"loss": 0.0}
+
+    def step():
+        holder["loss"] = step_fn()
 
     times = time_steps(step, args.warmup, args.steps)
     return {"times": times, "final_loss": holder["loss"], "predictions": None,
