@@ -1,9 +1,14 @@
 """Documents that are generated from data: the README's findings table equals what tools/findings_table.py builds
-from the committed docs/experiments/*/report.json, and every report it cites exists."""
+from the committed docs/experiments/*/report.json, and every report it cites exists; every benchmark result cited
+is committed with its command; every patch of a lever not kept applies at the commit its index names."""
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -58,3 +63,25 @@ def test_every_benchmark_result_cited_exists_and_names_its_command():
         command = data.get("command") if isinstance(data, dict) else None
         if command and "--json" in command:
             assert command.rstrip().endswith(name) or f"{name} " in command, (name, command)
+
+
+def test_every_tried_patch_is_listed_and_applies_at_its_commit():
+    """benchmarks/tried/README.md names, for each patch there, the commit it applies to (RESULTS.md's `git apply`
+    instructions rely on it): every patch is listed once, and `git apply --check` against that commit's tree (a
+    scratch index, nothing checked out) accepts it. Skipped outside a git clone with that history."""
+    folder = os.path.join(ROOT, "benchmarks", "tried")
+    with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+        listed = re.findall(r"^\| `([\w.]+\.patch)` \| ([0-9a-f]{7,40}) \|", f.read(), re.M)
+    patches = sorted(name for name in os.listdir(folder) if name.endswith(".patch"))
+    assert sorted(name for name, _ in listed) == patches
+    if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git clone")
+    for name, commit in listed:
+        if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{tree}}"], cwd=ROOT, capture_output=True).returncode:
+            pytest.skip(f"{commit} is not in this clone's history")
+        with tempfile.TemporaryDirectory() as scratch:
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(scratch, "index"))
+            subprocess.run(["git", "read-tree", commit], cwd=ROOT, env=env, check=True, capture_output=True)
+            check = subprocess.run(["git", "apply", "--cached", "--check", os.path.join(folder, name)], cwd=ROOT,
+                                   env=env, capture_output=True, text=True)
+            assert check.returncode == 0, (name, commit, check.stderr)
