@@ -143,7 +143,8 @@ def build_hf_flax(slots: int) -> dict:
 
 def build_hf_torch(slots: int) -> dict:
     """The HF torch peer's step (`train_workers.torch_peer`, torch's default threads) at the same shape, as a
-    variant. Its OpenMP workers may spin for a moment after each of its steps; at ~0.5 s a step that is noise."""
+    variant. Its OpenMP workers spin between its operations, which counts as its CPU time: against torch only
+    the wall ratio measures the step (benchmarks/RESULTS.md, "Both peers in one process")."""
     from train_workers import SHAPES, torch_peer  # pylint: disable=import-outside-toplevel
     shape = dict(zip(("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"), SHAPES["small"]))
     step, _ = torch_peer(shape, 0.1, slots)
