@@ -36,6 +36,7 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save;
 - tupe_a / tupe_r: the same step for that scheme instead of bert_a (the scheme's cost, measured in one process,
   where the rounds alternate within seconds: steadier than bench_train's one process per job);
+- oneDNN dots (tried): the current step compiled with `ONEDNN_DOTS`, XLA options for that executable alone;
 - HF Flax (peer): HF `FlaxBertForMaskedLM`'s step as bench_train runs it (dense logits over all 128 positions,
   whatever `--slots`), the same XLA in the same process: at `--slots 128` the equal-work ratio without the spread
   between processes;
@@ -53,6 +54,7 @@ import shlex
 import statistics
 import sys
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -63,7 +65,8 @@ from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
           plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
-          matmul_bwd=None, scheme: str = "bert_a", logits_head: bool = False) -> dict:
+          matmul_bwd=None, scheme: str = "bert_a", logits_head: bool = False,
+          compiler_options: Optional[dict] = None) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -115,6 +118,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         step = jax.jit(steps.make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
         batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))
                    for b in synthetic_batches(shape, 4, slots)]
+        if compiler_options:    # XLA options for this executable alone (the same as XLA_FLAGS for the process)
+            step = step.lower(state, batches[0]).compile(compiler_options)
         variant = {"state": state, "step": step, "batches": batches, "i": 0}
         run(variant, 2)   # compile (traced while the patch is in place) + one warm step
     finally:
@@ -124,6 +129,12 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         dropout_lib.keep_mask16 = kept_mask
         projection.matmul.defvjp(projection._matmul_fwd, projection._matmul_bwd)  # pylint: disable=protected-access
     return variant
+
+
+# XLA:CPU hands every dot to oneDNN instead of YNNPACK (alone, oneDNN ran attention's (128 × 64)·(64 × 128) batched
+# products faster; session 21 tried it as a process-wide XLA flag, session 24 per executable, in the same rounds)
+ONEDNN_DOTS = {"xla_cpu_use_onednn": True,
+               "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
 def build_hf_flax(slots: int) -> dict:
@@ -257,6 +268,7 @@ def main() -> None:
               "no dropout": lambda: build(args.slots, dropout=0.0),
               "tupe_a": lambda: build(args.slots, scheme="tupe_a"),
               "tupe_r": lambda: build(args.slots, scheme="tupe_r"),
+              "oneDNN dots (tried)": lambda: build(args.slots, compiler_options=ONEDNN_DOTS),
               "HF Flax (peer)": lambda: build_hf_flax(args.slots),
               "HF torch (peer)": lambda: build_hf_torch(args.slots)}
     chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]
