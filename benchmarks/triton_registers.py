@@ -22,7 +22,6 @@ import contextlib
 import io
 import json
 import os
-import platform
 import re
 import shlex
 import sys
@@ -110,12 +109,6 @@ def compile_for_sm90(source: dict, workdir: str) -> dict:
                 compile_seconds=round(seconds, 2))
 
 
-def cpu_description() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        names = re.findall(r"^model name\s*:\s*(.+)$", f.read(), re.MULTILINE)
-    return f"{names[0] if names else platform.processor()}, {os.cpu_count()} cores"
-
-
 def kernel_sources(warps: list[int]) -> list[tuple[str, float, dict]]:
     """(mode, rate, kernel source) of every case's kernels at each of `warps` (calls.NUM_WARPS), all read before pip
     triton (its own MLIR) is imported."""
@@ -149,6 +142,7 @@ def main() -> None:
     if args.triton_path:
         sys.path.insert(0, args.triton_path)
     import jax  # pylint: disable=import-outside-toplevel
+    from tupe_jax import host  # pylint: disable=import-outside-toplevel
     sources = kernel_sources([int(w) for w in args.warps.split(",")])
     with tempfile.TemporaryDirectory() as workdir:
         os.environ["TRITON_CACHE_DIR"] = os.path.join(workdir, "cache")
@@ -158,7 +152,7 @@ def main() -> None:
         rows = [measure(mode, rate, source, workdir) for mode, rate, source in sources]
     result = dict(command="python " + shlex.join(sys.argv), jax=jax.__version__, triton=triton.__version__,
                   ptxas=get_ptxas(CAPABILITY).version,
-                  target=f"cuda sm_{CAPABILITY}", cpu=cpu_description(), shape=dict(
+                  target=f"cuda sm_{CAPABILITY}", cpu=host.cpu_description(), shape=dict(
                       qkv=list(SHAPE), bias=list(BIAS_SHAPE), scale=SCALE, block_q=BLOCK_Q, block_k=BLOCK_K),
                   rows=rows)
     if args.json:
