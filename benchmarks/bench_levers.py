@@ -70,7 +70,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from train_workers import SHAPES, synthetic_batches  # pylint: disable=import-outside-toplevel
+    from train_workers import shape as train_shape, synthetic_batches  # pylint: disable=import-outside-toplevel
     from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
     from tupe_jax.data.batch import LMBatch  # pylint: disable=import-outside-toplevel
     from tupe_jax.model import ModelConfig, TransformerLM  # pylint: disable=import-outside-toplevel
@@ -78,7 +78,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     from tupe_jax.pretrain import steps  # pylint: disable=import-outside-toplevel
     from tupe_jax.trainer import init_state_fn  # pylint: disable=import-outside-toplevel
 
-    shape = dict(zip(("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"), SHAPES["small"]))
+    shape = train_shape("small")
     config = get_config(f"pe={scheme},size=small")
     with config.unlocked():
         config.model.dropout_rate = config.model.attention_dropout_rate = dropout
@@ -140,8 +140,8 @@ ONEDNN_DOTS = {"xla_cpu_use_onednn": True,
 def build_hf_flax(slots: int) -> dict:
     """The HF Flax peer's step (`train_workers.flax_peer`) at the same shape, as a variant: its ratio to ours in
     the same process and rounds, free of bench_train's process-to-process spread."""
-    from train_workers import SHAPES, flax_peer  # pylint: disable=import-outside-toplevel
-    shape = dict(zip(("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"), SHAPES["small"]))
+    from train_workers import shape as train_shape, flax_peer  # pylint: disable=import-outside-toplevel
+    shape = train_shape("small")
     step, state, batches = flax_peer(shape, 0.1, slots)
 
     def with_metrics(state, batch):
@@ -156,8 +156,8 @@ def build_hf_torch(slots: int) -> dict:
     """The HF torch peer's step (`train_workers.torch_peer`, torch's default threads) at the same shape, as a
     variant. Its OpenMP workers spin between its operations, which counts as its CPU time: against torch only
     the wall ratio measures the step (benchmarks/RESULTS.md, "Both peers in one process")."""
-    from train_workers import SHAPES, torch_peer  # pylint: disable=import-outside-toplevel
-    shape = dict(zip(("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"), SHAPES["small"]))
+    from train_workers import shape as train_shape, torch_peer  # pylint: disable=import-outside-toplevel
+    shape = train_shape("small")
     step, _ = torch_peer(shape, 0.1, slots)
     variant = {"state": None, "step": lambda state, batch: (state, {"loss": step()}), "batches": [None] * 4, "i": 0}
     run(variant, 2)

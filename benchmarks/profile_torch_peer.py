@@ -74,21 +74,21 @@ def main() -> None:
     args = ap.parse_args()
     import torch  # pylint: disable=import-outside-toplevel
     from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
-    from train_workers import SHAPES, torch_peer  # pylint: disable=import-outside-toplevel
+    from train_workers import shape as train_shape, torch_peer  # pylint: disable=import-outside-toplevel
     from tupe_jax.host import cpu_description  # pylint: disable=import-outside-toplevel
 
-    shape = dict(zip(("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"), SHAPES["small"]))
+    shape = train_shape("small")
     step, model = torch_peer(shape, 0.1, args.slots)
     for i in range(args.warmup):
         print(f"warm-up step {i + 1}/{args.warmup}", flush=True)
         step()
     t0 = time.perf_counter()
-    for i in range(args.steps):
+    for _ in range(args.steps):
         step()
     plain = time.perf_counter() - t0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        for i in range(args.steps):
+        for _ in range(args.steps):
             step()
         wall = time.perf_counter() - t0
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as counted:   # FLOPs only: it costs more

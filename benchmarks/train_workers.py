@@ -21,10 +21,17 @@ ALL_SCHEMES = ("bert_a", "sinusoidal", "rope", "alibi", "t5", "bert_r", "nopos",
 
 
 # ================================================================================================ shared
+SHAPE_KEYS = ("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch")
+
+
+def shape(name: str = "small") -> dict:
+    """A preset of SHAPES as {layers, hidden, heads, mlp, vocab, seq, batch}."""
+    return dict(zip(SHAPE_KEYS, SHAPES[name]))
+
+
 def shape_args(args) -> dict:
-    layers, hidden, heads, mlp, vocab, seq, batch = SHAPES[args.shape]
-    return dict(layers=args.layers or layers, hidden=args.hidden or hidden, heads=args.heads or heads,
-                mlp=args.mlp or mlp, vocab=args.vocab or vocab, seq=args.seq or seq, batch=args.batch or batch)
+    """`args.shape`'s preset with each of its values that `args` sets (non-zero) instead."""
+    return {key: getattr(args, key) or value for key, value in shape(args.shape).items()}
 
 
 def synthetic_batches(s: dict, count: int, predictions: int, seed: int = 0):
