@@ -29,7 +29,7 @@ without it, `all` gives it to every job (like for like), `none` to none. `--peer
 ratios against each peer's faster allocator in each round. Each worker also reports its timed steps' page faults
 and user/system CPU seconds per step.
 
-Prints Markdown tables and writes `--json` (default benchmarks/results_<shape>.json). This file is the driver;
+Prints Markdown tables, and writes the results to `--json` where one is given. This file is the driver;
 the shapes, batches, step timer and the three workers are in benchmarks/train_workers.py.
 """
 from __future__ import annotations
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--peers_allocator_ab", type=int, default=0, help="with --allocator launcher: also each HF "
                     "peer with the tunable (torch~hp, flax~hp) in the same rounds, and ratios against each peer's "
                     "faster allocator per round")
-    ap.add_argument("--json", default="")
+    ap.add_argument("--json", default="", help="where to write the results (default: print only)")
     ap.add_argument("--profile_dir", default="", help="ours: also write a jax.profiler trace of 3 steps here")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--worker_arg", default="", help=argparse.SUPPRESS)
@@ -219,6 +219,8 @@ def main() -> None:
         print(json.dumps({**WORKERS[args.worker](args, s), "usage": USAGE}))
         return
 
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        sys.exit(f"error: the folder of --json {args.json} does not exist, bench_train.py, create it or pick another")
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     jobs = [(x, "ours", x, args.predictions) for x in args.schemes.split(",") if x]
@@ -320,10 +322,11 @@ def main() -> None:
         ci = f"{r['ci95'][0]:.3f}–{r['ci95'][1]:.3f}" if r["ci95"] else "— (< 6 rounds)"
         print(f"| {label} | {r['median']:.3f}× | {r['min']:.3f}–{r['max']:.3f} | {ci} | "
               f"{', '.join(f'{x:.3f}' for x in r['per_round'])} |")
-    out = args.json or os.path.join(HERE, f"results_{args.shape}.json")
+    if not args.json:
+        return
     sys.path.insert(0, ROOT)
     from tupe_jax import host  # pylint: disable=import-outside-toplevel
-    with open(out, "w", encoding="utf-8") as f:
+    with open(args.json, "w", encoding="utf-8") as f:
         json.dump({"command": "python benchmarks/bench_train.py " + shlex.join(sys.argv[1:]), "started": started,
                    "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "shape": s,
                    "args": vars(args), "machine": f"{platform.processor() or platform.machine()}, "
@@ -331,7 +334,7 @@ def main() -> None:
                    "torch_threads": torch_threads,
                    "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "ratios": ratios,
                    "jobs": jobs_out, "runs": results}, f, indent=1)
-    print(f"\nwrote {out}")
+    print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":
