@@ -35,6 +35,7 @@ class InitSource:
     workdir: str          # the pretraining run
     step: int             # the checkpoint step to read
     meta: dict[str, Any]  # the checkpoint's meta item
+    follow: bool = True   # no step was asked for: if a run still training there deletes `step`, read its newest
 
 
 def resolve_init_from(path: str, init_step: int = -1) -> tuple[str, int | None]:
@@ -57,21 +58,18 @@ def resolve_init_from(path: str, init_step: int = -1) -> tuple[str, int | None]:
 
 def open_init_source(config: ml_collections.ConfigDict) -> InitSource:
     """Resolve `config.init_from`, pick the step, read its meta and refuse another scheme or model shape."""
-    workdir, step = resolve_init_from(str(config.init_from), int(config.init_step))
-    checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True, async_=False)
-    try:
-        steps = checkpointer.all_steps()
-        require(bool(steps), f"no checkpoints in {checkpointer.directory}", WHERE, "pretrain first")
-        if step is None:
-            step = steps[-1]
-        require(step in steps, f"no checkpoint at step {step} in {checkpointer.directory}", WHERE,
-                f"use one of {steps}")
-        meta = checkpointer.restore_meta(step)
-    finally:
-        checkpointer.close()
+    workdir, requested = resolve_init_from(str(config.init_from), int(config.init_step))
+    step, meta = workdir_lib.read_kept_step(workdir, requested, lambda at: read_meta(workdir, at), WHERE,
+                                            follow=requested is None, where_run=WHERE)
     workdir_lib.check_compatible(meta, canonical_name(str(config.model.pe)), where=WHERE)
     check_model_keys(workdir, config)
-    return InitSource(workdir, int(step), meta)
+    return InitSource(workdir, int(step), meta, follow=requested is None)
+
+
+def read_meta(workdir: str, step: int) -> dict[str, Any]:
+    """The meta item of `workdir`'s checkpoint `step`."""
+    with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
+        return checkpointer.restore_meta(step)
 
 
 def check_model_keys(pretrain_workdir: str, config: ml_collections.ConfigDict) -> None:
@@ -110,12 +108,19 @@ def check_encoder_shapes(meta: dict[str, Any], abstract_encoder: Any) -> None:
                             WHERE, "use the same model size (model.* keys) as the pretraining run")
 
 
-def restore_encoder(source: InitSource, abstract_encoder: Any) -> Any:
-    """Read only `params['encoder']` of the pretraining checkpoint onto the shardings of `abstract_encoder`
-    (unboxed ShapeDtypeStructs carrying shardings)."""
-    check_encoder_shapes(source.meta, abstract_encoder)
-    restored = ckpt_lib.restore_params(source.workdir, source.step, abstract_params={"encoder": abstract_encoder})
-    return restored["encoder"]
+def restore_encoder(source: InitSource, abstract_encoder: Any) -> tuple[Any, InitSource]:
+    """(`params['encoder']` of the pretraining checkpoint on the shardings of `abstract_encoder` (unboxed
+    ShapeDtypeStructs carrying shardings), the source read): `source.step`, or, where a run still training there
+    has deleted that step meanwhile and no step was asked for, its newest step then."""
+
+    def read(at: int) -> tuple[dict[str, Any], Any]:
+        meta = source.meta if at == source.step else read_meta(source.workdir, at)
+        check_encoder_shapes(meta, abstract_encoder)
+        return meta, ckpt_lib.restore_params(source.workdir, at, abstract_params={"encoder": abstract_encoder})
+
+    step, (meta, restored) = workdir_lib.read_kept_step(source.workdir, source.step, read, WHERE,
+                                                        follow=source.follow, where_run=WHERE)
+    return restored["encoder"], dataclasses.replace(source, step=step, meta=meta)
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

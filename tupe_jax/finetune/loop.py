@@ -63,14 +63,17 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
                                   log_every=int(t.log_every))
     runner.bind(trainer.shardings["params"])
     state, progress = trainer.restore_or_init(fresh=lambda s: runner.load_encoder(s, trainer.abstract_params))
-    if progress is None:
-        progress = {"best": None, "last_eval": None, "predictions": []}
+    source = {"workdir": runner.source.workdir, "step": runner.source.step} if runner.source else None
+    if progress is None:    # the checkpoint read now; a resumed run reports the one its first start read
+        progress = {"best": None, "last_eval": None, "predictions": [], "init": source}
     else:
         progress.setdefault("best", None)
         progress.setdefault("predictions", [])
+        progress.setdefault("init", source)     # saved by versions before the field: the checkpoint read now
         print(f"resumed {task} from step {int(state['step'])} of {workdir}", flush=True)
     step = int(state["step"])
-    origin = (f"{runner.source.workdir} step {runner.source.step}" if runner.source else "scratch (no init_from)")
+    init = progress["init"]
+    origin = f"{init['workdir']} step {init['step']}" if init else "scratch (no init_from)"
     if step == 0:
         print(f"fine-tuning {task} from {origin}: {total} steps = {runner.epochs} epochs x {spe} steps, "
               f"batch {runner.batch_size}, lr {float(t.learning_rate):g}, seed {runner.seed}", flush=True)
@@ -118,8 +121,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
         "task": task, "headline_key": key, "score": best["metrics"][key] if best else None,
         "best": best, "final": last, "steps": total, "epochs": runner.epochs, "steps_per_epoch": spe,
         "batch_size": runner.batch_size, "learning_rate": float(t.learning_rate), "seed": runner.seed,
-        "init_from": runner.source.workdir if runner.source else "", "init_step": runner.source.step if runner.source
-        else None, "majority_baseline": runner.majority_baseline(), "predictions": progress.get("predictions", []),
+        "init_from": init["workdir"] if init else "", "init_step": init["step"] if init else None,
+        "majority_baseline": runner.majority_baseline(), "predictions": progress.get("predictions", []),
     }
     if jax.process_index() == 0:
         files.write_json(os.path.join(workdir, "results.json"), results)

@@ -106,7 +106,7 @@ class Runner:
     def load_encoder(self, state: dict, abstract_params: Any) -> dict:
         """A fresh state with the encoder params replaced by the pretraining checkpoint's (if init_from is set)."""
         if self.source is not None:
-            state["params"]["encoder"] = restore_encoder(self.source, abstract_params["encoder"])
+            state["params"]["encoder"], self.source = restore_encoder(self.source, abstract_params["encoder"])
         return state
 
     def init_state(self) -> dict:

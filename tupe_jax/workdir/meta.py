@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import ml_collections
 
 from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax import config as config_lib
 from tupe_jax import files
-from tupe_jax.errors import UserError
+from tupe_jax.errors import UserError, require
+
+T = TypeVar("T")
+# How often `read_kept_step` lists a live run's checkpoints again after the one it read was deleted meanwhile.
+READ_ATTEMPTS = 5
 
 # Sections that define "the same model and data": the meta's config hash covers these.
 RUN_IDENTITY_SECTIONS = ("model", "data")
@@ -109,3 +113,34 @@ def latest_meta(workdir: str) -> tuple[int | None, dict[str, Any]]:
     with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
         steps = checkpointer.all_steps()
         return (steps[-1], checkpointer.restore_meta(steps[-1])) if steps else (None, {})
+
+
+def read_kept_step(workdir: str, step: Optional[int], read: Callable[[int], T], where: str = "--step",
+                   follow: bool = True, where_run: str = "--workdir") -> tuple[int, T]:
+    """(step, read(step)) for checkpoint `step` of `workdir` (None: its newest), safe beside a run still training
+    there: that run's retention (checkpoint.keep) may delete the step between the listing and the end of the read
+    (`read` may read several items of it).
+    A read that fails for a step no longer listed is retried on the newest step when `follow` (the caller asked
+    for the newest), and is otherwise a UserError naming the steps kept now; any other failure is raised as is."""
+    for _ in range(READ_ATTEMPTS):
+        steps = checkpoint_steps(workdir)
+        require(bool(steps), f"no checkpoint in {workdir}/checkpoints", where_run, "pretrain this workdir first")
+        chosen = steps[-1] if step is None else step
+        require(chosen in steps, f"no checkpoint at step {chosen} in {workdir}/checkpoints", where,
+                f"use one of {steps}")
+        try:
+            return chosen, read(chosen)
+        except Exception:  # pylint: disable=broad-except
+            kept = checkpoint_steps(workdir)
+            if chosen in kept:
+                raise
+            if not follow:
+                raise UserError(f"checkpoint step {chosen} of {workdir} was deleted while it was being read (a run "
+                                f"training there keeps only its newest checkpoint.keep steps)", where,
+                                f"use one of the steps kept now, {kept}, or leave the step out for the newest"
+                                ) from None
+        step = None
+    raise UserError(f"the newest checkpoint of {workdir} was deleted while it was being read, {READ_ATTEMPTS} times "
+                    "in a row (a run training there saves faster than the read)", where,
+                    "read it once that run has finished, or give it a larger checkpoint.keep")
+

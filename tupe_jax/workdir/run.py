@@ -11,11 +11,11 @@ import jax.numpy as jnp
 
 from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax.data.tokenizer import get_tokenizer
-from tupe_jax.errors import UserError, require
+from tupe_jax.errors import UserError
 from tupe_jax.model import ModelConfig, TransformerLM
 from tupe_jax.positional import TABLE_SCHEMES, canonical_name
 from tupe_jax.workdir.gate import read_config, tokenizer_path
-from tupe_jax.workdir.meta import check_tokenizer, checkpoint_steps
+from tupe_jax.workdir.meta import check_tokenizer, read_kept_step
 
 
 # ================================================================================================ loading a run
@@ -58,25 +58,24 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
         raise UserError(f"{workdir} is a fine-tuning run ({config.task}); this command reads a pretraining run",
                         "--workdir", "point it at the run given as init_from, or at a `launch pretrain` workdir")
     cfg = ModelConfig.from_config(config.model)
-    steps = checkpoint_steps(workdir)
-    require(bool(steps), f"no checkpoint in {workdir}/checkpoints", "--workdir", "pretrain this workdir first")
-    require(step is None or step in steps, f"no checkpoint at step {step} in {workdir}/checkpoints", "--step",
-            f"use one of {steps}")
-    step = steps[-1] if step is None else step
-    with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
-        meta = checkpointer.restore_meta(step)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.eval_shape(lambda: TransformerLM(cfg).init({"params": jax.random.PRNGKey(0)},
                                                               jnp.zeros((1, 8), jnp.int32))["params"])
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                                       nn.meta.unbox(abstract))
-    saved, ours = meta.get("param_shapes") or {}, ckpt_lib.param_shapes(abstract)
-    wrong = next((k for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)), None)
-    if saved and wrong is not None:
-        raise UserError(f"{workdir}/config.json does not match its checkpoint step {step}: param {wrong} has shape "
-                        f"{saved.get(wrong)} there but {ours.get(wrong)} from config.json (was it edited?)",
-                        "--workdir", "restore the run's config.json")
-    params = ckpt_lib.restore_params(workdir, step, abstract)
+
+    def read(at: int) -> tuple[dict, Any]:
+        with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
+            meta = checkpointer.restore_meta(at)
+        saved, ours = meta.get("param_shapes") or {}, ckpt_lib.param_shapes(abstract)
+        wrong = next((k for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)), None)
+        if saved and wrong is not None:
+            raise UserError(f"{workdir}/config.json does not match its checkpoint step {at}: param {wrong} has "
+                            f"shape {saved.get(wrong)} there but {ours.get(wrong)} from config.json (was it edited?)",
+                            "--workdir", "restore the run's config.json")
+        return meta, ckpt_lib.restore_params(workdir, at, abstract)
+
+    step, (meta, params) = read_kept_step(workdir, step, read, follow=step is None)
     tokenizer = get_tokenizer(config, workdir)
     check_tokenizer(meta, tokenizer.fingerprint, tokenizer_path(workdir))
     return LoadedRun(config, cfg, params, tokenizer, step, str(workdir))
