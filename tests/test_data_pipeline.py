@@ -230,3 +230,25 @@ def test_a_copied_corpus_with_new_mtimes_resumes_and_an_edited_one_does_not(tmp_
     assert_same(next(again), expected)
     with pytest.raises(UserError, match="different data settings"):  # the same files touched since: refused
         it(configs["b"], tok, split="train").set_state({**state, "fingerprint": legacy})
+
+
+def test_mlm_batches_use_the_vocabularys_own_special_ids(setup):
+    """A vocabulary in BERT's layout ([PAD] 0, [unused0..98] 1..99, [UNK] [CLS] [SEP] [MASK] 100..103, then the
+    words): [CLS] 101 opens each row, [PAD] 0 fills it, [SEP] 102 ends documents, masked inputs are [MASK] 103 or
+    ordinary words, and neither our own layout's special ids (1..4, reserved tokens here) nor any special id is
+    ever a label."""
+    c, tok = setup
+    words = [t for t in tok.vocab if not (t.startswith("[") and t.endswith("]"))]
+    bert = D.Tokenizer(["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                       + words)
+    assert (bert.pad_id, bert.unk_id, bert.cls_id, bert.sep_id, bert.mask_id) == (0, 100, 101, 102, 103)
+    cfg = ml_collections.ConfigDict(c.to_dict())
+    cfg.model.vocab_size = bert.vocab_size
+    batches = [next(it(cfg, bert, split="train")) for _ in range(2)]
+    inputs = np.concatenate([b.inputs for b in batches])
+    mask = np.concatenate([b.input_mask for b in batches]) > 0
+    labels = np.concatenate([b.mlm_labels[b.mlm_weights > 0] for b in batches])
+    assert (inputs[:, 0] == 101).all() and (inputs[~mask] == 0).all() and (inputs[mask] != 0).all()
+    assert (inputs == 102).any() and (inputs == 103).any()
+    assert not np.isin(inputs, np.arange(1, 100)).any()
+    assert labels.size and not np.isin(labels, bert.special_ids).any()
