@@ -1,5 +1,6 @@
 """One run per folder: the lock (a second process is refused with one line before the gate reads anything, a
-dead holder's lock is taken over, kill -9 then resume) and the bucket lease's torn reads."""
+dead holder's lock is taken over, kill -9 then resume), the bucket lease's torn reads, and its generation
+preconditions (against an in-memory bucket: the emulator ignores them on delete)."""
 import json
 import os
 import signal
@@ -189,3 +190,72 @@ def test_a_torn_read_of_a_live_bucket_lease_is_read_again_not_taken_over(monkeyp
         assert lock.taken_over == "another process" and len(reads) == lock_lib.LEASE_READS
         assert len(broken.writes) == 1                           # the heartbeat thread does not write at once
     assert broken.removed == ["gs://b/run2/.lock"]
+
+
+class _GenerationBucket:
+    """google-cloud-storage blobs of one bucket in memory, with GCS's generation preconditions on write and delete
+    (fake-gcs-server, the suite's emulator, ignores them on DELETE, so `tests/test_gcs.py` cannot see them there)."""
+
+    def __init__(self):
+        self.objects, self.generations = {}, 0
+
+    def blob(self, path):
+        from google.api_core import exceptions  # pylint: disable=import-outside-toplevel
+        bucket = self
+
+        class Blob:
+            generation = None
+
+            def _check(self, expected):
+                now = bucket.objects.get(path, (b"", 0))[1]
+                if expected is not None and int(expected) != now:
+                    raise exceptions.PreconditionFailed(f"{path} is at generation {now}, not {expected}")
+
+            def download_as_bytes(self):
+                if path not in bucket.objects:
+                    raise exceptions.NotFound(path)
+                data, self.generation = bucket.objects[path]
+                return data
+
+            def upload_from_string(self, data, content_type=None, if_generation_match=None):
+                self._check(if_generation_match)
+                bucket.generations += 1
+                bucket.objects[path] = (data, bucket.generations)
+                self.generation = bucket.generations
+
+            def delete(self, if_generation_match=None):
+                if path not in bucket.objects:
+                    raise exceptions.NotFound(path)
+                self._check(if_generation_match)
+                del bucket.objects[path]
+
+        return Blob()
+
+
+def test_bucket_objects_are_written_and_deleted_only_at_the_generation_last_seen(monkeypatch):
+    """`files.write_object`/`delete_object` pass the generation they were given, and a holder whose lease was taken
+    over (after its last heartbeat, before it noticed) does not delete the new holder's lease when it ends."""
+    from tupe_jax import files  # pylint: disable=import-outside-toplevel
+    from tupe_jax.workdir import lock as lock_lib  # pylint: disable=import-outside-toplevel
+    bucket = _GenerationBucket()
+    monkeypatch.setattr(files, "_blob", bucket.blob)
+    path = "gs://b/x.json"
+    first = files.write_object(path, "a", 0)
+    with pytest.raises(FileExistsError):
+        files.write_object(path, "b", 0)
+    second = files.write_object(path, "b", first)
+    assert files.read_object(path) == ("b", second) and second != first
+    assert files.delete_object(path, first) is False and files.read_object(path) == ("b", second)
+    assert files.delete_object(path, second) is True and files.read_object(path) == ("", 0)
+    assert files.delete_object(path, second) is False
+
+    monkeypatch.setattr(files, "is_remote", lambda p: str(p).startswith("gs://"))
+    monkeypatch.setattr(files, "absolute", lambda p: str(p))
+    with lock_lib.RunLock("gs://b/run") as lock:
+        lease = lock_lib._HELD["gs://b/run"][0]   # pylint: disable=protected-access
+        mine = lease.generation
+        theirs = files.write_object(lock.path, '{"pid": 7, "host": "vm-2"}', mine)   # a takeover
+    assert files.read_object(lock.path) == ('{"pid": 7, "host": "vm-2"}', theirs)
+    with lock_lib.RunLock("gs://b/run2") as lock:
+        pass
+    assert files.read_object(lock.path) == ("", 0)                  # a lease still its holder's is removed
