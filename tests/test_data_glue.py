@@ -152,6 +152,12 @@ def test_batches_layout_padding_and_processes(tmp_path):
     np.testing.assert_array_equal(b.inputs[0], first + [0] * (12 - len(first)))
     np.testing.assert_array_equal(b.input_mask[0], [1] * len(first) + [0] * (12 - len(first)))
     assert b.inputs[0][0] == tok.cls_id and (b.inputs == tok.sep_id).sum(1).tolist() == [2, 2, 2, 2]
+    a_part = 2 + len(tok.encode("the cat sat ."))     # BERT's token types: [CLS] a [SEP] 0, b [SEP] 1, padding 0
+    np.testing.assert_array_equal(b.segments[0], [0] * a_part + [1] * (len(first) - a_part) + [0] * (12 - len(first)))
+    for x in one:
+        sep_at = np.argmax(x.inputs == tok.sep_id, axis=1)      # the first [SEP] closes segment 0
+        after = np.arange(x.inputs.shape[1])[None, :] > sep_at[:, None]
+        np.testing.assert_array_equal(x.segments, (after & (x.input_mask > 0) & (x.example_weight[:, None] > 0)))
     assert [x.inputs.shape[1] for x in one] == [12, 16, 24]  # buckets; max_len always allowed
     assert (one[2].example_weight == [1, 1, 1, 0]).all() and one[2].example_index[3] == -1
     seen = np.concatenate([x.example_index[x.example_weight > 0] for x in one])
@@ -224,3 +230,11 @@ def test_wordorder_label0_is_a_window_permutation_of_its_label1_pair(tmp_path, s
         assert (s != w) == any(len(set(w[i:i + 3])) > 1 for i in range(0, len(w), 3))
         changed_somewhere += s != w
     assert changed_somewhere == len(ex) // 2  # in practice every prose sentence has such a window
+
+
+def test_single_sentence_batches_are_one_segment(tmp_path):
+    write_glue(tmp_path / "glue", {"sst2": LAYOUTS["sst2"]})
+    c = make_config(tmp_path, tmp_path / "glue", max_len=16)
+    batch = next(iter(D.glue_batches(c, tiny_tokenizer(), "sst2", "train", batch_size=2, shuffle=False,
+                                     process_index=0, process_count=1)))
+    assert batch.segments.shape == batch.inputs.shape and not batch.segments.any()

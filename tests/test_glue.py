@@ -106,6 +106,31 @@ def test_params_only_restore_keeps_fresh_head(env, tmp_path):
                                                                                    "vocab.txt")).read()
 
 
+def test_segment_embeddings_reach_the_train_and_eval_steps(env, tmp_path):
+    """With model.type_vocab_size 2 the fine-tune's loss and eval step read the batch's segments (BERT's token
+    types): the same numbers as the model applied with them, not as without."""
+    config = make_config(env, "rte", init=False)
+    config.model.type_vocab_size = 2
+    runner = ft_runner.Runner(config, str(tmp_path))
+    params = runner.init_state()["params"]
+    params["encoder"]["token_type"]["embedding"] = params["encoder"]["token_type"]["embedding"] * 50
+    batch = next(iter(runner.train_batches(0)))
+    assert batch.segments.any()
+    out = runner.eval_step(params, batch)
+    with_segments = runner.model.apply({"params": params}, batch.inputs, batch.input_mask, segments=batch.segments)
+    without = runner.model.apply({"params": params}, batch.inputs, batch.input_mask)
+    read = np.abs(np.asarray(out["logits"]) - np.asarray(with_segments)).max()
+    ignored = np.abs(np.asarray(out["logits"]) - np.asarray(without)).max()
+    assert ignored > 100 * read and ignored > 1e-6, (read, ignored)
+    loss_fn = ft_runner.make_loss_fn(runner.model)
+    key = jax.random.PRNGKey(0)
+    loss, _ = loss_fn(params, batch, key)
+    params_dropped = jax.tree_util.tree_map(lambda x: x, params)
+    params_dropped["encoder"]["token_type"]["embedding"] = params["encoder"]["token_type"]["embedding"].at[1].set(
+        params["encoder"]["token_type"]["embedding"][0])
+    assert float(loss) != float(loss_fn(params_dropped, batch, key)[0])
+
+
 @pytest.mark.parametrize("pe,model,needles", [
     ("bert_a", {}, ("'tupe_r'", "'bert_a'")),
     ("tupe_r", {"hidden_size": 64, "mlp_dim": 128}, ("model.hidden_size=32", "model.hidden_size=64")),

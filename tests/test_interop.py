@@ -78,6 +78,38 @@ def test_import_hf_classifier_head_equals_transformers(tmp_path):
     assert diff <= TOL
 
 
+def pair_segments(mask):
+    """BERT token types of a padded batch read as sentence pairs: 1 from the middle of each row's real tokens on."""
+    lengths = mask.sum(axis=1)
+    return ((np.arange(mask.shape[1])[None, :] >= (lengths[:, None] + 1) // 2) & (mask > 0)).astype(np.int32)
+
+
+def test_import_hf_keeps_bert_segment_embeddings(hf_mlm, tmp_path):
+    """Sentence pairs (token_type_ids 1 on the second sentence): MLM logits equal transformers' (the segment table is
+    imported whole, `model.type_vocab_size` 2), and so do a BertForSequenceClassification's logits."""
+    run = workdir_lib.load_run(hf_mlm["run"])
+    assert run.model_cfg.type_vocab_size == 2
+    assert np.any(np.asarray(run.params["encoder"]["token_type"]["embedding"][1]) != 0)
+    ids, mask = F.padded_batch(len(VOCAB), seed=5)
+    types = pair_segments(mask)
+    assert types.any() and not types[:, 0].any()
+    theirs = hf_mlm["model"](ids, attention_mask=mask, token_type_ids=types, params=hf_mlm["params"], train=False)
+    ours = TransformerLM(run.model_cfg).apply({"params": run.params}, jnp.asarray(ids), jnp.asarray(mask),
+                                              segments=jnp.asarray(types))["logits"]
+    without = TransformerLM(run.model_cfg).apply({"params": run.params}, jnp.asarray(ids), jnp.asarray(mask))
+    assert max_diff(theirs.logits, ours) <= TOL and max_diff(theirs.logits, without["logits"]) > 1e-3
+    model, params, _ = F.save_hf_bert(tmp_path / "cls", VOCAB, "FlaxBertForSequenceClassification", seed=6,
+                                      num_labels=2)
+    config, ours_params, _, _ = hf_lib.convert(str(tmp_path / "cls"), load_config_module("pretrain").get_config(
+        "pe=bert_a"), classifier_labels=2)
+    theirs = model(ids, attention_mask=mask, token_type_ids=types, params=params, train=False).logits
+    ours = SequenceClassifier(hf_lib.ModelConfig.from_config(config.model), 2).apply(
+        {"params": ours_params}, jnp.asarray(ids), jnp.asarray(mask), segments=jnp.asarray(types))
+    diff = max_diff(theirs, ours)
+    print(f"\nsentence pairs with token types: MLM logits and classifier logits within {TOL} (classifier {diff:.2e})")
+    assert diff <= TOL
+
+
 def test_import_of_a_bert_model_without_mlm_head_initialises_the_head(tmp_path, capsys):
     F.save_hf_bert(tmp_path / "bare", VOCAB, "FlaxBertModel", seed=4)
     assert launch.main(["import-hf", f"--from={tmp_path / 'bare'}", f"--workdir={tmp_path / 'run'}"]) == 0
@@ -116,9 +148,12 @@ def test_trained_bert_a_exports_to_transformers_with_the_same_logits(tmp_path):
 
 
 @pytest.mark.parametrize("pe,objective", [(pe, "mlm") for pe in SCHEMES] + [
-    ("bert_a", "clm"), ("rope", "clm"), ("alibi", "clm"), ("nopos", "clm")])
+    ("bert_a", "clm"), ("rope", "clm"), ("alibi", "clm"), ("nopos", "clm"), ("bert_a", "mlm+segments"),
+    ("tupe_r", "mlm+segments")])
 def test_export_then_import_hf_gives_bitwise_equal_params(pe, objective, tmp_path, cache):
     extra = {"objective": objective, "untie_cls": False} if objective == "clm" else {}
+    if objective == "mlm+segments":
+        objective, extra = "mlm", {"type_vocab_size": 2}
     params = make_pretrained(tmp_path / "run", cache, pe=pe, **extra)
     assert launch.main(["export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}"]) == 0
     hf_config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -142,6 +177,16 @@ def test_export_then_import_hf_gives_bitwise_equal_params(pe, objective, tmp_pat
         ids = jnp.arange(1, 9, dtype=jnp.int32)[None]
         np.testing.assert_array_equal(TransformerLM(cfg).apply({"params": plain}, ids)["logits"],
                                       TransformerLM(cfg).apply({"params": params}, ids)["logits"])
+    elif extra.get("type_vocab_size"):   # transformers reads the exported segment table: pairs give our logits
+        import transformers
+        assert hf_config["type_vocab_size"] == 2
+        model = transformers.FlaxBertForMaskedLM.from_pretrained(str(tmp_path / "out"))
+        ids, mask = F.padded_batch(back.tokenizer.vocab_size, seed=3)
+        types = pair_segments(mask)
+        theirs = model(ids, attention_mask=mask, token_type_ids=types, train=False).logits
+        ours = TransformerLM(back.model_cfg).apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask),
+                                                   segments=jnp.asarray(types))["logits"]
+        assert max_diff(theirs, ours) <= TOL
 
 
 def test_docs_print_the_name_map():
@@ -219,7 +264,7 @@ def test_finetune_from_an_imported_bert_runs_end_to_end_on_rte(tmp_path):
     F.save_hf_bert(tmp_path / "hf", vocab, seed=7)
     assert launch.main(["import-hf", f"--from={tmp_path / 'hf'}", f"--workdir={tmp_path / 'bert'}"]) == 0
     model = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "mlp_dim": 48, "vocab_size": len(vocab),
-             "max_len": 64, "layer_norm_eps": 1e-12}
+             "max_len": 64, "layer_norm_eps": 1e-12, "type_vocab_size": 2}
     glue = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "glue.py")
     argv = ["finetune", f"--config={glue}:task=rte,pe=bert_a,size=tiny", f"--workdir={tmp_path / 'rte'}",
             f"--config.init_from={tmp_path / 'bert'}", f"--config.data.glue_dir={F.SHARED_GLUE}",

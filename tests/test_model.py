@@ -313,6 +313,28 @@ def test_classifier_shares_encoder_params_with_lm():
     assert logits.shape == (2, 3)
 
 
+def test_segment_embeddings_are_optional_rows_added_to_the_input():
+    """type_vocab_size 0: no parameter; 2: a (2, d) table whose row segments[b, i] joins the input (row 0 where no
+    segments are given); 1: one row for every token. A negative size is refused."""
+    import ml_collections  # pylint: disable=import-outside-toplevel
+    from tupe_jax.model import validate_config  # pylint: disable=import-outside-toplevel
+    toks = tokens()
+    assert "token_type" not in init_params(tiny("bert_a"), jax.random.key(0))["encoder"]
+    for size in (1, 2):
+        cfg = tiny("bert_a", type_vocab_size=size, dropout_rate=0.0, attention_dropout_rate=0.0)
+        params = init_params(cfg, jax.random.key(0))
+        assert params["encoder"]["token_type"]["embedding"].shape == (size, TINY["hidden_size"])
+        segments = (jnp.arange(toks.shape[1])[None, :] >= 5).astype(jnp.int32) * jnp.ones_like(toks)
+        plain, zeros, pairs = (run(cfg, params, toks, **kw)["logits"] for kw in (
+            {}, {"segments": jnp.zeros_like(toks)}, {"segments": segments}))
+        np.testing.assert_array_equal(plain, zeros)
+        moved = np.abs(np.asarray(pairs) - np.asarray(plain)).max(axis=-1)
+        assert (moved[:, 5:] > 1e-4).all() if size == 2 else not moved.any()
+    config = ml_collections.ConfigDict({**dataclasses.asdict(tiny("bert_a")), "type_vocab_size": -1})
+    with pytest.raises(UserError, match="model.type_vocab_size"):
+        validate_config(config)
+
+
 def test_unknown_scheme_is_a_user_error():
     with pytest.raises(UserError, match="unknown positional scheme 'nope'.*model.pe"):
         init_params(dataclasses.replace(tiny("nopos"), pe="nope"), jax.random.key(0))

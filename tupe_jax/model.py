@@ -58,6 +58,7 @@ class ModelConfig:
     tupe_form: str = "bias"             # TUPE position term as a logit bias or as concatenated heads (tupe.py)
     sinusoidal_style: str = "scaled"    # scaled | fairseq (positional/sinusoidal.py)
     dropout_bits: int = 32              # 32 (nn.Dropout; configs/pretrain.py sets 16) | 16 (dropout.py)
+    type_vocab_size: int = 0            # segment embeddings (BERT's token types): 0 none, else rows (Transformer)
 
     @classmethod
     def from_config(cls, model_config: Any) -> "ModelConfig":
@@ -95,6 +96,8 @@ def validate_config(model: Any) -> None:
                 "give a positive value")
     require(model.dtype != "float16", "model.dtype float16 is not supported (it needs loss scaling, which is not "
             "implemented)", "--config.model.dtype", "use bfloat16 (same speed, float32's range) or float32")
+    require(model.get("type_vocab_size", 0) >= 0, f"model.type_vocab_size = {model.get('type_vocab_size')} is "
+            "negative", "--config.model.type_vocab_size", "give 0 (no segment embeddings) or the number of segments")
     for key, known in (("dtype", tuple(DTYPES)), ("objective", OBJECTIVES), ("attention_backend", ATTENTION_BACKENDS),
                        ("dropout_bits", DROPOUT_BITS)):
         require(model[key] in known, f"unknown model.{key} {model[key]!r}", f"--config.model.{key}",
@@ -169,7 +172,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token embedding + positional scheme + blocks. Returns the final hidden states and optional extras."""
+    """Token embedding + positional scheme + blocks. Returns the final hidden states and optional extras.
+
+    With `cfg.type_vocab_size` > 1 a segment embedding (BERT's token types) is added to the input: row
+    `segments[b, i]` (B, L) int32, 0 where `segments` is None (as transformers' token_type_ids); with 1 every token
+    gets its one row (a model with a single segment, e.g. RoBERTa's layout); with 0 there is none.
+    """
 
     cfg: ModelConfig
 
@@ -180,17 +188,25 @@ class Transformer(nn.Module):
                               embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                                           ("vocab", "embed")))
         self.positional = make_positional(cfg.pe, cfg.positional_settings(), module_name=None)
+        self.token_type = nn.Embed(cfg.type_vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
+                                   embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                                               (None, "embed"))
+                                   ) if cfg.type_vocab_size > 0 else None
         self.embed_ln = layer_norm(cfg, "embed_ln") if not cfg.causal else None
         self.final_ln = layer_norm(cfg, "final_ln") if cfg.causal else None
         self.blocks = [Block(cfg) for _ in range(cfg.num_layers)]
         self.dropout = make_dropout(cfg.dropout_rate, cfg.dropout_bits)
 
     def __call__(self, tokens: jax.Array, input_mask: Optional[jax.Array] = None, deterministic: bool = True,
-                 position_offset: int = 0, return_hidden: bool = False, return_attention: bool = False):
+                 position_offset: int = 0, return_hidden: bool = False, return_attention: bool = False,
+                 segments: Optional[jax.Array] = None):
         cfg = self.cfg
         length = tokens.shape[1]
         terms = self.positional(length, position_offset)
         x = self.embed(tokens)
+        if self.token_type is not None:
+            use = segments is not None and cfg.type_vocab_size > 1
+            x = x + self.token_type(segments if use else jnp.zeros_like(tokens))
         if terms.input_vector is not None:
             x = x + terms.input_vector[None].astype(x.dtype)
         if self.embed_ln is not None:
@@ -230,6 +246,7 @@ class TransformerLM(nn.Module):
 
     `mlm_positions` (B, P): run the MLM head only at those positions (the gather form); logits (B, P, V).
     Otherwise logits (B, L, V). Logits are float32.
+    `segments` (B, L): segment ids for a model with segment embeddings (`Transformer`).
     `labels` and `label_weights` (B, P) or (B, L): return the loss sums instead of the logits, {'nll_sum':
     Σ w·NLL, 'correct': Σ w·(argmax = label)} (`head.tied_cross_entropy`: on CPU the logits are never stored).
     """
@@ -240,10 +257,12 @@ class TransformerLM(nn.Module):
     def __call__(self, tokens: jax.Array, input_mask: Optional[jax.Array] = None,
                  mlm_positions: Optional[jax.Array] = None, deterministic: bool = True, position_offset: int = 0,
                  return_hidden: bool = False, return_attention: bool = False,
-                 labels: Optional[jax.Array] = None, label_weights: Optional[jax.Array] = None) -> dict:
+                 labels: Optional[jax.Array] = None, label_weights: Optional[jax.Array] = None,
+                 segments: Optional[jax.Array] = None) -> dict:
         cfg = self.cfg
         encoder = Transformer(cfg, name="encoder")
-        h, extras = encoder(tokens, input_mask, deterministic, position_offset, return_hidden, return_attention)
+        h, extras = encoder(tokens, input_mask, deterministic, position_offset, return_hidden, return_attention,
+                            segments)
         if mlm_positions is not None:
             h = jnp.take_along_axis(h, mlm_positions[..., None].astype(jnp.int32), axis=1)
         bias = None
@@ -269,9 +288,10 @@ class SequenceClassifier(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, input_mask: Optional[jax.Array] = None,
-                 deterministic: bool = True) -> jax.Array:
+                 deterministic: bool = True, segments: Optional[jax.Array] = None) -> jax.Array:
+        """`segments` (B, L): 0 for [CLS] a [SEP], 1 for b [SEP] (`ClassificationBatch.segments`)."""
         cfg = self.cfg
-        h, _ = Transformer(cfg, name="encoder")(tokens, input_mask, deterministic)
+        h, _ = Transformer(cfg, name="encoder")(tokens, input_mask, deterministic, segments=segments)
         pooled = jnp.tanh(dense(cfg.hidden_size, ("embed", "mlp"), cfg, "pooler")(h[:, 0]))
         pooled = make_dropout(cfg.dropout_rate, cfg.dropout_bits)(pooled, deterministic=deterministic)
         return dense(self.num_labels, ("mlp", None), cfg, "classifier")(pooled).astype(jnp.float32)

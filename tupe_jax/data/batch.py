@@ -51,6 +51,7 @@ class ClassificationBatch:
 
     inputs          (B, L) int32   token ids, padded with [PAD]
     input_mask      (B, L) int32   1 = real token
+    segments        (B, L) int32   0 for [CLS] a [SEP] and padding, 1 for b [SEP] (BERT's token types)
     label           (B,)   int32 class (float32 for regression: STS-B); 0 in padding rows
     example_index   (B,)   int32   the example's position in its split; -1 for padding rows
     example_weight  (B,)   float32 1 for a real example, 0 for a padding row
@@ -60,6 +61,7 @@ class ClassificationBatch:
     label: Array
     example_index: Array
     example_weight: Array
+    segments: Optional[Array] = None
 
     def present(self) -> dict[str, Array]:
         """The fields that are set (not None), by name: for logging, debugging and tests."""

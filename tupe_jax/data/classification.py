@@ -43,6 +43,7 @@ class EncodedGlue:
     labels: np.ndarray    # int32 or float32 (N,)
     num_truncated: int
     pad_id: int = PAD_ID  # the tokenizer's [PAD]
+    first_lengths: np.ndarray | None = None   # int64 (N,): tokens of [CLS] a [SEP], segment 0 (None: all of it)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -73,7 +74,7 @@ def encode_glue(tokenizer: Tokenizer, examples: list[dict], max_len: int, regres
     flat = np.fromiter((t for s in seqs for t in s), np.int32, int(lens.sum()))
     labels = np.array([e["label"] for e in examples], np.float32 if regression else np.int32)
     return EncodedGlue(flat, np.concatenate([[0], np.cumsum(lens)]), labels,
-                       int(np.sum((ta < la) | (tb < lb))), tokenizer.pad_id)
+                       int(np.sum((ta < la) | (tb < lb))), tokenizer.pad_id, ta + 2)
 
 
 def encoded_split(config, tokenizer: Tokenizer, task: str, split: str, max_len: int) -> EncodedGlue:
@@ -139,8 +140,10 @@ class GlueBatches:
             offs = np.arange(width)[None, :]
             mask = offs < ln[:, None]
             toks = self.enc.tokens[np.minimum(starts[:, None] + offs, len(self.enc.tokens) - 1)]
+            first = ln if self.enc.first_lengths is None else np.where(real, self.enc.first_lengths[safe], 0)
             yield ClassificationBatch(
                 inputs=np.where(mask, toks, self.enc.pad_id).astype(np.int32), input_mask=mask.astype(np.int32),
+                segments=(mask & (offs >= first[:, None])).astype(np.int32),
                 label=np.where(real, self.enc.labels[safe], self.enc.labels.dtype.type(0)).astype(
                     self.enc.labels.dtype),
                 example_index=np.where(real, idx, -1).astype(np.int32), example_weight=real.astype(np.float32))

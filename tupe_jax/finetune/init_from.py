@@ -25,7 +25,7 @@ from tupe_jax.positional import canonical_name
 # dtype, dropout rates and the attention backend may differ.
 MUST_MATCH = ("pe", "objective", "num_layers", "hidden_size", "num_heads", "mlp_dim", "vocab_size", "max_len",
               "untie_cls", "rel_num_buckets", "rel_max_distance", "rope_base", "rope_style", "rope_fraction",
-              "layer_norm_eps", "tupe_form", "sinusoidal_style")
+              "layer_norm_eps", "tupe_form", "sinusoidal_style", "type_vocab_size")
 WHERE = "--config.init_from"
 
 

@@ -39,7 +39,7 @@ def make_loss_fn(model: SequenceClassifier) -> Callable:
     regression (`num_labels == 1`)."""
     def loss_fn(params: Any, batch: ClassificationBatch, rng: jax.Array):
         logits = model.apply({"params": params}, batch.inputs, batch.input_mask, deterministic=False,
-                             rngs={"dropout": rng})
+                             segments=batch.segments, rngs={"dropout": rng})
         w = batch.example_weight
         if model.num_labels == 1:
             per = jnp.square(logits[:, 0] - batch.label.astype(jnp.float32))
@@ -51,7 +51,8 @@ def make_loss_fn(model: SequenceClassifier) -> Callable:
 
 def make_eval_step(model: SequenceClassifier) -> Callable:
     def eval_step(params: Any, batch: ClassificationBatch) -> dict:
-        logits = model.apply({"params": params}, batch.inputs, batch.input_mask, deterministic=True)
+        logits = model.apply({"params": params}, batch.inputs, batch.input_mask, deterministic=True,
+                             segments=batch.segments)
         return {"logits": logits, "label": batch.label, "index": batch.example_index}
     return eval_step
 

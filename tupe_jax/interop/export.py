@@ -42,7 +42,8 @@ def bert_config(model: dict, tokenizer: Any) -> dict:
             "num_attention_heads": model["num_heads"], "intermediate_size": model["mlp_dim"],
             "hidden_act": "gelu", "hidden_dropout_prob": model["dropout_rate"],
             "attention_probs_dropout_prob": model["attention_dropout_rate"],
-            "max_position_embeddings": model["max_len"], "type_vocab_size": 2, "initializer_range": 0.02,
+            "max_position_embeddings": model["max_len"],
+            "type_vocab_size": model.get("type_vocab_size") or 2, "initializer_range": 0.02,
             "layer_norm_eps": model["layer_norm_eps"], "pad_token_id": tokenizer.pad_id,
             "position_embedding_type": "absolute", "tie_word_embeddings": True, "torch_dtype": "float32",
             NATIVE: {"model": model}}
@@ -73,7 +74,8 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
     os.makedirs(tmp)
     try:
         if is_bert:
-            tensors = names.bert_from_params(run.params, names.bert_rows(cfg.num_layers))
+            tensors = names.bert_from_params(run.params, names.bert_rows(cfg.num_layers,
+                                                                          token_types=cfg.type_vocab_size > 0))
             files.write_json(os.path.join(tmp, "config.json"), bert_config(model, run.tokenizer))
             metadata = {"format": "pt"}   # PyTorch names and layouts: transformers loads it in torch or Flax
         else:

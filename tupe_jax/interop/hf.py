@@ -34,12 +34,12 @@ NATIVE = "tupe_jax"   # model_type of this project's exports of non-BERT schemes
 BERT_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
              "num_attention_heads": "num_heads", "intermediate_size": "mlp_dim", "max_position_embeddings": "max_len",
              "layer_norm_eps": "layer_norm_eps", "hidden_dropout_prob": "dropout_rate",
-             "attention_probs_dropout_prob": "attention_dropout_rate"}
+             "attention_probs_dropout_prob": "attention_dropout_rate", "type_vocab_size": "type_vocab_size"}
 # What BertConfig assumes for a key config.json leaves out (transformers' documented defaults).
 BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                  "intermediate_size": 3072, "max_position_embeddings": 512, "layer_norm_eps": 1e-12,
                  "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
-                 "position_embedding_type": "absolute"}
+                 "position_embedding_type": "absolute", "type_vocab_size": 2}
 SPECIAL_KEYS = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIALS))
 
 
@@ -144,7 +144,7 @@ def bert_params(tensors: dict, hf: dict, cfg: ModelConfig, tokenizer: Tokenizer,
     check_vocab(tensors, prefix, hf, tokenizer, where)
     has_head = "cls.predictions.transform.dense.weight" in tensors
     rows = names.bert_rows(cfg.num_layers, prefix, head=has_head and not classifier_labels,
-                           classifier=bool(classifier_labels))
+                           classifier=bool(classifier_labels), token_types=cfg.type_vocab_size > 0)
     want = names.shapes(abstract_params(cfg, classifier_labels))
     flat, unused = names.params_from_bert(tensors, want, rows, where)
     notes = [f"ignored {len(unused)} tensor(s) this model has no place for: {', '.join(unused[:4])}"] if unused else []
@@ -184,8 +184,9 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, class
         keys = dict((hf.get(NATIVE) or {}).get("model") or {})
         require(bool(keys), "config.json of a tupe_jax export lacks its 'tupe_jax.model' section", where,
                 "export the run again with `launch export`")
-    else:
-        keys = {**(hf.get(NATIVE) or {}).get("model", {}), **bert_model_keys(hf, where)}
+    else:   # this project's bert_a export: its own type_vocab_size (0: the zero table export wrote is not kept)
+        ours = (hf.get(NATIVE) or {}).get("model", {})
+        keys = {**ours, **bert_model_keys(hf, where), **{k: ours[k] for k in ("type_vocab_size",) if k in ours}}
     config = build_config(base, keys, where)
     tokenizer = read_tokenizer(src, where)
     tensors, _ = safetensors_io.read(src, where)

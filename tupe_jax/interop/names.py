@@ -8,8 +8,10 @@ Layouts (ours <- theirs; HF stores a Linear weight as (out, in), we store a kern
     qkv_kernel  ours[:, part] = W.T.reshape(d, H, d_h)         (query 0, key 1, value 2 of the fused qkv kernel)
     qkv_bias    ours[part] = b.reshape(H, d_h)
     out_kernel  ours = W.T.reshape(H, d_h, d)
-    position    ours = position_embeddings + token_type_embeddings[0] (the segment-0 row is folded into the table:
-                this project has no segment embeddings; export writes a zero token_type table)
+    position    a model without segment embeddings (model.type_vocab_size 0): ours = position_embeddings +
+                token_type_embeddings[0] (the segment-0 row is folded into the table; export writes a zero
+                token_type table). With them (import-hf sets the checkpoint's type_vocab_size) both tables are
+                copied as they are.
 
 Native map (any scheme, either objective): the safetensors key is our Flax param path joined with '.', e.g.
 `encoder.blocks_0.attention.qkv.kernel`, the array exactly as in the model.
@@ -35,13 +37,18 @@ def _norm(ours: str, theirs: str) -> list[Row]:
     return [(f"{ours}.scale", None, f"{theirs}.weight", "copy"), (f"{ours}.bias", None, f"{theirs}.bias", "copy")]
 
 
-def bert_rows(num_layers: int, prefix: str = "bert.", head: bool = True, classifier: bool = False) -> list[Row]:
+def bert_rows(num_layers: int, prefix: str = "bert.", head: bool = True, classifier: bool = False,
+              token_types: bool = False) -> list[Row]:
     """The BERT name map for `num_layers` blocks; `head`: the MLM head (`cls.predictions.*`); `classifier`: the
-    pooler and classifier of a `SequenceClassifier` (`bert.pooler.dense`, `classifier`)."""
+    pooler and classifier of a `SequenceClassifier` (`bert.pooler.dense`, `classifier`); `token_types`: the model
+    has segment embeddings (else the segment-0 row is folded into the position table)."""
     e = f"{prefix}embeddings."
     rows: list[Row] = [("encoder.embed.embedding", None, f"{e}word_embeddings.weight", "copy"),
-                       ("encoder.positional.table", None, f"{e}position_embeddings.weight", "position"),
+                       ("encoder.positional.table", None, f"{e}position_embeddings.weight",
+                        "copy" if token_types else "position"),
                        *_norm("encoder.embed_ln", f"{e}LayerNorm")]
+    if token_types:
+        rows.append(("encoder.token_type.embedding", None, f"{e}token_type_embeddings.weight", "copy"))
     for i in range(num_layers):
         ours, theirs = f"encoder.blocks_{i}.", f"{prefix}encoder.layer.{i}."
         for part, name in enumerate(("query", "key", "value")):

@@ -34,6 +34,7 @@ RESUMABLE = (
 ADDED_DEFAULTS: dict[str, Any] = {
     "model.sinusoidal_style": "scaled",
     "model.dropout_bits": 32,
+    "model.type_vocab_size": 0,
 }
 
 
