@@ -448,6 +448,11 @@ def test_a_run_made_before_an_added_key_resumes_and_keeps_its_identity(tmp_path)
         config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":pe=sinusoidal,objective=clm"),
         {"model.sinusoidal_style": "fairseq"})
     assert identity_hash(other) != identity_hash(config)
+    # model.type_vocab_size (segment embeddings) as well: a run without the key is a run without them
+    no_segments = json_lib.loads(config_lib.to_json(config))
+    del no_segments["model"]["type_vocab_size"]
+    (tmp_path / "config.json").write_text(json_lib.dumps(no_segments))
+    assert check_config(str(tmp_path), config) == [] and identity_hash(no_segments) == identity_hash(config)
     # a checkpoint whose meta hashed the key at its default (made between the key's addition and this rule) matches
     from tupe_jax.workdir.meta import HASHED_AT_DEFAULT, same_identity
     assert identity_hash(config, keep_added=HASHED_AT_DEFAULT) != identity_hash(config)
