@@ -12,7 +12,9 @@ import os
 
 from tupe_jax.errors import UserError
 
-PRETRAIN_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "pretrain.py")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+PRETRAIN_CONFIG = os.path.join(CONFIGS, "pretrain.py")
+GLUE_CONFIG = os.path.join(CONFIGS, "glue.py")
 
 
 def _one_workdir(args: argparse.Namespace) -> str:
@@ -28,7 +30,7 @@ def import_hf(args: argparse.Namespace) -> str:
     if not args.source:
         raise UserError("import-hf needs --from", "--from", "give the Hugging Face model folder: --from=DIR")
     base = config_lib.load_config(f"{PRETRAIN_CONFIG}:pe=bert_a,size=tiny,objective=mlm")
-    return hf.import_hf(args.source, _one_workdir(args), base)
+    return print_finetune_hint(hf.import_hf(args.source, _one_workdir(args), base))
 
 
 def import_fairseq(args: argparse.Namespace) -> str:
@@ -38,7 +40,33 @@ def import_fairseq(args: argparse.Namespace) -> str:
         raise UserError("import-fairseq needs --from", "--from",
                         "give the extracted checkpoint folder (the .pt, dict.txt, bpe-code): --from=DIR")
     base = config_lib.load_config(f"{PRETRAIN_CONFIG}:pe=tupe_r,size=tiny,objective=mlm")
-    return fairseq.import_fairseq(args.source, _one_workdir(args), base)
+    return print_finetune_hint(fairseq.import_fairseq(args.source, _one_workdir(args), base))
+
+
+def finetune_arguments(run: str) -> list[str]:
+    """The `launch finetune` arguments that fit the run `run`: the configs/glue.py size preset closest to its model
+    (fewest shape-defining keys to override) and `--config.model.*` for the keys that still differ."""
+    from configs import pretrain as pretrain_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax.finetune.init_from import MUST_MATCH  # pylint: disable=import-outside-toplevel
+    model = workdir_lib.read_config(run).model
+    best = None
+    for size in pretrain_config.SIZES:
+        preset = config_lib.load_config(f"{GLUE_CONFIG}:task=rte,pe={model.pe},size={size}").model
+        differ = [k for k in MUST_MATCH if k in model and k in preset and model[k] != preset[k]]
+        if best is None or len(differ) < len(best[1]):
+            best = (size, differ)
+    size, differ = best
+    return ([f"--config=configs/glue.py:task=TASK,pe={model.pe},size={size}", f"--config.init_from={run}"]
+            + [f"--config.model.{k}={model[k]}" for k in differ])
+
+
+def print_finetune_hint(run: str) -> str:
+    """Print the fine-tune command for the imported run `run` (its model keys must be on that command line)."""
+    print("fine-tune it: python -m launch finetune " + " ".join(finetune_arguments(run))
+          + " --workdir=OUT --config.data.glue_dir=GLUE", flush=True)
+    return run
 
 
 def export(args: argparse.Namespace) -> str:

@@ -216,14 +216,15 @@ def test_unrepresentable_args_are_refused_naming_them(tmp_path, capsys, args, ne
 def test_finetune_from_an_imported_checkpoint_runs_end_to_end_on_rte(imported, tmp_path):
     glue = str(tmp_path / "glue")
     write_glue_dir(glue)
-    cfg = json.loads((imported["root"] / "run" / "config.json").read_text())["model"]
-    model = {k: cfg[k] for k in ("num_layers", "hidden_size", "num_heads", "mlp_dim", "vocab_size", "max_len")}
-    argv = ["finetune", f"--config={ROOT}/configs/glue.py:task=rte,pe=tupe_r,size=tiny",
-            f"--workdir={tmp_path / 'rte'}",
-            f"--config.init_from={imported['run']}", f"--config.data.glue_dir={glue}",
+    from launch.interop import finetune_arguments   # what import-fairseq prints for the fine-tune
+    config_arg, *model_args = finetune_arguments(imported["run"])
+    assert config_arg == "--config=configs/glue.py:task=TASK,pe=tupe_r,size=tiny"
+    assert f"--config.init_from={imported['run']}" in model_args
+    argv = ["finetune", config_arg.replace("configs/", f"{ROOT}/configs/").replace("TASK", "rte"),
+            f"--workdir={tmp_path / 'rte'}", *model_args, f"--config.data.glue_dir={glue}",
             f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.train.steps=4", "--config.train.batch_size=8",
             "--config.train.eval_batch_size=8", "--config.checkpoint.async_save=false",
-            "--config.data.glue_buckets=(64,)"] + [f"--config.model.{k}={v}" for k, v in model.items()]
+            "--config.data.glue_buckets=(64,)"]
     assert launch.main(argv) == 0
     results = json.loads((tmp_path / "rte" / "results.json").read_text())
     print(f"\nRTE from an imported fairseq checkpoint: {json.dumps(results)[:200]}")
