@@ -148,3 +148,43 @@ def test_a_resumed_finetune_reports_the_step_its_first_start_read(made, pre, tmp
     again = ft_loop.finetune(config, str(tmp_path / "ft"))
     assert again["init_step"] == 10 and again["init_from"] == pre
     assert json.load(open(tmp_path / "ft" / "results.json"))["init_step"] == 10
+
+
+# ================================================================================================ several processes
+def as_process_1_of_2(monkeypatch, process0_chooses, process0_reads):
+    """This process as process 1 of 2 (its two collectives faked): `_agreed` gives process 0's step,
+    `process0_chooses(own choice)`, and `_gathered` puts process 0's status for each attempt (`process0_reads`, in
+    order) before this process's."""
+    from tupe_jax.workdir import meta
+    statuses = list(process0_reads)
+    monkeypatch.setattr(meta, "_agreed", lambda own: process0_chooses(own))
+    monkeypatch.setattr(meta, "_gathered", lambda mine: [statuses.pop(0), mine])
+    return meta
+
+
+def test_processes_read_the_step_process_0_chose_even_one_this_process_did_not_list_yet(made, pre, monkeypatch):
+    def process0_chooses(own):
+        assert own == 10
+        save_step(pre, 20, other_params(made[1]))    # process 0 listed after the live run's next save
+        return 20
+
+    meta = as_process_1_of_2(monkeypatch, process0_chooses, [0])     # process 0: READ
+    reads = []
+    assert meta.read_kept_step(pre, None, lambda at: reads.append(at) or at) == (20, 20)
+    assert reads == [20]
+
+
+def test_processes_retry_together_when_another_ones_read_lost_the_step(pre, monkeypatch):
+    meta = as_process_1_of_2(monkeypatch, lambda own: own, [1, 0])      # process 0: DELETED, then READ
+    reads = []
+    assert meta.read_kept_step(pre, None, lambda at: reads.append(at) or "params") == (10, "params")
+    assert reads == [10, 10]                                            # all processes took a second attempt
+    meta = as_process_1_of_2(monkeypatch, lambda own: own, [1])
+    with pytest.raises(UserError, match="checkpoint step 10 of .* was deleted while it was being read"):
+        meta.read_kept_step(pre, 10, lambda at: "params", follow=False)
+
+
+def test_processes_stop_together_when_another_ones_read_failed(pre, monkeypatch):
+    meta = as_process_1_of_2(monkeypatch, lambda own: own, [2])         # process 0: FAILED
+    with pytest.raises(UserError, match="process 0 could not read checkpoint step 10 of"):
+        meta.read_kept_step(pre, None, lambda at: "params")

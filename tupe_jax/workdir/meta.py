@@ -5,12 +5,15 @@ import hashlib
 import json
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
+import jax
 import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
 
 from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax import config as config_lib
 from tupe_jax import files
-from tupe_jax.errors import UserError, require
+from tupe_jax.errors import UserError
 
 T = TypeVar("T")
 # How often `read_kept_step` lists a live run's checkpoints again after the one it read was deleted meanwhile.
@@ -116,32 +119,65 @@ def latest_meta(workdir: str) -> tuple[int | None, dict[str, Any]]:
         return (steps[-1], checkpointer.restore_meta(steps[-1])) if steps else (None, {})
 
 
+def _agreed(value: int) -> int:
+    """Process 0's `value` on every process (the value itself in a single process)."""
+    if jax.process_count() == 1:
+        return value
+    return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
+
+
+def _gathered(value: int) -> list[int]:
+    """Every process's `value`, in process order."""
+    if jax.process_count() == 1:
+        return [value]
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.asarray([value], np.int32))).ravel()]
+
+
+READ, DELETED, FAILED = 0, 1, 2   # how a process's read of the agreed step went
+
+
 def read_kept_step(workdir: str, step: Optional[int], read: Callable[[int], T], where: str = "--step",
                    follow: bool = True, where_run: str = "--workdir") -> tuple[int, T]:
     """(step, read(step)) for checkpoint `step` of `workdir` (None: its newest), safe beside a run still training
     there: that run's retention (checkpoint.keep) may delete the step between the listing and the end of the read
     (`read` may read several items of it).
     A read that fails for a step no longer listed is retried on the newest step when `follow` (the caller asked
-    for the newest), and is otherwise a UserError naming the steps kept now; any other failure is raised as is."""
+    for the newest), and is otherwise a UserError naming the steps kept now; any other failure is raised as is.
+    Several processes read the step process 0 chose and end alike: each attempt makes the same two collective
+    calls on every process, all return together, or all stop (the failing process with its own error)."""
     for _ in range(READ_ATTEMPTS):
         steps = checkpoint_steps(workdir)
-        require(bool(steps), f"no checkpoint in {workdir}/checkpoints", where_run, "pretrain this workdir first")
-        chosen = steps[-1] if step is None else step
-        require(chosen in steps, f"no checkpoint at step {chosen} in {workdir}/checkpoints", where,
-                f"use one of {steps}")
-        try:
-            return chosen, read(chosen)
-        except Exception:  # pylint: disable=broad-except
-            kept = checkpoint_steps(workdir)
-            if chosen in kept:
-                raise
-            if not follow:
-                raise UserError(f"checkpoint step {chosen} of {workdir} was deleted while it was being read (a run "
-                                f"training there keeps only its newest checkpoint.keep steps)", where,
-                                f"use one of the steps kept now, {kept}, or leave the step out for the newest"
-                                ) from None
+        chosen = _agreed(steps[-1] if step is None and steps else -1 if step is None else step)
+        if chosen not in steps:   # process 0 may have listed a save this process's listing missed
+            steps = checkpoint_steps(workdir)
+        failure: Optional[BaseException] = None
+        value = None
+        if chosen < 0 or not steps:
+            failure = UserError(f"no checkpoint in {workdir}/checkpoints", where_run, "pretrain this workdir first")
+        elif chosen not in steps:
+            failure = UserError(f"no checkpoint at step {chosen} in {workdir}/checkpoints", where,
+                                f"use one of {steps}")
+        else:
+            try:
+                value = read(chosen)
+            except Exception as err:  # pylint: disable=broad-except
+                failure = err
+        status = READ if failure is None else DELETED if (
+            steps and chosen in steps and chosen not in checkpoint_steps(workdir)) else FAILED
+        statuses = _gathered(status)
+        if all(s == READ for s in statuses):
+            return chosen, value
+        if status == FAILED:
+            raise failure
+        if FAILED in statuses:
+            raise UserError(f"process {statuses.index(FAILED)} could not read checkpoint step {chosen} of {workdir}",
+                            where, "see that process's error")
+        if not follow:
+            raise UserError(f"checkpoint step {chosen} of {workdir} was deleted while it was being read (a run "
+                            f"training there keeps only its newest checkpoint.keep steps)", where,
+                            f"use one of the steps kept now, {checkpoint_steps(workdir)}, or leave the step out for "
+                            "the newest") from None
         step = None
     raise UserError(f"the newest checkpoint of {workdir} was deleted while it was being read, {READ_ATTEMPTS} times "
                     "in a row (a run training there saves faster than the read)", where,
                     "read it once that run has finished, or give it a larger checkpoint.keep")
-
