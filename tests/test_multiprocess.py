@@ -85,3 +85,33 @@ def test_a_folder_locked_for_process_0_stops_both_processes_with_its_line(tmp_pa
             p.kill()
             p.wait()
         holder.stdout.close()
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_a_run_as_one_process_does(tmp_path):
+    """`launch evaluate` on every host of a pod: each process restores the params onto its own device and the
+    evaluation replicates them across hosts. It restored onto process 0's device before, which process 1 cannot
+    address: process 1 failed and process 0 hung at the next collective."""
+    from tests.glue_fixtures import make_pretrained
+    from tupe_jax.pretrain.evaluate import evaluate
+    make_pretrained(tmp_path / "run", tmp_path / "cache")
+    environment = {**env(2), "TUPE_JAX_CACHE": str(tmp_path / "cache")}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "launch", "evaluate", f"--workdir={tmp_path / 'run'}",
+                               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+                              cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    rows = [m for m in read_metrics(str(tmp_path / "run")) if m.get("split") == "validation"]
+    assert len(rows) == 1                                    # one row, written by process 0
+    alone = evaluate(str(tmp_path / "run"))
+    assert rows[0]["eval_loss"] == pytest.approx(alone["eval_loss"], abs=1e-5)
+    assert rows[0]["eval_mlm_accuracy"] == pytest.approx(alone["eval_mlm_accuracy"], abs=1e-6)
+    assert all(f"step 10: eval_loss {alone['eval_loss']:.4f}" in out for out, _ in outs)

@@ -181,6 +181,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Global arrays replicated over `mesh` from a tree of which every process holds the same copy (NumPy, or on
+    one of its own devices): each process fills only its own devices, so it works across hosts, where
+    `jax.device_put` of one process's array cannot."""
+    sharding = replicated(mesh)
+    return jax.tree_util.tree_map(
+        lambda v: jax.make_array_from_callback(np.shape(v), sharding, lambda index, v=np.asarray(v): v[index]), tree)
+
+
 def global_batch(local_batch: Any, mesh: Mesh) -> Any:
     """Assemble global arrays from this process's rows (global batch = process_count × local rows); any pytree of
     arrays (a typed batch from `data.batch`, or a dict)."""

@@ -30,7 +30,7 @@ def evaluate(workdir: str, step: Optional[int] = None) -> dict[str, float]:
     if batches is None:
         raise UserError(f"the corpus of {workdir} has no validation split", "data.holdout",
                         "set --config.data.holdout>0 when pretraining")
-    params = jax.device_put(run.params, sharding_lib.replicated(mesh))
+    params = sharding_lib.replicate(run.params, mesh)
     sums = steps.run_eval(jax.jit(steps.make_eval_step(TransformerLM(run.model_cfg))), params, batches, mesh, 0)
     values = steps.summarize(sums, run.model_cfg.causal, prefix="eval_")
     live = live_run_in_bucket(workdir)

@@ -58,7 +58,7 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
         raise UserError(f"{workdir} is a fine-tuning run ({config.task}); this command reads a pretraining run",
                         "--workdir", "point it at the run given as init_from, or at a `launch pretrain` workdir")
     cfg = ModelConfig.from_config(config.model)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])   # this process's: any process count
     abstract = jax.eval_shape(lambda: TransformerLM(cfg).init({"params": jax.random.PRNGKey(0)},
                                                               jnp.zeros((1, 8), jnp.int32))["params"])
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
