@@ -142,3 +142,32 @@ def test_tfds_prepared_dataset_by_name(tmp_path):
     with pytest.raises(UserError, match="tfds build no_such_dataset --file_format=array_record"):
         D.load_documents(missing, "train")
     assert "tensorflow" not in sys.modules
+
+
+def test_a_dataset_another_process_finished_meanwhile_is_read_whole(tmp_path, monkeypatch):
+    """Processes sharing a cache (several per host, or a shared file system): another one may finish preparing the
+    dataset between this process making its builder (which reads the dataset's info: none yet) and asking whether
+    it is prepared (yes, by then). That builder held no splits ("split 'train' is not available (have [])")."""
+    from tupe_jax.data import cache
+    _write_blank_line_corpus(tmp_path / "corpus", 450)
+    c = make_config(tmp_path, name="text_files", path=str(tmp_path / "corpus"))
+    if cache._BUILDER_CLASS is None:   # pylint: disable=protected-access
+        cache._BUILDER_CLASS = cache._make_builder_class()   # pylint: disable=protected-access
+    base, raced = cache._BUILDER_CLASS, []   # pylint: disable=protected-access
+
+    class Racing(base):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.kwargs = kwargs
+
+        def is_prepared(self):
+            if not raced:              # the other process finishes now
+                raced.append(True)
+                other = base(**self.kwargs)
+                other.download_and_prepare(download_config=cache._tfds().download.DownloadConfig(
+                    try_download_gcs=False))   # pylint: disable=protected-access
+            return super().is_prepared()
+
+    monkeypatch.setattr(cache, "_BUILDER_CLASS", Racing)
+    train = D.load_documents(c, "train")
+    assert raced and len(train) == 450 - 2

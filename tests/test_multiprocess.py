@@ -1,5 +1,7 @@
 """Two real JAX processes (jax.distributed on 127.0.0.1, gloo CPU collectives, 2 fake devices each) train the
-same 5 steps as one process with 4 devices, through the launcher."""
+same 5 steps as one process with 4 devices, evaluate a run and fine-tune from one as one process does, through the
+launcher."""
+import json
 import os
 import socket
 import subprocess
@@ -115,3 +117,44 @@ def test_two_processes_evaluate_a_run_as_one_process_does(tmp_path):
     assert rows[0]["eval_loss"] == pytest.approx(alone["eval_loss"], abs=1e-5)
     assert rows[0]["eval_mlm_accuracy"] == pytest.approx(alone["eval_mlm_accuracy"], abs=1e-6)
     assert all(f"step 10: eval_loss {alone['eval_loss']:.4f}" in out for out, _ in outs)
+
+
+@pytest.mark.slow
+def test_two_processes_fine_tune_from_a_run_as_one_process_does_from_a_cold_cache(tmp_path):
+    """GLUE on several processes sharing a cold data cache: one prepares the task's data while the other waits on
+    the lock (a builder made before the data was complete held no splits: that process stopped, the other hung);
+    both read the init_from step process 0 chose; the scores and losses equal one process's."""
+    from tests.glue_fixtures import make_pretrained, write_glue_dir
+    make_pretrained(tmp_path / "pre", tmp_path / "cache0")
+    write_glue_dir(str(tmp_path / "glue"), {"rte": (64, 16, 8)})
+    args = ["finetune", "--config=configs/glue.py:task=rte,pe=tupe_r,size=tiny",
+            f"--config.init_from={tmp_path / 'pre'}", f"--config.data.glue_dir={tmp_path / 'glue'}",
+            "--config.model.hidden_size=32", "--config.model.num_heads=2", "--config.model.mlp_dim=64",
+            "--config.model.vocab_size=512", "--config.model.max_len=64", "--config.model.dropout_rate=0",
+            "--config.model.attention_dropout_rate=0", "--config.train.steps=4", "--config.train.batch_size=16",
+            "--config.train.eval_batch_size=16", "--config.train.log_every=1", "--config.checkpoint.async_save=false",
+            "--config.data.glue_buckets=(64,)"]
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "launch", *args, f"--workdir={tmp_path / 'two'}",
+                               f"--config.data.cache_dir={tmp_path / 'cache2'}",
+                               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+                              cwd=ROOT, env=env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    one = subprocess.run([sys.executable, "-m", "launch", *args, f"--workdir={tmp_path / 'one'}",
+                          f"--config.data.cache_dir={tmp_path / 'cache1'}"], cwd=ROOT, env=env(4),
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two_results, one_results = (json.loads((tmp_path / w / "results.json").read_text()) for w in ("two", "one"))
+    assert two_results["init_step"] == one_results["init_step"] == 10
+    assert two_results["final"]["metrics"] == pytest.approx(one_results["final"]["metrics"], abs=1e-6)
+    losses = [[m["loss"] for m in read_metrics(str(tmp_path / w)) if "loss" in m] for w in ("two", "one")]
+    assert len(losses[0]) == len(losses[1]) == 4
+    np.testing.assert_allclose(losses[0], losses[1], atol=1e-5, rtol=0)

@@ -154,11 +154,14 @@ def _quiet_absl():
 
 def _prepared(config, kind, spec, splits, features, make, root):
     tfds = _tfds()
-    builder = _BUILDER_CLASS(kind=kind, spec=spec, splits=splits, features=features, make=make, data_dir=root)
+
+    def build():
+        return _BUILDER_CLASS(kind=kind, spec=spec, splits=splits, features=features, make=make, data_dir=root)
+
+    builder = build()
     if not builder.is_prepared():
         with file_lock(root / "locks" / f"{builder.name}-{builder.builder_config.name}.lock"):
-            builder = _BUILDER_CLASS(kind=kind, spec=spec, splits=splits, features=features, make=make,
-                                     data_dir=root)
+            builder = build()
             if not builder.is_prepared():
                 from tensorflow_datasets.core.utils import tqdm_utils
                 was = tqdm_utils._active  # pylint: disable=protected-access
@@ -170,4 +173,6 @@ def _prepared(config, kind, spec, splits, features, make, root):
                             download_config=tfds.download.DownloadConfig(try_download_gcs=False))
                 finally:
                     tfds.display_progress_bar(was)
-    return builder
+    # made now that the dataset is complete: a builder reads the dataset's info when it is made, so one made before
+    # another process (sharing this cache) finished preparing it would report prepared but hold no splits
+    return build()
