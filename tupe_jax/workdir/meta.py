@@ -123,7 +123,7 @@ def _agreed(value: int) -> int:
     """Process 0's `value` on every process (the value itself in a single process)."""
     if jax.process_count() == 1:
         return value
-    return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
+    return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int32)))
 
 
 def _gathered(value: int) -> list[int]:
