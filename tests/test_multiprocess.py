@@ -89,6 +89,25 @@ def test_a_folder_locked_for_process_0_stops_both_processes_with_its_line(tmp_pa
         holder.stdout.close()
 
 
+def two_processes(argv, environment, timeout=300):
+    """`python -m launch *argv` as processes 0 and 1 of one jax.distributed job; their (stdout, stderr), each
+    process checked to exit 0."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "launch", *argv, f"--coordinator_address=127.0.0.1:{port}",
+                               "--num_processes=2", f"--process_id={i}"],
+                              cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
 @pytest.mark.slow
 def test_two_processes_evaluate_a_run_as_one_process_does(tmp_path):
     """`launch evaluate` on every host of a pod: each process restores the params onto its own device and the
@@ -97,20 +116,8 @@ def test_two_processes_evaluate_a_run_as_one_process_does(tmp_path):
     from tests.glue_fixtures import make_pretrained
     from tupe_jax.pretrain.evaluate import evaluate
     make_pretrained(tmp_path / "run", tmp_path / "cache")
-    environment = {**env(2), "TUPE_JAX_CACHE": str(tmp_path / "cache")}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "launch", "evaluate", f"--workdir={tmp_path / 'run'}",
-                               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-                              cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    outs = two_processes(["evaluate", f"--workdir={tmp_path / 'run'}"],
+                         {**env(2), "TUPE_JAX_CACHE": str(tmp_path / "cache")}, timeout=240)
     rows = [m for m in read_metrics(str(tmp_path / "run")) if m.get("split") == "validation"]
     assert len(rows) == 1                                    # one row, written by process 0
     alone = evaluate(str(tmp_path / "run"))
@@ -134,20 +141,7 @@ def test_two_processes_fine_tune_from_a_run_as_one_process_does_from_a_cold_cach
             "--config.model.attention_dropout_rate=0", "--config.train.steps=4", "--config.train.batch_size=16",
             "--config.train.eval_batch_size=16", "--config.train.log_every=1", "--config.checkpoint.async_save=false",
             "--config.data.glue_buckets=(64,)"]
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "launch", *args, f"--workdir={tmp_path / 'two'}",
-                               f"--config.data.cache_dir={tmp_path / 'cache2'}",
-                               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-                              cwd=ROOT, env=env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    two_processes([*args, f"--workdir={tmp_path / 'two'}", f"--config.data.cache_dir={tmp_path / 'cache2'}"], env(2))
     one = subprocess.run([sys.executable, "-m", "launch", *args, f"--workdir={tmp_path / 'one'}",
                           f"--config.data.cache_dir={tmp_path / 'cache1'}"], cwd=ROOT, env=env(4),
                          capture_output=True, text=True, timeout=300)
