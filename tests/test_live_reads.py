@@ -188,3 +188,24 @@ def test_processes_stop_together_when_another_ones_read_failed(pre, monkeypatch)
     meta = as_process_1_of_2(monkeypatch, lambda own: own, [2])         # process 0: FAILED
     with pytest.raises(UserError, match="process 0 could not read checkpoint step 10 of"):
         meta.read_kept_step(pre, None, lambda at: "params")
+
+
+def test_each_attempt_lists_once_whatever_this_processs_outcome(made, pre, monkeypatch):
+    """An Orbax listing is a collective call on several processes: only the processes whose read failed asking
+    for one more would leave the others' collectives out of step. Here this process's read loses step 10 to the
+    live run while process 0's succeeded; both retry, and this process listed once per attempt."""
+    meta = as_process_1_of_2(monkeypatch, lambda own: own, [0, 0])      # process 0: READ, READ
+    listings, original = [], meta.checkpoint_steps
+    monkeypatch.setattr(meta, "checkpoint_steps", lambda w: listings.append(w) or original(w))
+    reads = []
+
+    def read(at):
+        reads.append(at)
+        if len(reads) == 1:
+            save_step(pre, 20, other_params(made[1]))
+            shutil.rmtree(os.path.join(pre, "checkpoints", "10"))
+            raise OSError("the step went away")
+        return at
+
+    assert meta.read_kept_step(pre, None, read) == (20, 20)
+    assert reads == [10, 20] and len(listings) == 2

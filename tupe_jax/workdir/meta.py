@@ -136,6 +136,12 @@ def _gathered(value: int) -> list[int]:
 READ, DELETED, FAILED = 0, 1, 2   # how a process's read of the agreed step went
 
 
+def _step_folder(workdir: str, step: int) -> bool:
+    """Whether checkpoint `step`'s folder is there: a plain listing. An Orbax one (`checkpoint_steps`) is a
+    collective call on several processes, so only every process together may make it, never one alone."""
+    return files.isdir(files.join(workdir, "checkpoints", str(step)))
+
+
 def read_kept_step(workdir: str, step: Optional[int], read: Callable[[int], T], where: str = "--step",
                    follow: bool = True, where_run: str = "--workdir") -> tuple[int, T]:
     """(step, read(step)) for checkpoint `step` of `workdir` (None: its newest), safe beside a run still training
@@ -143,13 +149,14 @@ def read_kept_step(workdir: str, step: Optional[int], read: Callable[[int], T], 
     (`read` may read several items of it).
     A read that fails for a step no longer listed is retried on the newest step when `follow` (the caller asked
     for the newest), and is otherwise a UserError naming the steps kept now; any other failure is raised as is.
-    Several processes read the step process 0 chose and end alike: each attempt makes the same two collective
-    calls on every process, all return together, or all stop (the failing process with its own error)."""
+    Several processes read the step process 0 chose and end alike: each attempt makes the same collective calls
+    on every process (the listing, the agreement, the gathered outcome; what only some processes ask is read from
+    the folder), all return together, or all stop (the failing process with its own error)."""
     for _ in range(READ_ATTEMPTS):
         steps = checkpoint_steps(workdir)
         chosen = _agreed(steps[-1] if step is None and steps else -1 if step is None else step)
-        if chosen not in steps:   # process 0 may have listed a save this process's listing missed
-            steps = checkpoint_steps(workdir)
+        if chosen >= 0 and chosen not in steps and _step_folder(workdir, chosen):
+            steps = sorted(steps + [chosen])   # a save process 0 listed and this process's listing missed
         failure: Optional[BaseException] = None
         value = None
         if chosen < 0 or not steps:
@@ -163,7 +170,7 @@ def read_kept_step(workdir: str, step: Optional[int], read: Callable[[int], T], 
             except Exception as err:  # pylint: disable=broad-except
                 failure = err
         status = READ if failure is None else DELETED if (
-            steps and chosen in steps and chosen not in checkpoint_steps(workdir)) else FAILED
+            chosen in steps and not _step_folder(workdir, chosen)) else FAILED
         statuses = _gathered(status)
         if all(s == READ for s in statuses):
             return chosen, value
