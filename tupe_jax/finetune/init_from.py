@@ -9,6 +9,7 @@ only `params['encoder']` is read (an Orbax partial restore straight onto the fin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -59,17 +60,11 @@ def resolve_init_from(path: str, init_step: int = -1) -> tuple[str, int | None]:
 def open_init_source(config: ml_collections.ConfigDict) -> InitSource:
     """Resolve `config.init_from`, pick the step, read its meta and refuse another scheme or model shape."""
     workdir, requested = resolve_init_from(str(config.init_from), int(config.init_step))
-    step, meta = workdir_lib.read_kept_step(workdir, requested, lambda at: read_meta(workdir, at), WHERE,
-                                            follow=requested is None, where_run=WHERE)
+    step, meta = workdir_lib.read_kept_step(workdir, requested, functools.partial(workdir_lib.read_meta, workdir),
+                                            WHERE, follow=requested is None, where_run=WHERE)
     workdir_lib.check_compatible(meta, canonical_name(str(config.model.pe)), where=WHERE)
     check_model_keys(workdir, config)
     return InitSource(workdir, int(step), meta, follow=requested is None)
-
-
-def read_meta(workdir: str, step: int) -> dict[str, Any]:
-    """The meta item of `workdir`'s checkpoint `step`."""
-    with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
-        return checkpointer.restore_meta(step)
 
 
 def check_model_keys(pretrain_workdir: str, config: ml_collections.ConfigDict) -> None:
@@ -114,7 +109,7 @@ def restore_encoder(source: InitSource, abstract_encoder: Any) -> tuple[Any, Ini
     has deleted that step meanwhile and no step was asked for, its newest step then."""
 
     def read(at: int) -> tuple[dict[str, Any], Any]:
-        meta = source.meta if at == source.step else read_meta(source.workdir, at)
+        meta = source.meta if at == source.step else workdir_lib.read_meta(source.workdir, at)
         check_encoder_shapes(meta, abstract_encoder)
         return meta, ckpt_lib.restore_params(source.workdir, at, abstract_params={"encoder": abstract_encoder})
 

@@ -8,7 +8,7 @@
     claim.py   `claim(workdir, config)`: check, lock, write, run; after a failure remove what the command created
     provenance.py  `provenance.jsonl`: a row per command (command line, git commit, packages, devices, processes)
     meta.py    what defines a run (`RESUMABLE`, `identity_hash`) and the checkpoint's meta item (`make_meta`,
-               `check_compatible`, `check_tokenizer`), `checkpoint_steps`, `read_kept_step` (a step of a run that
+               `check_compatible`, `check_tokenizer`), `checkpoint_steps`, `read_meta`, `read_kept_step` (a step of a run that
                may still be training and pruning its checkpoints)
     run.py     `LoadedRun` / `load_run`: a finished run for evaluate, fine-tuning and every analysis
 
@@ -28,11 +28,11 @@ from tupe_jax.workdir.claim import check_folder, claim, remove_partial_outputs, 
 from tupe_jax.workdir.gate import check_config, config_path, differing_keys, read_config, tokenizer_path, write_config
 from tupe_jax.workdir.lock import LeaseLost, RunLock, owns_folder, refuse_if_held
 from tupe_jax.workdir.meta import (RESUMABLE, RUN_IDENTITY_SECTIONS, check_compatible, check_tokenizer,
-                                   checkpoint_steps, make_meta, read_kept_step)
+                                   checkpoint_steps, make_meta, read_kept_step, read_meta)
 from tupe_jax.workdir.run import LoadedRun, load_run, load_runs
 
 __all__ = ["RESUMABLE", "RUN_IDENTITY_SECTIONS", "LeaseLost", "LoadedRun", "RunLock", "check_compatible",
            "check_config", "check_folder", "check_tokenizer", "checkpoint_steps", "claim", "config_path",
            "differing_keys", "load_run", "load_runs", "make_meta", "owns_folder", "read_config", "read_kept_step",
-           "refuse_if_held",
+           "read_meta", "refuse_if_held",
            "remove_partial_outputs", "still_held", "tokenizer_path", "write_config"]

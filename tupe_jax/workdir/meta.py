@@ -109,6 +109,12 @@ def checkpoint_steps(workdir: str) -> list[int]:
         return checkpointer.all_steps()
 
 
+def read_meta(workdir: str, step: int) -> dict[str, Any]:
+    """The meta item of `workdir`'s checkpoint `step`."""
+    with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
+        return checkpointer.restore_meta(step)
+
+
 def latest_meta(workdir: str) -> tuple[int | None, dict[str, Any]]:
     """(latest committed step, its meta) — (None, {}) without checkpoints. Read by the gate only after
     `lock.refuse_if_held`: a live run could prune the step between the listing and the read."""

@@ -15,7 +15,7 @@ from tupe_jax.errors import UserError
 from tupe_jax.model import ModelConfig, TransformerLM
 from tupe_jax.positional import TABLE_SCHEMES, canonical_name
 from tupe_jax.workdir.gate import read_config, tokenizer_path
-from tupe_jax.workdir.meta import check_tokenizer, read_kept_step
+from tupe_jax.workdir.meta import check_tokenizer, read_kept_step, read_meta
 
 
 # ================================================================================================ loading a run
@@ -65,8 +65,7 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
                                       nn.meta.unbox(abstract))
 
     def read(at: int) -> tuple[dict, Any]:
-        with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
-            meta = checkpointer.restore_meta(at)
+        meta = read_meta(workdir, at)
         saved, ours = meta.get("param_shapes") or {}, ckpt_lib.param_shapes(abstract)
         wrong = next((k for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)), None)
         if saved and wrong is not None:
