@@ -204,9 +204,10 @@ class Transformer(nn.Module):
         length = tokens.shape[1]
         terms = self.positional(length, position_offset)
         x = self.embed(tokens)
-        if self.token_type is not None:
-            use = segments is not None and cfg.type_vocab_size > 1
-            x = x + self.token_type(segments if use else jnp.zeros_like(tokens))
+        if self.token_type is not None and segments is not None and cfg.type_vocab_size > 1:
+            x = x + self.token_type(segments)
+        elif self.token_type is not None:   # one segment: its row, added to every token
+            x = x + self.token_type.embedding[0].astype(x.dtype)
         if terms.input_vector is not None:
             x = x + terms.input_vector[None].astype(x.dtype)
         if self.embed_ln is not None:

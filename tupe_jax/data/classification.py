@@ -42,8 +42,8 @@ class EncodedGlue:
     offsets: np.ndarray   # int64 (N+1,)
     labels: np.ndarray    # int32 or float32 (N,)
     num_truncated: int
+    first_lengths: np.ndarray   # int64 (N,): tokens of [CLS] a [SEP] (segment 0; the whole example unless a pair)
     pad_id: int = PAD_ID  # the tokenizer's [PAD]
-    first_lengths: np.ndarray | None = None   # int64 (N,): tokens of [CLS] a [SEP], segment 0 (None: all of it)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -74,7 +74,7 @@ def encode_glue(tokenizer: Tokenizer, examples: list[dict], max_len: int, regres
     flat = np.fromiter((t for s in seqs for t in s), np.int32, int(lens.sum()))
     labels = np.array([e["label"] for e in examples], np.float32 if regression else np.int32)
     return EncodedGlue(flat, np.concatenate([[0], np.cumsum(lens)]), labels,
-                       int(np.sum((ta < la) | (tb < lb))), tokenizer.pad_id, ta + 2)
+                       int(np.sum((ta < la) | (tb < lb))), ta + 2, tokenizer.pad_id)
 
 
 def encoded_split(config, tokenizer: Tokenizer, task: str, split: str, max_len: int) -> EncodedGlue:
@@ -140,7 +140,7 @@ class GlueBatches:
             offs = np.arange(width)[None, :]
             mask = offs < ln[:, None]
             toks = self.enc.tokens[np.minimum(starts[:, None] + offs, len(self.enc.tokens) - 1)]
-            first = ln if self.enc.first_lengths is None else np.where(real, self.enc.first_lengths[safe], 0)
+            first = np.where(real, self.enc.first_lengths[safe], 0)
             yield ClassificationBatch(
                 inputs=np.where(mask, toks, self.enc.pad_id).astype(np.int32), input_mask=mask.astype(np.int32),
                 segments=(mask & (offs >= first[:, None])).astype(np.int32),

@@ -184,9 +184,11 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, class
         keys = dict((hf.get(NATIVE) or {}).get("model") or {})
         require(bool(keys), "config.json of a tupe_jax export lacks its 'tupe_jax.model' section", where,
                 "export the run again with `launch export`")
-    else:   # this project's bert_a export: its own type_vocab_size (0: the zero table export wrote is not kept)
+    else:
         ours = (hf.get(NATIVE) or {}).get("model", {})
-        keys = {**ours, **bert_model_keys(hf, where), **{k: ours[k] for k in ("type_vocab_size",) if k in ours}}
+        keys = {**ours, **bert_model_keys(hf, where)}
+        if "type_vocab_size" in ours:   # this project's bert_a export: 0 stays 0 (export wrote a zero table)
+            keys["type_vocab_size"] = ours["type_vocab_size"]
     config = build_config(base, keys, where)
     tokenizer = read_tokenizer(src, where)
     tensors, _ = safetensors_io.read(src, where)
