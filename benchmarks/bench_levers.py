@@ -36,10 +36,13 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save;
 - tupe_a / tupe_r: the same step for that scheme instead of bert_a (the scheme's cost, measured in one process,
   where the rounds alternate within seconds: steadier than bench_train's one process per job);
-- oneDNN dots (tried): the current step compiled with `ONEDNN_DOTS`, XLA options for that executable alone;
+- XLA dots (before): the step with its dots on XLA:CPU's default library (YNNPACK), not oneDNN
+  (`tupe_jax.xla_options`; before that module the variant was "oneDNN dots (tried)", the other way round);
 - HF Flax (peer): HF `FlaxBertForMaskedLM`'s step as bench_train runs it (dense logits over all 128 positions,
   whatever `--slots`), the same XLA in the same process: at `--slots 128` the equal-work ratio without the spread
   between processes;
+- HF Flax (peer) with oneDNN dots: that step compiled with oneDNN for its dots, as ours is: what the same XLA option
+  would give HF Flax;
 - HF torch (peer): HF `BertForMaskedLM`'s step as bench_train runs it (torch's default threads), in the same
   process and rounds.
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
@@ -60,6 +63,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
+from tupe_jax.xla_options import ONEDNN_DOTS  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False, dropout: float = 0.1,
@@ -114,12 +118,12 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         model_lib.dense_dot_general = attention_lib.dense_dot_general = jax.lax.dot_general
     if plain_gelu:      # the code before activations.gelu: jax.nn.gelu's erfc form
         model_lib.gelu = lambda x: jax.nn.gelu(x, approximate=False)
-    try:
-        step = jax.jit(steps.make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0)
+    from tupe_jax import xla_options  # pylint: disable=import-outside-toplevel
+    try:    # XLA options for this executable alone: the trainer's (xla_options.step_options), unless given
+        step = jax.jit(steps.make_train_step(model, tx, schedule, 1, rng_impl), donate_argnums=0,
+                       compiler_options=xla_options.step_options() if compiler_options is None else compiler_options)
         batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))
                    for b in synthetic_batches(shape, 4, slots)]
-        if compiler_options:    # XLA options for this executable alone (the same as XLA_FLAGS for the process)
-            step = step.lower(state, batches[0]).compile(compiler_options)
         variant = {"state": state, "step": step, "batches": batches, "i": 0}
         run(variant, 2)   # compile (traced while the patch is in place) + one warm step
     finally:
@@ -131,18 +135,16 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     return variant
 
 
-# XLA:CPU hands every dot to oneDNN instead of YNNPACK (alone, oneDNN ran attention's (128 × 64)·(64 × 128) batched
-# products faster; session 21 tried it as a process-wide XLA flag, session 24 per executable, in the same rounds)
-ONEDNN_DOTS = {"xla_cpu_use_onednn": True,
-               "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+# The step's dots on XLA:CPU's default library (YNNPACK), as before `xla_options.step_options` sent them to oneDNN
+XLA_DOTS = {"xla_cpu_use_onednn": False}
 
 
-def build_hf_flax(slots: int) -> dict:
+def build_hf_flax(slots: int, compiler_options: Optional[dict] = None) -> dict:
     """The HF Flax peer's step (`train_workers.flax_peer`) at the same shape, as a variant: its ratio to ours in
     the same process and rounds, free of bench_train's process-to-process spread."""
     from train_workers import shape as train_shape, flax_peer  # pylint: disable=import-outside-toplevel
     shape = train_shape("small")
-    step, state, batches = flax_peer(shape, 0.1, slots)
+    step, state, batches = flax_peer(shape, 0.1, slots, compiler_options)
 
     def with_metrics(state, batch):
         state, loss = step(state, batch)
@@ -268,8 +270,9 @@ def main() -> None:
               "no dropout": lambda: build(args.slots, dropout=0.0),
               "tupe_a": lambda: build(args.slots, scheme="tupe_a"),
               "tupe_r": lambda: build(args.slots, scheme="tupe_r"),
-              "oneDNN dots (tried)": lambda: build(args.slots, compiler_options=ONEDNN_DOTS),
+              "XLA dots (before)": lambda: build(args.slots, compiler_options=XLA_DOTS),
               "HF Flax (peer)": lambda: build_hf_flax(args.slots),
+              "HF Flax (peer) with oneDNN dots": lambda: build_hf_flax(args.slots, ONEDNN_DOTS),
               "HF torch (peer)": lambda: build_hf_torch(args.slots)}
     chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]
     unknown = [n for n in chosen if n not in makers]

@@ -124,7 +124,9 @@ def worker_ours(args, s: dict) -> dict:
     model = TransformerLM(ModelConfig.from_config(config.model))
     tx, schedule = make_optimizer(config.train)
     state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, config.model.max_len)(r)))(jax.random.PRNGKey(0))
-    step_fn = jax.jit(make_train_step(model, tx, schedule, 1), donate_argnums=0)
+    from tupe_jax import xla_options  # pylint: disable=import-outside-toplevel
+    step_fn = jax.jit(make_train_step(model, tx, schedule, 1), donate_argnums=0,   # as the trainer compiles it
+                      compiler_options=xla_options.step_options())
     batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))     # prefetched onto the device
                for b in synthetic_batches(s, 4, args.predictions)]
     holder = {"state": state, "i": 0}
@@ -201,9 +203,10 @@ def worker_torch(args, s: dict) -> dict:
                        f"attn={model.config._attn_implementation}"}  # pylint: disable=protected-access
 
 
-def flax_peer(s: dict, dropout: float, predictions: int):
+def flax_peer(s: dict, dropout: float, predictions: int, compiler_options=None):
     """HF `FlaxBertForMaskedLM`'s train step as HF's run_mlm_flax.py builds it (dense logits, labels -100 ignored,
-    AdamW after global-norm clipping): (jitted step(state, batch) -> (state, loss), state, device batches)."""
+    AdamW after global-norm clipping): (jitted step(state, batch) -> (state, loss), state, device batches).
+    `compiler_options`: XLA options for the step (None: XLA's defaults, as HF's script runs)."""
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     import optax  # pylint: disable=import-outside-toplevel
@@ -238,7 +241,7 @@ def flax_peer(s: dict, dropout: float, predictions: int):
 
     batches = [jax.device_put({"inputs": b["inputs"], "input_mask": b["input_mask"],
                                "labels": dense_labels(b, -100)}) for b in synthetic_batches(s, 4, predictions)]
-    return jax.jit(train_step, donate_argnums=0), state, batches
+    return jax.jit(train_step, donate_argnums=0, compiler_options=compiler_options), state, batches
 
 
 def worker_flax(args, s: dict) -> dict:

@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from tupe_jax import xla_options
 from tupe_jax.errors import UserError
 
 
@@ -210,6 +211,7 @@ def run(argv: Sequence[str]) -> int:
         parser.print_help()
         return 2
     command = COMMANDS[args.command]
+    xla_options.opted_out()           # a bad TUPE_JAX_ONEDNN stops here, before any work
     config = None
     if command.needs_config:
         from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel

@@ -37,7 +37,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # default optimisation level unless a recording is made at the suite's fast compile (`COMPILES`, `record_at`)
 RECORDING_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("XLA_FLAGS", RECORDING_XLA_FLAGS)
-from tupe_jax import host  # noqa: E402  pylint: disable=wrong-import-position
+from tupe_jax import host, xla_options  # noqa: E402  pylint: disable=wrong-import-position
 from tests import xla_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 # how a recording may be compiled: XLA's default (the primary, and the bitwise link to the code before the redesign)
@@ -70,29 +70,32 @@ def compile_kind() -> str:
 
 
 def stack() -> dict[str, str]:
-    """The versions, the CPU kind and the compile that decide float rounding."""
+    """The versions, the CPU kind, the compile and the steps' dot library that decide float rounding."""
     import jax  # pylint: disable=import-outside-toplevel
     import jaxlib  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-            "device": jax.devices()[0].device_kind, "cpu": host.cpu_kind(), "compile": compile_kind()}
+            "device": jax.devices()[0].device_kind, "cpu": host.cpu_kind(), "compile": compile_kind(),
+            "dots": xla_options.dot_library()}
 
 
 def recording_path(of: dict) -> str:
     """Where the recording of the stack `of` lives when it is not the primary."""
-    name = re.sub(r"[^a-z0-9]+", "-", of["cpu"].lower()) + ("-fast-compile" if of["compile"] == "fast" else "")
+    name = re.sub(r"[^a-z0-9]+", "-", of["cpu"].lower()) + ("-fast-compile" if of["compile"] == "fast" else "") \
+        + ("-onednn" if of.get("dots", "xla") == "onednn" else "")
     return os.path.join(os.path.dirname(GOLDEN), f"behaviour-{name}.json")
 
 
 def recordings() -> list[dict]:
     """Every recording, the primary (`behaviour.json`) first; a stack recorded before compiles were told apart
-    was compiled at XLA's default."""
+    was compiled at XLA's default, and one recorded before the steps could use oneDNN used XLA's dot library."""
     paths = [GOLDEN] + sorted(glob.glob(os.path.join(os.path.dirname(GOLDEN), "behaviour-*.json")))
     out = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             out.append(json.load(f))
         out[-1]["stack"].setdefault("compile", "default")
+        out[-1]["stack"].setdefault("dots", "xla")
     return out
 
 

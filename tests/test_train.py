@@ -1,6 +1,6 @@
 """Pretraining loop: loss falls for every scheme, sharding-invariant losses, exact resume, preemption."""
-import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -88,7 +88,11 @@ def params_of(workdir):
     return jax.tree_util.tree_map(np.asarray, workdir_lib.load_run(str(workdir)).params)
 
 
-def test_stop_and_resume_is_bitwise_exact(cache_dir, tmp_path):
+# "1": the steps' dots on oneDNN, as the launcher runs them on x86 (the suite's default is XLA's library: conftest.py)
+@pytest.mark.parametrize("onednn", ["0", pytest.param("1", marks=pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="oneDNN: x86 only"))])
+def test_stop_and_resume_is_bitwise_exact(onednn, cache_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TUPE_JAX_ONEDNN", onednn)
     config = tiny_config("pe=tupe_r", cache_dir, steps=12)
     pretrain_loop.pretrain(config, str(tmp_path / "straight"))
     pretrain_loop.pretrain(config, str(tmp_path / "resumed"), stop_after=5)

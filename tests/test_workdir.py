@@ -410,6 +410,8 @@ def test_every_claim_records_its_provenance(tmp_path):
     assert row["devices"]["kind"] == jax.devices()[0].device_kind and row["process_count"] == 1
     assert row["command"] == " ".join(sys.argv) and len(row["git_commit"]) >= 40
     assert row["cpu"] == host.cpu_description()
+    assert row["dot_library"] == ("onednn" if os.environ.get("TUPE_JAX_ONEDNN") != "0" and
+                                  platform.machine().lower() in ("x86_64", "amd64") else "xla")
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax import files
 from tupe_jax import sharding as sharding_lib
 from tupe_jax import workdir as workdir_lib
+from tupe_jax import xla_options
 from tupe_jax.errors import UserError
 from tupe_jax.optim import accumulate_gradients, dropout_key
 
@@ -142,7 +143,8 @@ class Trainer:
         self.shardings = sharding_lib.logical_to_shardings(self.abstract, mesh)
         self.meta_fn = meta or (lambda state: {})
         self.step_fn = jax.jit(step_fn, in_shardings=(self.shardings, sharding_lib.batch_sharding(mesh)),
-                               out_shardings=(self.shardings, sharding_lib.replicated(mesh)), donate_argnums=0)
+                               out_shardings=(self.shardings, sharding_lib.replicated(mesh)), donate_argnums=0,
+                               compiler_options=xla_options.step_options())
         self._all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
                                                                    for x in jax.tree_util.tree_leaves(tree)])))
 

@@ -21,6 +21,7 @@ import optax
 from tupe_jax import data as data_lib
 from tupe_jax import sharding as sh
 from tupe_jax import trainer as trainer_lib
+from tupe_jax import xla_options
 from tupe_jax.data import classification
 from tupe_jax.data.batch import ClassificationBatch
 from tupe_jax.data.tokenizer import Tokenizer
@@ -98,7 +99,7 @@ class Runner:
         """Jit the eval step for params laid out as `params_sharding` (the trainer's)."""
         self.eval_step = jax.jit(make_eval_step(self.model),
                                  in_shardings=(params_sharding, sh.batch_sharding(self.mesh)),
-                                 out_shardings=sh.replicated(self.mesh))
+                                 out_shardings=sh.replicated(self.mesh), compiler_options=xla_options.step_options())
 
     def train_batches(self, epoch: int):
         return data_lib.glue_batches(self.config, self.tokenizer, self.task, "train", batch_size=self.batch_size,

@@ -9,6 +9,7 @@ from tupe_jax import files
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import sharding as sharding_lib
 from tupe_jax import workdir as workdir_lib
+from tupe_jax import xla_options
 from tupe_jax.errors import UserError
 from tupe_jax.model import TransformerLM
 from tupe_jax.pretrain import steps
@@ -31,7 +32,8 @@ def evaluate(workdir: str, step: Optional[int] = None) -> dict[str, float]:
         raise UserError(f"the corpus of {workdir} has no validation split", "data.holdout",
                         "set --config.data.holdout>0 when pretraining")
     params = sharding_lib.replicate(run.params, mesh)
-    sums = steps.run_eval(jax.jit(steps.make_eval_step(TransformerLM(run.model_cfg))), params, batches, mesh, 0)
+    eval_step = jax.jit(steps.make_eval_step(TransformerLM(run.model_cfg)), compiler_options=xla_options.step_options())
+    sums = steps.run_eval(eval_step, params, batches, mesh, 0)
     values = steps.summarize(sums, run.model_cfg.causal, prefix="eval_")
     live = live_run_in_bucket(workdir)
     if live is None:

@@ -21,6 +21,7 @@ from tupe_jax import metrics as metrics_lib
 from tupe_jax import sharding as sharding_lib
 from tupe_jax import trainer as trainer_lib
 from tupe_jax import workdir as workdir_lib
+from tupe_jax import xla_options
 from tupe_jax.errors import UserError
 from tupe_jax.model import ModelConfig, TransformerLM
 from tupe_jax.optim import make_optimizer
@@ -87,7 +88,8 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
 
     # --------------------------------------------------------------------------------------- hooks
     eval_step = jax.jit(steps.make_eval_step(model), in_shardings=(trainer.shardings["params"],
-                                                                   sharding_lib.batch_sharding(mesh)))
+                                                                   sharding_lib.batch_sharding(mesh)),
+                        compiler_options=xla_options.step_options())
     flops = steps.step_flops(config)
     peak = metrics_lib.peak_tflops(float(config.metrics.peak_tflops))
     tokens_per_step = batch_size * int(config.model.max_len)

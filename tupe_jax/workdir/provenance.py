@@ -1,5 +1,6 @@
 """Provenance: every command that claims a run folder appends one row to `provenance.jsonl` — when, the full command
-line, the git commit of this checkout (when there is one), the CPU, the package versions, the devices and processes.
+line, the git commit of this checkout (when there is one), the CPU, the package versions, the devices and processes,
+and the library the steps' dots use (`xla_options.dot_library`: it decides float rounding on an x86 CPU).
 
 A run resumed on another machine, JAX or commit therefore says so in its own folder.
 """
@@ -14,7 +15,7 @@ from importlib import metadata
 
 import jax
 
-from tupe_jax import files, host
+from tupe_jax import files, host, xla_options
 
 NAME = "provenance.jsonl"
 PACKAGES = ("tupe-jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "grain", "tensorflow-datasets",
@@ -53,7 +54,8 @@ def describe() -> dict:
             "packages": versions(),
             "devices": {"platform": devices[0].platform, "kind": devices[0].device_kind, "count": len(devices),
                         "local_count": jax.local_device_count()},
-            "process_count": jax.process_count(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
+            "process_count": jax.process_count(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "dot_library": xla_options.dot_library()}
 
 
 def record(workdir: str) -> None:
