@@ -8,6 +8,16 @@ Shapes (M = batch 16 × length 128 = 2048 tokens; d 256, MLP 1024, vocab 8192): 
 (the smaller operand's transpose materialised); plus a 2048³ square. One jitted dot per shape, `--steps` synced
 calls per round; per shape the median over rounds of the per-round median, with its min–max (`rounds.spread`);
 GFLOP/s = 2·M·K·F / s.
+
+    python benchmarks/bench_matmul.py --attention --rounds 7 --json benchmarks/results_matmul_attention_<cpu>.json
+    taskset -c 0 python benchmarks/bench_matmul.py --attention --rounds 7 --json …_1core.json
+
+`--attention`: attention's batched products instead, at the same shape (batch 16 × 4 heads = 64 products of
+length 128, head size 64) — S = Q·Kᵀ, O = P·V and ∂V = Pᵀ·∂O (∂P, ∂Q, ∂K have the same forms) — each run three
+ways in every round: XLA with its default libraries, XLA with oneDNN for its dots (`xla_options.ONEDNN_DOTS`,
+options for that executable alone) and torch's `bmm`; the qkv projection with XLA's defaults is the yardstick of
+what a second core adds. Run it once as is and once under `taskset -c 0` to see which products use both cores
+(the JSON records the cores the process may use).
 """
 from __future__ import annotations
 
@@ -34,12 +44,65 @@ SHAPES = {  # name: (M, K, F) of the product (M, K) · (K, F)
 }
 
 
+BATCHED = {  # name: (lhs shape, rhs shape, lhs contracting dim, rhs contracting dim), batch dim 0; 64 = 16 × 4 heads
+    "S = Q·Kᵀ (128×64 · 64×128)": ((64, 128, 64), (64, 128, 64), 2, 2),
+    "O = P·V (128×128 · 128×64)": ((64, 128, 128), (64, 128, 64), 2, 1),
+    "∂V = Pᵀ·∂O (128×128ᵀ · 128×64)": ((64, 128, 128), (64, 128, 64), 1, 1),
+}
+
+
+def attention_products(rounds: int, steps: int) -> dict:
+    """GFLOP/s per round of each batched product under each engine (module docstring), engines interleaved."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import torch  # pylint: disable=import-outside-toplevel
+    from tupe_jax.xla_options import ONEDNN_DOTS  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(0)
+    calls, flops = {}, {}
+    for name, (ls, rs, lc, rc) in BATCHED.items():
+        a, b = rng.standard_normal(ls, np.float32), rng.standard_normal(rs, np.float32)
+        dims = (((lc,), (rc,)), ((0,), (0,)))
+        flops[name] = 2 * ls[0] * ls[lc] * (ls[3 - lc]) * rs[3 - rc]
+        product = jax.jit(lambda x, y, dims=dims: jax.lax.dot_general(x, y, dims))
+        ja, jb = jax.numpy.asarray(a), jax.numpy.asarray(b)
+        for engine, options in (("XLA", None), ("XLA, oneDNN dots", ONEDNN_DOTS)):
+            compiled = product.lower(ja, jb).compile(options)
+            calls[(name, engine)] = lambda c=compiled, x=ja, y=jb: c(x, y).block_until_ready()
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)        # bmm takes (batch, m, k) · (batch, k, n) views
+        ta, tb = (ta.transpose(1, 2) if lc == 1 else ta), (tb.transpose(1, 2) if rc == 2 else tb)
+        calls[(name, "torch bmm")] = lambda x=ta, y=tb: torch.bmm(x, y)
+    m, k, f = SHAPES["qkv forward (2048×256 · 256×768)"]
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, f), np.float32)
+    compiled = jax.jit(jax.numpy.dot).lower(x, w).compile()
+    calls[("qkv projection (2048×256 · 256×768)", "XLA")] = lambda: compiled(x, w).block_until_ready()
+    flops["qkv projection (2048×256 · 256×768)"] = 2 * m * k * f
+    for call in calls.values():
+        call()
+    per = {f"{name} | {engine}": [] for name, engine in calls}
+    for r in range(rounds):
+        for (name, engine), call in calls.items():
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            per[f"{name} | {engine}"].append(flops[name] / statistics.median(times) / 1e9)
+        print(f"# round {r}: " + ", ".join(f"{v[-1]:.0f}" for v in per.values()) + " GFLOP/s", flush=True)
+    return per
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--attention", action="store_true", help="attention's batched products, three engines")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        sys.exit(f"error: no folder for --json {args.json!r}, --json, create the folder or name another")
+    if args.attention:
+        load_before = os.getloadavg()
+        return report(args, attention_products(args.rounds, args.steps), load_before)
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     dot = jax.jit(jnp.dot)
@@ -61,14 +124,23 @@ def main() -> None:
             m, k, f = SHAPES[name]
             per[name].append(2 * m * k * f / statistics.median(times) / 1e9)
         print(f"# round {r}: " + ", ".join(f"{v[-1]:.0f}" for v in per.values()) + " GFLOP/s", flush=True)
+    return report(args, per, load_before)
+
+
+def report(args: argparse.Namespace, per: dict, load_before) -> None:
+    """Print the table and write the JSON (`--json`)."""
+    import jax  # pylint: disable=import-outside-toplevel
     from tupe_jax.host import cpu_description  # pylint: disable=import-outside-toplevel
     out = {"command": "python benchmarks/bench_matmul.py " + shlex.join(sys.argv[1:]), "jax": jax.__version__,
            "cpu": cpu_description(),
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
+           "cores_allowed": sorted(os.sched_getaffinity(0)),
            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
            "gflops_per_round": per,
            "gflops": {n: spread(v) for n, v in per.items()}}
-    print("\n| product | GFLOP/s, median of rounds (min–max) |\n|---|---|")
+    engines = "engine | " if args.attention else ""
+    print(f"\n| product ({len(os.sched_getaffinity(0))} cores) | {engines}GFLOP/s, median of rounds (min–max) |\n"
+          f"|---|{'---|' if engines else ''}---|")
     for name, g in out["gflops"].items():
         print(f"| {name} | {g['median']:.0f} ({g['min']:.0f}–{g['max']:.0f}) |")
     if args.json:
