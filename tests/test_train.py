@@ -14,6 +14,7 @@ from configs import pretrain as pretrain_config
 from tests import xla_flags
 from tupe_jax import config as config_lib
 from tupe_jax import workdir as workdir_lib
+from tupe_jax import xla_options
 from tupe_jax.errors import UserError
 from tupe_jax.pretrain import evaluate as evaluate_lib
 from tupe_jax.pretrain import loop as pretrain_loop
@@ -90,7 +91,7 @@ def params_of(workdir):
 
 # "1": the steps' dots on oneDNN, as the launcher runs them on x86 (the suite's default is XLA's library: conftest.py)
 @pytest.mark.parametrize("onednn", ["0", pytest.param("1", marks=pytest.mark.skipif(
-    platform.machine().lower() not in ("x86_64", "amd64"), reason="oneDNN: x86 only"))])
+    platform.machine().lower() not in xla_options.X86, reason="oneDNN: x86 only"))])
 def test_stop_and_resume_is_bitwise_exact(onednn, cache_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TUPE_JAX_ONEDNN", onednn)
     config = tiny_config("pe=tupe_r", cache_dir, steps=12)

@@ -18,6 +18,7 @@ from tupe_jax import checkpoint as ckpt
 from tupe_jax import config as config_lib
 from tupe_jax import host
 from tupe_jax import workdir as workdir_lib
+from tupe_jax import xla_options
 from tupe_jax.errors import UserError
 from tests.workdir_fixtures import ROOT, load_config, tree
 from tests import xla_flags
@@ -411,7 +412,7 @@ def test_every_claim_records_its_provenance(tmp_path):
     assert row["command"] == " ".join(sys.argv) and len(row["git_commit"]) >= 40
     assert row["cpu"] == host.cpu_description()
     assert row["dot_library"] == ("onednn" if os.environ.get("TUPE_JAX_ONEDNN") != "0" and
-                                  platform.machine().lower() in ("x86_64", "amd64") else "xla")
+                                  platform.machine().lower() in xla_options.X86 else "xla")
 
 
 @pytest.mark.slow
