@@ -9,9 +9,11 @@ rounding: then the test compares to 1e-5 relative to the primary recording).
 The stack is the versions that decide float rounding, the host CPU's kind (`tupe_jax.host.cpu_kind`) and how XLA
 compiled: XLA:CPU compiles for the host's vector ISA, so the same code and versions round differently on an AVX2 and
 an AVX-512 machine, and the suite's fast compile (-O0, tests/xla_flags.py) emits other machine code than XLA's
-default. The primary recording is `behaviour.json` (XLA's default compile); a recording of the same numbers on
-another CPU kind or at the fast compile sits beside it as `behaviour-<cpu kind>[-fast-compile].json` (`--add`,
-`--add-fast`), and every such file must agree with the primary to 1e-5.
+default; so does the library the steps' dots run on (`tupe_jax.xla_options`: oneDNN on x86 unless
+TUPE_JAX_ONEDNN=0, which the suite sets). The primary recording is `behaviour.json` (XLA's default compile); a
+recording of the same numbers on another CPU kind, at the fast compile or with oneDNN dots sits beside it as
+`behaviour-<cpu kind>[-fast-compile][-onednn].json` (`--add`, `--add-fast`), and every such file must agree with
+the primary to 1e-5.
 
     python tests/behaviour.py --write     the numbers changed: record this machine, drop every other recording
     python tests/behaviour.py --add       the numbers did not change: add (or renew) this CPU kind's recording
