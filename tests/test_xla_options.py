@@ -132,9 +132,10 @@ def test_the_onednn_step_has_the_default_steps_loss_and_gradients(pe):
         return total / aux["weight"]
 
     grad = jax.value_and_grad(loss)
-    (want, want_g), (got, got_g) = [jax.jit(grad, compiler_options=options)(params)
-                                    for options in (None, xla_options.ONEDNN_DOTS)]
-    assert "onednn" in jax.jit(grad, compiler_options=xla_options.ONEDNN_DOTS).lower(params).compile().as_text()
+    onednn = jax.jit(grad, compiler_options=xla_options.ONEDNN_DOTS).lower(params).compile()
+    # most dots on oneDNN; with a positional bias XLA may still fuse a score product and its bias add for YNNPACK
+    assert dot_libraries(onednn.as_text()).count("__onednn_fusion") >= 20
+    (want, want_g), (got, got_g) = jax.jit(grad)(params), onednn(params)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree_util.tree_leaves(want_g)):
         scale = float(np.max(np.abs(w)))

@@ -8,8 +8,8 @@
     claim.py   `claim(workdir, config)`: check, lock, write, run; after a failure remove what the command created
     provenance.py  `provenance.jsonl`: a row per command (command line, git commit, packages, devices, processes)
     meta.py    what defines a run (`RESUMABLE`, `identity_hash`) and the checkpoint's meta item (`make_meta`,
-               `check_compatible`, `check_tokenizer`), `checkpoint_steps`, `read_meta`, `read_kept_step` (a step of a run that
-               may still be training and pruning its checkpoints)
+               `check_compatible`, `check_tokenizer`), `checkpoint_steps`, `read_meta`, `read_kept_step` (a step of a
+               run that may still be training and pruning its checkpoints)
     run.py     `LoadedRun` / `load_run`: a finished run for evaluate, fine-tuning and every analysis
 
 A run folder holds:
