@@ -133,7 +133,7 @@ def test_the_onednn_step_has_the_default_steps_loss_and_gradients(pe):
 
     grad = jax.value_and_grad(loss)
     onednn = jax.jit(grad, compiler_options=xla_options.ONEDNN_DOTS).lower(params).compile()
-    # most dots on oneDNN; with a positional bias XLA may still fuse a score product and its bias add for YNNPACK
+    # most dots on oneDNN: XLA may still fuse a score product and the mask or bias add after it for YNNPACK
     assert dot_libraries(onednn.as_text()).count("__onednn_fusion") >= 20
     (want, want_g), (got, got_g) = jax.jit(grad)(params), onednn(params)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)

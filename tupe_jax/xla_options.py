@@ -7,8 +7,9 @@ cores than on one; oneDNN, and torch's `bmm`, run them 1.3–2.0× faster on two
 took 0.85–0.98× the wall time of the step with YNNPACK's, by the median of each of five in-process A/Bs. Only
 that CPU kind is measured; other x86 CPUs get the same choice unmeasured.
 
-XLA still decides per dot: in a scheme with a positional logit bias (TUPE, T5, ALiBi) it may fuse the score product
-Q·Kᵀ with its bias add into one YNNPACK call (bert_a's step has every dot on oneDNN: tests/test_xla_options.py).
+XLA still decides per dot: it may fuse a score product Q·Kᵀ with the add that follows it (the attention mask or a
+positional bias) into one YNNPACK call. The trainer's bert_a step has every dot on oneDNN; a bare loss-and-gradient
+of bert_a or tupe_r keeps two of its dots on YNNPACK (tests/test_xla_options.py).
 
 The maths is the same. Float rounding differs (another summation order inside each dot), as it does between an
 AVX2 and an AVX-512 machine. XLA takes these options per executable: they apply to the steps compiled with them
