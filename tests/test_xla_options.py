@@ -141,3 +141,42 @@ def test_the_onednn_step_has_the_default_steps_loss_and_gradients(pe):
         scale = float(np.max(np.abs(w)))
         assert scale > 0, path
         assert float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+@needs_x86
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_the_analyses_run_the_model_with_the_steps_dot_library(monkeypatch, setting):
+    """extrapolate's NLL, the shared forward (probe, attention maps) and correlations' logits are compiled as the
+    steps are: their dots on oneDNN when it applies (all but at most two, which XLA may fuse with the add after them
+    for YNNPACK, as in the steps), none when opted out; with oneDNN the NLL is XLA's library's to 1e-5."""
+    from tupe_jax.analysis import common, correlations, extrapolate  # pylint: disable=import-outside-toplevel
+    monkeypatch.setenv("TUPE_JAX_ONEDNN", setting)
+
+    def model(pe: str, objective: str):
+        config = _tiny(pe)
+        config_lib.apply_overrides(config, {"model.objective": objective})
+        cfg = ModelConfig.from_config(config.model)
+        return cfg, TransformerLM(cfg).init({"params": jax.random.PRNGKey(1)}, jnp.zeros((1, 8), jnp.int32))["params"]
+
+    (cfg, params), (tupe_cfg, tupe_params) = model("alibi", "clm"), model("tupe_r", "mlm")
+    inputs = jnp.asarray(np.random.default_rng(0).integers(5, 512, (2, 64)).astype(np.int32))  # 2 × max_len
+    weights = jnp.ones(inputs.shape, jnp.float32)
+    nll = extrapolate._nll_fn.__wrapped__(cfg)  # pylint: disable=protected-access
+    logits = correlations._logits_fn.__wrapped__(tupe_cfg, 1)  # pylint: disable=protected-access
+    compiled = {"nll": nll.lower(params, inputs, inputs, weights).compile(),
+                "forward": common.forward_fn.__wrapped__(cfg, return_hidden=True).lower(params, inputs).compile(),
+                "logits": logits.lower(tupe_params, inputs[:, :32]).compile()}
+    for name, executable in compiled.items():
+        libraries = dot_libraries(executable.as_text())
+        assert libraries, name
+        if setting == "1":
+            assert set(libraries) <= {"__onednn_fusion", "__ynn_fusion"}, (name, libraries)
+            assert libraries.count("__onednn_fusion") >= len(libraries) - 2, (name, libraries)
+        else:
+            assert "__onednn_fusion" not in libraries, (name, libraries)
+    if setting == "0":
+        return
+    got, count = compiled["nll"](params, inputs, inputs, weights)
+    want, _ = jax.jit(nll.__wrapped__)(params, inputs, inputs, weights)  # the same function, XLA's library
+    assert float(count) == inputs.size
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)

@@ -12,8 +12,9 @@ positional bias) into one YNNPACK call. The trainer's bert_a step has every dot 
 of bert_a or tupe_r keeps two of its dots on YNNPACK (tests/test_xla_options.py).
 
 The maths is the same. Float rounding differs (another summation order inside each dot), as it does between an
-AVX2 and an AVX-512 machine. XLA takes these options per executable: they apply to the steps compiled with them
-(`jax.jit(..., compiler_options=step_options())`) and to nothing else in the process.
+AVX2 and an AVX-512 machine. XLA takes these options per executable: they apply to the executables compiled with
+them (`jax.jit(..., compiler_options=step_options())`: the train and eval steps, and the analyses' model forwards
+through `analysis.common.model_jit`) and to nothing else in the process.
 
 Used when the backend is XLA:CPU on an x86 machine (XLA builds its oneDNN support for x86 only). `TUPE_JAX_ONEDNN=0`
 opts out and keeps XLA's default library; `1` or unset opts in. JAX's persistent compilation cache cannot store an

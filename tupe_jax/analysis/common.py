@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tupe_jax import files, plots
+from tupe_jax import files, plots, xla_options
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.data import pipeline
 from tupe_jax.errors import UserError
@@ -151,12 +151,19 @@ def batch_rows(length: int, model_cfg: ModelConfig, token_budget: int = DEFAULT_
     return max(1, min(by_tokens, by_attention))
 
 
+def model_jit(fn):
+    """`jax.jit(fn)` with the train and eval steps' compile options (`xla_options.step_options`: oneDNN for the dots
+    on an x86 CPU), so an analysis runs the model as `evaluate` does. Read when called: the cached forwards below are
+    built once per process."""
+    return jax.jit(fn, compiler_options=xla_options.step_options())
+
+
 @functools.lru_cache(maxsize=32)
 def forward_fn(model_cfg: ModelConfig, return_hidden: bool = False, return_attention: bool = False):
-    """Jitted deterministic `TransformerLM.apply(params, tokens, input_mask, mlm_positions)`."""
+    """Jitted deterministic `TransformerLM.apply(params, tokens, input_mask, mlm_positions)` (`model_jit`)."""
     model = TransformerLM(model_cfg)
 
-    @jax.jit
+    @model_jit
     def forward(params, tokens, input_mask=None, mlm_positions=None):
         return model.apply({"params": params}, tokens, input_mask=input_mask, mlm_positions=mlm_positions,
                            deterministic=True, return_hidden=return_hidden, return_attention=return_attention)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 from typing import Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -65,7 +64,7 @@ def positional_correlation(run: common.Run, length: int) -> np.ndarray:
 def _logits_fn(model_cfg, layer: int):
     model, encoder = TransformerLM(model_cfg), Transformer(model_cfg)
 
-    @jax.jit
+    @common.model_jit
     def logits(params, tokens):
         _, state = model.apply({"params": params}, tokens, deterministic=True,
                                capture_intermediates=lambda mdl, method: method == "__call__" and mdl.name == "qkv",
