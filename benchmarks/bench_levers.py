@@ -282,11 +282,14 @@ def main() -> None:
     per = {name: [] for name in variants}
     cpu = {name: [] for name in variants}
     loads = []
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
         for name, variant in variants.items():
             per[name].append(1e3 * run(variant, args.steps))
             cpu[name].append(1e3 * run(variant, args.steps, cpu=True))
         loads.append(os.getloadavg()[0])
+        print(f"round {i + 1}/{args.rounds}: current {per['current'][-1]:.1f} ms; " + ", ".join(
+            f"{name} {per[name][-1] / per['current'][-1]:.3f}×" for name in variants if name != "current"),
+            flush=True)
     out = {"command": "python benchmarks/bench_levers.py " + shlex.join(sys.argv[1:]), "slots": args.slots,
            "loadavg_before": load_before, "loadavg_per_round": loads, "step_ms_per_round": per,
            "cpu_ms_per_round": cpu, "ratios": {}, "cpu_ratios": {}}
