@@ -9,7 +9,9 @@ head 16 × 20 = 320). Variants: `plain` (the full (M, V) logits, `head._plain`) 
 gradient form forced at about r rows a chunk (`head.chunking`; 0: one chunk of all M rows). Each round runs every
 variant in turn, `--steps` synced calls each; a variant's ratio to `plain` is taken within each round; reported:
 the median over rounds with its min–max and, from 6 rounds, the median's 95% interval (`rounds.spread`). Also
-checked before timing: every variant's loss and gradients match `plain` within 1e-5 relative. Not a test.
+checked before timing: every variant's loss and gradients match `plain` within 1e-5 relative. `--dots onednn`
+compiles every variant with oneDNN for its dots, as the train step is on an x86 CPU (`tupe_jax/xla_options.py`);
+the default, `xla`, is XLA:CPU's own library, as the runs before session 26 were. Not a test.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 D, V = 256, 8192
 
 
-def variants(m: int, chunks: list[int]) -> dict:
-    """{name: jitted (h, E, b) -> (loss, grads)} for m rows (module docstring)."""
+def variants(m: int, chunks: list[int], compiler_options=None) -> dict:
+    """{name: jitted (h, E, b) -> (loss, grads)} for m rows (module docstring), compiled with `compiler_options`."""
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from tupe_jax import head  # pylint: disable=import-outside-toplevel
@@ -40,7 +42,8 @@ def variants(m: int, chunks: list[int]) -> dict:
     weights = (jax.random.uniform(k[1], (m,)) > 0.15).astype(jnp.float32)
 
     def grad(fn):
-        return jax.jit(jax.value_and_grad(lambda h, e, b: fn(h, e, b)[0], argnums=(0, 1, 2)))
+        return jax.jit(jax.value_and_grad(lambda h, e, b: fn(h, e, b)[0], argnums=(0, 1, 2)),
+                       compiler_options=compiler_options)
 
     out = {"plain": grad(lambda h, e, b: head._plain(h, e, b, labels, weights))}  # pylint: disable=protected-access
     for rows in chunks:
@@ -55,17 +58,21 @@ def main() -> None:
     ap.add_argument("--chunks", default="0,128,256,512")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dots", choices=("xla", "onednn"), default="xla",
+                    help="the dot library: XLA:CPU's default (as before session 26) or oneDNN (xla_options.ONEDNN_DOTS,"
+                    " as the train step compiles on an x86 CPU)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     from tupe_jax.host import cpu_description  # pylint: disable=import-outside-toplevel
+    from tupe_jax.xla_options import ONEDNN_DOTS  # pylint: disable=import-outside-toplevel
     load_before = os.getloadavg()
     out = {"command": "python benchmarks/bench_head.py " + shlex.join(sys.argv[1:]), "cpu": cpu_description(),
-           "jax": jax.__version__, "loadavg_before": load_before, "shapes": {}}
+           "jax": jax.__version__, "dots": args.dots, "loadavg_before": load_before, "shapes": {}}
     for m in (int(x) for x in args.rows.split(",")):
         chunks = [int(x) for x in args.chunks.split(",") if int(x) < m]
-        fns = variants(m, chunks)
+        fns = variants(m, chunks, ONEDNN_DOTS if args.dots == "onednn" else None)
         k = jax.random.split(jax.random.PRNGKey(0), 3)
         inputs = (jax.random.normal(k[0], (m, D)), jax.random.normal(k[1], (V, D)) * 0.05,
                   jax.random.normal(k[2], (V,)) * 0.1)
