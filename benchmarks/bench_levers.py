@@ -46,7 +46,9 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
 - HF torch (peer): HF `BertForMaskedLM`'s step as bench_train runs it (torch's default threads), in the same
   process and rounds.
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
-process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two.
+process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two. For the HF
+peers use `--steps 8`: timed 2 steps at a time the peers ran a fifth slower than in their own processes and ours did
+not, so those ratios flatter ours (RESULTS.md, "Session 27's VM"); 8 steps at a time they ran at their own speed.
 """
 from __future__ import annotations
 
