@@ -4,7 +4,7 @@
         --json benchmarks/results_eval_dots_avx512_zen4.json
 
 The forward is `extrapolate`'s own NLL function (`tupe_jax.analysis.extrapolate._nll_fn`, built through
-`common.model_jit`), once with `TUPE_JAX_ONEDNN=0` and once with `1`, for causal `size=small` models (4 layers,
+`xla_options.jit`), once with `TUPE_JAX_ONEDNN=0` and once with `1`, for causal `size=small` models (4 layers,
 d 256, 4 heads, MLP 1024, vocab 8192, float32) at each `--lengths`, with as many rows as `extrapolate` puts in one
 forward at that length (`common.batch_rows`: 8192 tokens). Each round runs `--reps` synced forwards of every
 (scheme, length, library) in turn; a length's ratio oneDNN / XLA is taken within each round and reported as the
@@ -39,7 +39,7 @@ def build(scheme: str, lengths: list[int]) -> dict:
 
     cfg = ModelConfig.from_config(get_config(f"pe={scheme},size=small,objective=clm").model)
     params = init_params(cfg, jax.random.PRNGKey(0))
-    out = {}
+    out, setting_before = {}, os.environ.get("TUPE_JAX_ONEDNN")
     for length in lengths:
         rows = common.batch_rows(length, cfg)
         tokens = jax.random.randint(jax.random.PRNGKey(length), (rows, length), 5, cfg.vocab_size, jnp.int32)
@@ -50,6 +50,10 @@ def build(scheme: str, lengths: list[int]) -> dict:
             args = (params, tokens, tokens, weights)
             jax.block_until_ready(fn(*args))
             out[(length, library)] = (fn, args, rows)
+    if setting_before is None:
+        os.environ.pop("TUPE_JAX_ONEDNN")
+    else:
+        os.environ["TUPE_JAX_ONEDNN"] = setting_before
     return out
 
 

@@ -125,8 +125,7 @@ def worker_ours(args, s: dict) -> dict:
     tx, schedule = make_optimizer(config.train)
     state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, config.model.max_len)(r)))(jax.random.PRNGKey(0))
     from tupe_jax import xla_options  # pylint: disable=import-outside-toplevel
-    step_fn = jax.jit(make_train_step(model, tx, schedule, 1), donate_argnums=0,   # as the trainer compiles it
-                      compiler_options=xla_options.step_options())
+    step_fn = xla_options.jit(make_train_step(model, tx, schedule, 1), donate_argnums=0)  # as the trainer compiles it
     batches = [jax.device_put(LMBatch(targets=None, weights=None, **b))     # prefetched onto the device
                for b in synthetic_batches(s, 4, args.predictions)]
     holder = {"state": state, "i": 0}

@@ -13,14 +13,15 @@ of bert_a or tupe_r keeps two of its dots on YNNPACK (tests/test_xla_options.py)
 
 The maths is the same. Float rounding differs (another summation order inside each dot), as it does between an
 AVX2 and an AVX-512 machine. XLA takes these options per executable: they apply to the executables compiled with
-them (`jax.jit(..., compiler_options=step_options())`: the train and eval steps, and the analyses' model forwards
-through `analysis.common.model_jit`) and to nothing else in the process.
+them and to nothing else in the process. Every executable that runs the model is compiled through `jit` below: the
+trainer's step, the pretrain loop's and `evaluate`'s eval steps, the fine-tune's eval step and the analyses' forwards.
 
 Used when the backend is XLA:CPU on an x86 machine (XLA builds its oneDNN support for x86 only). `TUPE_JAX_ONEDNN=0`
 opts out and keeps XLA's default library; `1` or unset opts in. JAX's persistent compilation cache cannot store an
 executable with oneDNN calls (with `JAX_COMPILATION_CACHE_DIR` set, JAX warns "ToProto is not implemented for thunk
 kind: onednn-fusion" and the step compiles afresh each run): opt out where that cache matters more.
 
+    jit(fn, **jit_kwargs)   `jax.jit` with `step_options()` (read when called): how every model executable is jitted
     step_options(backend=None, machine=None, environ=None) -> dict | None   the compiler_options for a step
     dot_library(backend=None, machine=None, environ=None) -> 'onednn' | 'xla'   which library the steps' dots use
     opted_out(environ=None) -> bool     TUPE_JAX_ONEDNN read and checked (the launcher checks it before any work)
@@ -66,3 +67,9 @@ def step_options(backend: Optional[str] = None, machine: Optional[str] = None,
                  environ: Optional[Mapping[str, str]] = None) -> Optional[dict]:
     """The `compiler_options` for a train or eval step: `ONEDNN_DOTS` where `dot_library` says oneDNN, else None."""
     return dict(ONEDNN_DOTS) if dot_library(backend, machine, environ) == "onednn" else None
+
+
+def jit(fn, **jit_kwargs):
+    """`jax.jit(fn, **jit_kwargs)` compiled with `step_options()`, read now (a decorator too)."""
+    import jax  # pylint: disable=import-outside-toplevel
+    return jax.jit(fn, compiler_options=step_options(), **jit_kwargs)

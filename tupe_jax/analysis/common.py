@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -151,19 +150,13 @@ def batch_rows(length: int, model_cfg: ModelConfig, token_budget: int = DEFAULT_
     return max(1, min(by_tokens, by_attention))
 
 
-def model_jit(fn):
-    """`jax.jit(fn)` with the train and eval steps' compile options (`xla_options.step_options`: oneDNN for the dots
-    on an x86 CPU), so an analysis runs the model as `evaluate` does. Read when called: the cached forwards below are
-    built once per process."""
-    return jax.jit(fn, compiler_options=xla_options.step_options())
-
-
 @functools.lru_cache(maxsize=32)
 def forward_fn(model_cfg: ModelConfig, return_hidden: bool = False, return_attention: bool = False):
-    """Jitted deterministic `TransformerLM.apply(params, tokens, input_mask, mlm_positions)` (`model_jit`)."""
+    """Jitted deterministic `TransformerLM.apply(params, tokens, input_mask, mlm_positions)`, compiled as `evaluate`
+    compiles the model (`xla_options.jit`; the dot library is read when a forward is first built in the process)."""
     model = TransformerLM(model_cfg)
 
-    @model_jit
+    @xla_options.jit
     def forward(params, tokens, input_mask=None, mlm_positions=None):
         return model.apply({"params": params}, tokens, input_mask=input_mask, mlm_positions=mlm_positions,
                            deterministic=True, return_hidden=return_hidden, return_attention=return_attention)

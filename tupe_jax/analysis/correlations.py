@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from tupe_jax import xla_options
 from tupe_jax.analysis import common
 from tupe_jax.attention import attention_logits
 from tupe_jax.errors import UserError
@@ -64,7 +65,7 @@ def positional_correlation(run: common.Run, length: int) -> np.ndarray:
 def _logits_fn(model_cfg, layer: int):
     model, encoder = TransformerLM(model_cfg), Transformer(model_cfg)
 
-    @common.model_jit
+    @xla_options.jit
     def logits(params, tokens):
         _, state = model.apply({"params": params}, tokens, deterministic=True,
                                capture_intermediates=lambda mdl, method: method == "__call__" and mdl.name == "qkv",

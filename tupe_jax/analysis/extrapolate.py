@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tupe_jax import xla_options
 from tupe_jax.analysis import common
 from tupe_jax.data import masking
 from tupe_jax.data.batch import LMBatch
@@ -93,14 +94,14 @@ def mlm_batch(stream: np.ndarray, windows: np.ndarray, length: int, *, seed: int
 def _nll_fn(model_cfg):
     model = TransformerLM(model_cfg)
 
-    @common.model_jit
+    @xla_options.jit
     def clm(params, inputs, targets, weights):
         logits = model.apply({"params": params}, inputs, deterministic=True)["logits"]
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         return jnp.sum(nll * weights), jnp.sum(weights)
 
-    @common.model_jit
+    @xla_options.jit
     def mlm(params, inputs, input_mask, positions, labels, weights):
         logits = model.apply({"params": params}, inputs, input_mask=input_mask, mlm_positions=positions,
                              deterministic=True)["logits"]

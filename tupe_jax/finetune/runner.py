@@ -97,9 +97,9 @@ class Runner:
 
     def bind(self, params_sharding: Any) -> None:
         """Jit the eval step for params laid out as `params_sharding` (the trainer's)."""
-        self.eval_step = jax.jit(make_eval_step(self.model),
-                                 in_shardings=(params_sharding, sh.batch_sharding(self.mesh)),
-                                 out_shardings=sh.replicated(self.mesh), compiler_options=xla_options.step_options())
+        self.eval_step = xla_options.jit(make_eval_step(self.model),
+                                         in_shardings=(params_sharding, sh.batch_sharding(self.mesh)),
+                                         out_shardings=sh.replicated(self.mesh))
 
     def train_batches(self, epoch: int):
         return data_lib.glue_batches(self.config, self.tokenizer, self.task, "train", batch_size=self.batch_size,

@@ -32,8 +32,7 @@ def evaluate(workdir: str, step: Optional[int] = None) -> dict[str, float]:
         raise UserError(f"the corpus of {workdir} has no validation split", "data.holdout",
                         "set --config.data.holdout>0 when pretraining")
     params = sharding_lib.replicate(run.params, mesh)
-    eval_step = jax.jit(steps.make_eval_step(TransformerLM(run.model_cfg)), compiler_options=xla_options.step_options())
-    sums = steps.run_eval(eval_step, params, batches, mesh, 0)
+    sums = steps.run_eval(xla_options.jit(steps.make_eval_step(TransformerLM(run.model_cfg))), params, batches, mesh, 0)
     values = steps.summarize(sums, run.model_cfg.causal, prefix="eval_")
     live = live_run_in_bucket(workdir)
     if live is None:

@@ -87,9 +87,8 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
         writer.write(start_step, {"event": metrics_lib.RESUMED})   # later rows of the old process were redone
 
     # --------------------------------------------------------------------------------------- hooks
-    eval_step = jax.jit(steps.make_eval_step(model), in_shardings=(trainer.shardings["params"],
-                                                                   sharding_lib.batch_sharding(mesh)),
-                        compiler_options=xla_options.step_options())
+    eval_step = xla_options.jit(steps.make_eval_step(model), in_shardings=(trainer.shardings["params"],
+                                                                           sharding_lib.batch_sharding(mesh)))
     flops = steps.step_flops(config)
     peak = metrics_lib.peak_tflops(float(config.metrics.peak_tflops))
     tokens_per_step = batch_size * int(config.model.max_len)
