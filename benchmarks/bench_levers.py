@@ -38,6 +38,14 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
   where the rounds alternate within seconds: steadier than bench_train's one process per job);
 - XLA dots (before): the step with its dots on XLA:CPU's default library (YNNPACK), not oneDNN
   (`tupe_jax.xla_options`; before that module the variant was "oneDNN dots (tried)", the other way round);
+- unrolled threefry (tried): the 16-bit masks' threefry hash written out as uint32 operations
+  (`kernels/threefry.py`, bit for bit the same masks) instead of `threefry2x32_p`, whose XLA:CPU lowering is a
+  rolled while loop whose outputs XLA copies;
+- dX then dW / dW then dX (tried): each projection's two backward products made to run one after the other (a
+  barrier between them) instead of letting XLA run them at once, each on both cores;
+- oneDNN dots with elementwise (tried): oneDNN fusions that take in a dot's elementwise neighbours (in the step:
+  the MLM bias add, the head's gradient accumulation and four scalings) instead of one call per bare dot;
+- memory- / concurrency-optimised schedule (tried): `xla_cpu_scheduler_type` other than the default;
 - HF Flax (peer): HF `FlaxBertForMaskedLM`'s step as bench_train runs it (dense logits over all 128 positions,
   whatever `--slots`), the same XLA in the same process: at `--slots 128` the equal-work ratio without the spread
   between processes;
@@ -72,7 +80,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
           plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
           matmul_bwd=None, scheme: str = "bert_a", logits_head: bool = False,
-          compiler_options: Optional[dict] = None) -> dict:
+          compiler_options: Optional[dict] = None, unrolled_hash: bool = False) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -102,12 +110,14 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     kept, kept_attend, kept_dot, kept_gelu = (head_lib.argmax_hits, Transformer.attend, model_lib.dense_dot_general,
                                               model_lib.gelu)
     kept_loss = steps.batch_loss
-    kept_mask = dropout_lib.keep_mask16
+    kept_mask, kept_hash = dropout_lib.keep_mask16, dropout_lib._hash_words  # pylint: disable=protected-access
     from tupe_jax import projection  # pylint: disable=import-outside-toplevel
     if matmul_bwd is not None:
         projection.matmul.defvjp(projection._matmul_fwd, matmul_bwd)  # pylint: disable=protected-access
     if uint32_halves:
         dropout_lib.keep_mask16 = uint32_halves_mask
+    if unrolled_hash:
+        dropout_lib._hash_words = unrolled_hash_words  # pylint: disable=protected-access
     if plain_argmax:
         head_lib.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     if two_pass_accuracy:
@@ -132,13 +142,16 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         head_lib.argmax_hits, Transformer.attend, steps.batch_loss = kept, kept_attend, kept_loss
         model_lib.dense_dot_general = attention_lib.dense_dot_general = kept_dot
         model_lib.gelu = kept_gelu
-        dropout_lib.keep_mask16 = kept_mask
+        dropout_lib.keep_mask16, dropout_lib._hash_words = kept_mask, kept_hash  # pylint: disable=protected-access
         projection.matmul.defvjp(projection._matmul_fwd, projection._matmul_bwd)  # pylint: disable=protected-access
     return variant
 
 
 # The step's dots on XLA:CPU's default library (YNNPACK), as before `xla_options.step_options` sent them to oneDNN
 XLA_DOTS = {"xla_cpu_use_onednn": False}
+# oneDNN for the dots with elementwise neighbours fused into its calls (a bias or accumulator add, a scale)
+ONEDNN_ELTWISE = {"xla_cpu_use_onednn": True,
+                  "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"}
 
 
 def build_hf_flax(slots: int, compiler_options: Optional[dict] = None) -> dict:
@@ -168,13 +181,21 @@ def build_hf_torch(slots: int) -> dict:
     return variant
 
 
-def matmul_bwd_variant(dx_through_transpose: bool = False, dw_tn: bool = False, folded_dw: bool = False):
-    """`projection._matmul_bwd` with one of its two products laid out another way (the module docstring)."""
+def matmul_bwd_variant(dx_through_transpose: bool = False, dw_tn: bool = False, folded_dw: bool = False,
+                       order: str = ""):
+    """`projection._matmul_bwd` with one of its two products laid out another way, or (`order` 'dx,dw' or
+    'dw,dx') the two products made to run one after the other in that order (the module docstring)."""
     from jax import lax  # pylint: disable=import-outside-toplevel
     from tupe_jax import projection  # pylint: disable=import-outside-toplevel
 
     def bwd(residuals, g):
         x, w = residuals
+        if order:   # the second product's cotangent waits, through a barrier, for the first product's output
+            first = 0 if order.startswith("dx") else 1
+            done = projection._matmul_bwd(residuals, g)[first]  # pylint: disable=protected-access
+            g, done = lax.optimization_barrier((g, done))
+            other = projection._matmul_bwd(residuals, g)[1 - first]  # pylint: disable=protected-access
+            return (done, other) if first == 0 else (other, done)
         d_x, d_w = projection._matmul_bwd(residuals, g)  # pylint: disable=protected-access
         if folded_dw and x.shape[1] > g.shape[1]:
             d_w = (lax.optimization_barrier(g.T) @ x).T.astype(w.dtype)
@@ -209,6 +230,18 @@ def two_pass_hits(logits, labels):
     earlier = jnp.arange(logits.shape[-1], dtype=jnp.int32) < labels[..., None].astype(jnp.int32)
     tie_before = jnp.any((logits == top[..., None]) & earlier, axis=-1)
     return ((at_label == top) & ~tie_before).astype(jnp.float32)
+
+
+def unrolled_hash_words(rng, counter_shape):
+    """`dropout._hash_words` through `kernels.threefry.threefry2x32` (the 20 rounds written out as uint32
+    operations, no while loop) instead of JAX's `threefry2x32_p`: bit for bit the same words (threefry keys only,
+    as the benchmark's step uses)."""
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from tupe_jax import dropout as dropout_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax.kernels.threefry import threefry2x32  # pylint: disable=import-outside-toplevel
+    raw = dropout_lib.threefry_words(rng)
+    return threefry2x32(raw[0], raw[1], dropout_lib._counters(counter_shape),  # pylint: disable=protected-access
+                        jnp.zeros(counter_shape, jnp.uint32))
 
 
 def uint32_halves_mask(rng, shape, keep_prob):
@@ -273,6 +306,14 @@ def main() -> None:
               "tupe_a": lambda: build(args.slots, scheme="tupe_a"),
               "tupe_r": lambda: build(args.slots, scheme="tupe_r"),
               "XLA dots (before)": lambda: build(args.slots, compiler_options=XLA_DOTS),
+              "unrolled threefry (tried)": lambda: build(args.slots, unrolled_hash=True),
+              "dX then dW (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(order="dx,dw")),
+              "dW then dX (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(order="dw,dx")),
+              "oneDNN dots with elementwise (tried)": lambda: build(args.slots, compiler_options=ONEDNN_ELTWISE),
+              "memory-optimised schedule (tried)": lambda: build(args.slots, compiler_options={
+                  **ONEDNN_DOTS, "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}),
+              "concurrency-optimised schedule (tried)": lambda: build(args.slots, compiler_options={
+                  **ONEDNN_DOTS, "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED"}),
               "HF Flax (peer)": lambda: build_hf_flax(args.slots),
               "HF Flax (peer) with oneDNN dots": lambda: build_hf_flax(args.slots, ONEDNN_DOTS),
               "HF torch (peer)": lambda: build_hf_torch(args.slots)}
