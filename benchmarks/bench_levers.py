@@ -38,9 +38,9 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
   where the rounds alternate within seconds: steadier than bench_train's one process per job);
 - XLA dots (before): the step with its dots on XLA:CPU's default library (YNNPACK), not oneDNN
   (`tupe_jax.xla_options`; before that module the variant was "oneDNN dots (tried)", the other way round);
-- unrolled threefry (tried): the 16-bit masks' threefry hash written out as uint32 operations
-  (`kernels/threefry.py`, bit for bit the same masks) instead of `threefry2x32_p`, whose XLA:CPU lowering is a
-  rolled while loop whose outputs XLA copies;
+- rolled threefry (before): the 16-bit masks' threefry hash as JAX's `threefry2x32_p`, whose XLA:CPU lowering is
+  a rolled while loop whose outputs XLA copies, instead of `kernels/threefry.py`'s written out as uint32
+  operations (bit for bit the same masks; before session 28 the variant was "unrolled threefry (tried)");
 - dX then dW / dW then dX (tried): each projection's two backward products made to run one after the other (a
   barrier between them) instead of letting XLA run them at once, each on both cores;
 - oneDNN dots with elementwise (tried): oneDNN fusions that take in a dot's elementwise neighbours (in the step:
@@ -80,7 +80,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
           plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
           matmul_bwd=None, scheme: str = "bert_a", logits_head: bool = False,
-          compiler_options: Optional[dict] = None, unrolled_hash: bool = False) -> dict:
+          compiler_options: Optional[dict] = None, rolled_hash: bool = False) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -116,8 +116,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         projection.matmul.defvjp(projection._matmul_fwd, matmul_bwd)  # pylint: disable=protected-access
     if uint32_halves:
         dropout_lib.keep_mask16 = uint32_halves_mask
-    if unrolled_hash:
-        dropout_lib._hash_words = unrolled_hash_words  # pylint: disable=protected-access
+    if rolled_hash:
+        dropout_lib._hash_words = rolled_hash_words  # pylint: disable=protected-access
     if plain_argmax:
         head_lib.argmax_hits = lambda logits, labels: (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     if two_pass_accuracy:
@@ -232,16 +232,15 @@ def two_pass_hits(logits, labels):
     return ((at_label == top) & ~tie_before).astype(jnp.float32)
 
 
-def unrolled_hash_words(rng, counter_shape):
-    """`dropout._hash_words` through `kernels.threefry.threefry2x32` (the 20 rounds written out as uint32
-    operations, no while loop) instead of JAX's `threefry2x32_p`: bit for bit the same words (threefry keys only,
-    as the benchmark's step uses)."""
+def rolled_hash_words(rng, counter_shape):
+    """`dropout._hash_words` before session 28 (threefry keys only, as the benchmark's step uses): JAX's
+    `threefry2x32_p`, a rolled while loop on XLA:CPU, instead of `kernels.threefry.threefry2x32` (the 20 rounds
+    written out as uint32 operations); bit for bit the same words."""
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from tupe_jax import dropout as dropout_lib  # pylint: disable=import-outside-toplevel
-    from tupe_jax.kernels.threefry import threefry2x32  # pylint: disable=import-outside-toplevel
     raw = dropout_lib.threefry_words(rng)
-    return threefry2x32(raw[0], raw[1], dropout_lib._counters(counter_shape),  # pylint: disable=protected-access
-                        jnp.zeros(counter_shape, jnp.uint32))
+    counters = dropout_lib._counters(counter_shape)  # pylint: disable=protected-access
+    return tuple(dropout_lib.threefry2x32_p.bind(raw[0], raw[1], counters, jnp.zeros(counter_shape, jnp.uint32)))
 
 
 def uint32_halves_mask(rng, shape, keep_prob):
@@ -306,7 +305,7 @@ def main() -> None:
               "tupe_a": lambda: build(args.slots, scheme="tupe_a"),
               "tupe_r": lambda: build(args.slots, scheme="tupe_r"),
               "XLA dots (before)": lambda: build(args.slots, compiler_options=XLA_DOTS),
-              "unrolled threefry (tried)": lambda: build(args.slots, unrolled_hash=True),
+              "rolled threefry (before)": lambda: build(args.slots, rolled_hash=True),
               "dX then dW (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(order="dx,dw")),
               "dW then dX (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(order="dw,dx")),
               "oneDNN dots with elementwise (tried)": lambda: build(args.slots, compiler_options=ONEDNN_ELTWISE),

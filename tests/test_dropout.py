@@ -52,6 +52,23 @@ def test_mask_layout_is_the_documented_one(shape):
     np.testing.assert_array_equal(np.asarray(mask), expected)
 
 
+def test_the_cpu_mask_hashes_without_a_loop():
+    """On XLA:CPU the masks' threefry hash is written out (`kernels/threefry.py`): the compiled mask and the train
+    step's dropout hold no while loop (JAX's `threefry2x32_p` lowers to one there), with the same bits as the
+    primitive (test_mask_layout_is_the_documented_one)."""
+    import re  # pylint: disable=import-outside-toplevel
+    assert jax.default_backend() == "cpu"
+    text = jax.jit(lambda k: keep_mask16(k, (4, 4, 16, 16), 0.9)[0]).lower(jax.random.PRNGKey(0)).compile().as_text()
+    assert " while(" not in text
+    x = jnp.ones((2, 8, 32))
+    dropped = jax.jit(lambda x, k: Dropout16(0.1).apply({}, x, False, rngs={"dropout": k}))
+    text = dropped.lower(x, jax.random.PRNGKey(1)).compile().as_text()
+    # flax's key derivation (fold_in) may loop over its 4 words; nothing of the mask's 128 hashes loops
+    looped = [int(np.prod([int(d) for d in dims.split(",")])) for line in text.splitlines() if " while(" in line
+              for dims in re.findall(r"\[([0-9,]+)\]", line.split(" while(")[0])]
+    assert max(looped, default=0) <= 4, looped
+
+
 def test_a_batch_sharded_mask_is_made_shard_by_shard():
     """Under a mesh that shards the batch, each device's program holds only its own counters and bits (the
     (64, 128, 256) mask on 8 devices: no array of the whole mask's or hashes' size), and the mask equals the unsharded one."""

@@ -12,7 +12,9 @@ u ∈ {0..65535}; keep = u < t with t = round(p·2¹⁶), so P(keep) = t/2¹⁶ 
 6·10⁻⁶. A quarter of the hashing for the same masks' statistics, but other bits: a run's masks depend on the
 choice (like `train.dropout_rng`), its statistics do not. On the CPU reference step flax's 32-bit masks cost
 1.08-1.09x the CPU time of these (benchmarks/RESULTS.md). With a non-threefry key (`train.dropout_rng =
-rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per word.
+rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per word. On XLA:CPU the threefry hash
+of the 16-bit masks is `kernels/threefry.py`'s, written out as uint32 operations: JAX's primitive's words without
+its rolled loop (`_hash_words`).
 
     make_dropout(rate, bits) -> nn.Module          nn.Dropout for 32, Dropout16 for 16
     keep_mask16(rng, shape, keep_prob) -> (bool mask, realised keep probability)
@@ -26,6 +28,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
+
+from tupe_jax.kernels.threefry import threefry2x32
 
 DROPOUT_BITS = (32, 16)
 
@@ -53,11 +57,18 @@ def threshold16(keep_prob: float) -> int:
 
 
 def _hash_words(rng: jax.Array, counter_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """The two uint32 words of each of keep_mask16's hashes, `counter_shape` (the mask's leading axes, then q)."""
+    """The two uint32 words of each of keep_mask16's hashes, `counter_shape` (the mask's leading axes, then q).
+
+    On XLA:CPU the threefry hash is `kernels.threefry.threefry2x32`, its 20 rounds written out as uint32
+    operations: the same words bit for bit as JAX's `threefry2x32_p`, whose CPU lowering is a rolled while loop
+    (its outputs copied out of the loop). The step ran 1.5% faster that way (benchmarks/RESULTS.md, "Levers of
+    session 28"). Other platforms keep the primitive and its own kernels."""
     raw = threefry_words(rng)
     if raw is not None:               # a threefry key: both 32-bit words of each hash are used
-        return tuple(threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape),
-                                         jnp.zeros(counter_shape, jnp.uint32)))
+        # chosen by the platform the step is lowered for (a CUDA lowering traced on a CPU host keeps the primitive)
+        return tuple(jax.lax.platform_dependent(raw[0], raw[1], _counters(counter_shape),
+                                                jnp.zeros(counter_shape, jnp.uint32), cpu=threefry2x32,
+                                                default=lambda *words: tuple(threefry2x32_p.bind(*words))))
     # rbg / unsafe_rbg (4-word keys): their own bit generator, two words per slot
     return tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
 
