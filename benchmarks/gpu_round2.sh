@@ -24,6 +24,8 @@
 # GPU_ROUND_STEPS=6,7 runs only those steps (a second device call for what the first one's deadline left out; the
 # pallas rows then run unless GPU_ROUND_PALLAS=0: set it when the first call's canary failed).
 # (Session 22 also ran gpu_cudnn_dropout_probe.py: cuDNN's dropout takes no traced seed, so it is not rerun.)
+# tests/test_gpu_scripts.py runs these scripts' Python paths on CPU at smoke sizes, so a change elsewhere that
+# breaks them fails the suite rather than a device session.
 set -u
 START=$SECONDS
 DEADLINE=${GPU_ROUND_DEADLINE_S:-560}
