@@ -56,7 +56,8 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
 process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two. For the HF
 peers use `--steps 8`: timed 2 steps at a time the peers ran a fifth slower than in their own processes and ours did
-not, so those ratios flatter ours (RESULTS.md, "Session 27's VM"); 8 steps at a time they ran at their own speed.
+not, so those ratios flatter ours (RESULTS.md, "The same VM three hours later (session 27)"); 8 steps at a time
+they ran at their own speed.
 """
 from __future__ import annotations
 
