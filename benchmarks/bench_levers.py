@@ -241,7 +241,7 @@ def rolled_hash_words(rng, counter_shape):
     from tupe_jax import dropout as dropout_lib  # pylint: disable=import-outside-toplevel
     raw = dropout_lib.threefry_words(rng)
     counters = dropout_lib._counters(counter_shape)  # pylint: disable=protected-access
-    return tuple(dropout_lib.threefry2x32_p.bind(raw[0], raw[1], counters, jnp.zeros(counter_shape, jnp.uint32)))
+    return dropout_lib.threefry2x32_primitive(raw[0], raw[1], counters, jnp.zeros(counter_shape, jnp.uint32))
 
 
 def uint32_halves_mask(rng, shape, keep_prob):

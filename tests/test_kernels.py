@@ -184,10 +184,10 @@ def test_the_kernels_lower_to_triton_for_cuda(source):
     for fn, calls in ((forward, 1), (grad((0, 1, 2)), 3), (grad((0, 1, 2, 3)), 4)):
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(q, q, q, bias, mask, key).lower(lowering_platforms=("cuda",)).as_text()
-            program = str(jax.make_jaxpr(fn)(q, q, q, bias, mask, key))
+            jaxpr = jax.make_jaxpr(fn)(q, q, q, bias, mask, key)
+        program, kernels = str(jaxpr), _kernel_jaxprs(jaxpr.jaxpr)
         assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"] * calls
         assert "2x12x512x512xf32" not in text     # no per-row buffer of dS for a bias shared over the batch
-        kernels = _kernel_jaxprs(jax.make_jaxpr(fn)(q, q, q, bias, mask, key).jaxpr)
         assert len(kernels) == calls
         assert (sum(k.count("xor") for k in kernels) == 0) == (source == "precomputed")
         assert program.count("threefry2x32") == (source == "precomputed")

@@ -21,6 +21,7 @@ its rolled loop (`_hash_words`).
     keep_bits16(rng, shape, keep_prob) -> the same mask, four bits a byte (one byte per hash)
     threshold16(keep_prob) -> t, the 16-bit threshold of keep_mask16 (and of kernels/flash.py's masks)
     apply_mask16(x, rng, rate) -> x masked and scaled (what Dropout16 does with the rng it draws)
+    threefry2x32_primitive(k0, k1, x0, x1) -> (y0, y1)   JAX's threefry primitive (the hash off XLA:CPU)
 """
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ def threshold16(keep_prob: float) -> int:
     return int(round(keep_prob * 65536))
 
 
+def threefry2x32_primitive(k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """JAX's `threefry2x32_p` on key (k0, k1) and counters (x0, x1): the words `kernels.threefry.threefry2x32`
+    writes out, through the primitive and its platform's lowering (a rolled while loop on XLA:CPU)."""
+    return tuple(threefry2x32_p.bind(k0, k1, x0, x1))
+
+
 def _hash_words(rng: jax.Array, counter_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """The two uint32 words of each of keep_mask16's hashes, `counter_shape` (the mask's leading axes, then q).
 
@@ -68,7 +75,7 @@ def _hash_words(rng: jax.Array, counter_shape: tuple[int, ...]) -> tuple[jax.Arr
         # chosen by the platform the step is lowered for (a CUDA lowering traced on a CPU host keeps the primitive)
         return tuple(jax.lax.platform_dependent(raw[0], raw[1], _counters(counter_shape),
                                                 jnp.zeros(counter_shape, jnp.uint32), cpu=threefry2x32,
-                                                default=lambda *words: tuple(threefry2x32_p.bind(*words))))
+                                                default=threefry2x32_primitive))
     # rbg / unsafe_rbg (4-word keys): their own bit generator, two words per slot
     return tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
 
