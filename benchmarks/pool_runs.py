@@ -1,0 +1,145 @@
+"""Several bench_train runs read as one: each ratio's per-round values pooled, and the run medians side by side.
+
+    python benchmarks/pool_runs.py RUN.json RUN.json [...] --json benchmarks/results_pooled_<machine>.json
+
+One bench_train run gives each ratio as the median of its per-round ratios (ours and the peer timed in the same
+round). On one shared VM that median drifts from run to run by as much as the margins issue #18 asks for. This
+reads N runs of one shape and the same settings and reports, for every ratio all runs have:
+- pooled: the median over every run's rounds, with min–max and the 95% order-statistic interval of `rounds.spread`.
+  That interval takes the rounds as independent, which rounds of one run are not quite (they share the machine's
+  state), so it is narrower than the drift between runs warrants;
+- runs: each run's own median, and their min–max: how far the verdict moves between runs;
+- for the ratios issue #18 sets a target on (`TARGETS`): whether the pooled median meets it and in how many runs
+  the run's median does. "Holds" is read here as: met in every run.
+A file that is not a bench_train result, a run given twice, or a run whose shape, settings or CPU differ from the
+first file's is refused before anything is written. Not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
+
+# issue #18's must-show targets: ratio -> (lowest, highest) it may be
+TARGETS = {
+    "default: bert_a tokens/s / HF torch, its faster allocator": (1.5, None),
+    "default: bert_a tokens/s / HF Flax, its faster allocator": (1.5, None),
+    "equal work: bert_a@all tokens/s / HF torch, its faster allocator": (1.2, None),
+    "equal work: bert_a@all tokens/s / HF Flax, its faster allocator": (1.2, None),
+    "tupe_a step / bert_a step": (None, 1.03),
+    "tupe_r step / bert_a step": (None, 1.03),
+    "loop tokens/s / benchmark bert_a tokens/s": (0.95, 1.05),
+}
+# what must agree between pooled runs: the work each job does
+SETTINGS = ("steps", "warmup", "predictions", "dropout", "backend", "equal_work", "default_predictions")
+
+
+class Refused(Exception):
+    """A file the pool cannot take; the message is the one-line error."""
+
+
+def meets(value: float, target: tuple) -> bool:
+    """True when `value` lies within `target` = (lowest or None, highest or None)."""
+    low, high = target
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
+def load(path: str) -> dict:
+    """One bench_train result file, checked to be one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+    except (OSError, ValueError) as e:
+        raise Refused(f"cannot read {path} as JSON ({e}), pass bench_train's --json files") from e
+    if not isinstance(run, dict) or not all(k in run for k in ("ratios", "shape", "args", "started", "cpu")):
+        raise Refused(f"{path} is not a bench_train result (no ratios, shape, args, started or cpu), "
+                      "pass files written by benchmarks/bench_train.py --json")
+    return run
+
+
+def check_poolable(paths: list[str], runs: list[dict]) -> None:
+    """Refused unless every run has the first one's shape, settings and CPU, and no run appears twice."""
+    first, seen = runs[0], {}
+    for path, run in zip(paths, runs):
+        if run["started"] in seen:
+            raise Refused(f"{path} is the run of {seen[run['started']]} again (both started {run['started']}), "
+                          "pass each run once")
+        seen[run["started"]] = path
+        for what, mine, theirs in [("shape", run["shape"], first["shape"]), ("cpu", run["cpu"], first["cpu"])] + [
+                (f"args.{k}", run["args"].get(k), first["args"].get(k)) for k in SETTINGS]:
+            if mine != theirs:
+                raise Refused(f"{path} has {what}={mine!r} where {paths[0]} has {theirs!r}, "
+                              "pool only runs of one shape and settings on one CPU")
+
+
+def pool(paths: list[str], runs: list[dict]) -> dict:
+    """{ratio: {pooled, runs, run_medians_min, run_medians_max, target, pooled_meets, runs_meeting}} over the
+    ratios every run has (module docstring)."""
+    keys = [k for k in runs[0]["ratios"] if all(k in r["ratios"] for r in runs)]
+    out = {}
+    for key in keys:
+        per_run = [r["ratios"][key]["per_round"] for r in runs]
+        medians = [statistics.median(v) for v in per_run]
+        entry = {"pooled": spread([x for v in per_run for x in v]),
+                 "runs": [{"file": p, "started": r["started"], "rounds": len(v), "median": m}
+                          for p, r, v, m in zip(paths, runs, per_run, medians)],
+                 "run_medians_min": min(medians), "run_medians_max": max(medians), "target": TARGETS.get(key)}
+        if key in TARGETS:
+            entry["pooled_meets"] = meets(entry["pooled"]["median"], TARGETS[key])
+            entry["runs_meeting"] = sum(meets(m, TARGETS[key]) for m in medians)
+        out[key] = entry
+    return out
+
+
+def target_text(target) -> str:
+    """'≥ 1.2', '≤ 1.03' or '0.95–1.05'."""
+    low, high = target
+    return f"≥ {low}" if high is None else f"≤ {high}" if low is None else f"{low}–{high}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="bench_train --json files, two or more")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    try:
+        if len(args.runs) < 2:
+            raise Refused(f"{len(args.runs)} run given on the command line, pass two or more bench_train files")
+        runs = [load(p) for p in args.runs]
+        check_poolable(args.runs, runs)
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ratios = pool(args.runs, runs)
+    print(f"{len(runs)} runs, {runs[0]['cpu']}, shape {runs[0]['shape']}\n")
+    print("| ratio | pooled median (95% interval; rounds) | run medians | target: pooled, runs meeting |\n"
+          "|---|---|---|---|")
+    for key, e in ratios.items():
+        p = e["pooled"]
+        ci = f"{p['ci95'][0]:.3f}–{p['ci95'][1]:.3f}" if p["ci95"] else "—"
+        verdict = (f"{target_text(e['target'])}: {'met' if e['pooled_meets'] else 'missed'}, "
+                   f"{e['runs_meeting']} of {len(runs)}" if e["target"] else "")
+        print(f"| {key} | {p['median']:.3f}× ({ci}; {len(p['per_round'])}) | "
+              f"{', '.join(format(r['median'], '.3f') for r in e['runs'])} | {verdict} |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"command": "python benchmarks/pool_runs.py " + shlex.join(sys.argv[1:] if argv is None
+                                                                                  else argv),
+                       "cpu": runs[0]["cpu"], "shape": runs[0]["shape"],
+                       "settings": {k: runs[0]["args"].get(k) for k in SETTINGS},
+                       "files": [{"file": p, "started": r["started"], "finished": r.get("finished"),
+                                  "command": r.get("command")} for p, r in zip(args.runs, runs)],
+                       "ratios": ratios}, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
