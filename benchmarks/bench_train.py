@@ -29,7 +29,8 @@ without it, `all` gives it to every job (like for like), `none` to none. `--peer
 ratios against each peer's faster allocator in each round. Each worker also reports its timed steps' page faults
 and user/system CPU seconds per step.
 
-Prints Markdown tables, and writes the results to `--json` where one is given. This file is the driver;
+Prints Markdown tables, and writes the results to `--json` where one is given, with the checkout's git commit at
+the start (`git_commit`, "+dirty" with uncommitted changes). This file is the driver;
 the shapes, batches, step timer and the three workers are in benchmarks/train_workers.py.
 """
 from __future__ import annotations
@@ -223,6 +224,9 @@ def main() -> None:
         sys.exit(f"error: the folder of --json {args.json} does not exist, bench_train.py, create it or pick another")
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    sys.path.insert(0, ROOT)
+    from tupe_jax.workdir.provenance import git_commit  # pylint: disable=import-outside-toplevel
+    commit = git_commit()       # at the start: the workers run this checkout's code as it is now
     jobs = [(x, "ours", x, args.predictions) for x in args.schemes.split(",") if x]
     if args.equal_work:
         jobs.append(("bert_a@all", "ours", "bert_a", s["seq"]))
@@ -324,10 +328,10 @@ def main() -> None:
               f"{', '.join(f'{x:.3f}' for x in r['per_round'])} |")
     if not args.json:
         return
-    sys.path.insert(0, ROOT)
     from tupe_jax import host  # pylint: disable=import-outside-toplevel
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump({"command": "python benchmarks/bench_train.py " + shlex.join(sys.argv[1:]), "started": started,
+                   "git_commit": commit,
                    "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "shape": s,
                    "args": vars(args), "machine": f"{platform.processor() or platform.machine()}, "
                    f"{os.cpu_count()} cores", "cpu": host.cpu_description(), "peaks_flops": peaks,

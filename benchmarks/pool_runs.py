@@ -135,7 +135,8 @@ def main(argv=None) -> int:
                        "cpu": runs[0]["cpu"], "shape": runs[0]["shape"],
                        "settings": {k: runs[0]["args"].get(k) for k in SETTINGS},
                        "files": [{"file": p, "started": r["started"], "finished": r.get("finished"),
-                                  "command": r.get("command")} for p, r in zip(args.runs, runs)],
+                                  "git_commit": r.get("git_commit"), "command": r.get("command")}
+                                 for p, r in zip(args.runs, runs)],
                        "ratios": ratios}, f, indent=1)
         print(f"\nwrote {args.json}")
     return 0

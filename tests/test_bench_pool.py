@@ -32,12 +32,14 @@ def run_file(tmp_path, name, started, ratios, **changes):
 
 def test_pools_rounds_and_counts_the_runs_that_meet_each_target(tmp_path, capsys):
     a = run_file(tmp_path, "a.json", "t1", {EQUAL_FLAX: [1.30, 1.25, 1.10], TUPE_A: [0.99, 1.01, 1.04],
-                                           LOOP: [0.95, 0.97, 0.99], "only in a": [1.0, 1.0]})
+                                           LOOP: [0.95, 0.97, 0.99], "only in a": [1.0, 1.0]}, git_commit="abc123")
     b = run_file(tmp_path, "b.json", "t2", {EQUAL_FLAX: [1.15, 1.18, 1.21, 1.19], TUPE_A: [1.02, 1.05, 1.03, 1.06],
                                            LOOP: [1.04, 1.05, 1.05, 1.08]})
     out = tmp_path / "pooled.json"
     assert pool_runs.main([a, b, "--json", str(out)]) == 0
-    ratios = json.loads(out.read_text())["ratios"]
+    pooled = json.loads(out.read_text())
+    assert [f["git_commit"] for f in pooled["files"]] == ["abc123", None]   # b predates the field
+    ratios = pooled["ratios"]
     assert "only in a" not in ratios                       # a ratio some run lacks is left out
     flax = ratios[EQUAL_FLAX]
     assert flax["pooled"]["median"] == pytest.approx(statistics.median([1.30, 1.25, 1.10, 1.15, 1.18, 1.21, 1.19]))
