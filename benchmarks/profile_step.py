@@ -8,7 +8,8 @@ HF, 20 = the default head), compiles it, traces `--steps` synced steps and sums,
 threads spent in each HLO instruction (a top-level event per thread; events nested in one are not counted twice).
 Each instruction is labelled from the optimised HLO:
 - kind: `matmul` (the instruction is a dot or a fusion whose computation holds one), `reduction`, `rng` (the
-  threefry loop), `layout` (only copies, transposes, bitcasts, slices, concatenations), `elementwise` (the rest);
+  dropout masks' threefry hash), `loop` (a while instruction's own events; its body's instructions count on
+  their own), `layout` (only copies, transposes, bitcasts, slices, concatenations), `elementwise` (the rest);
 - where: its `op_name` with the layer index dropped (`forward`/`backward` for `jvp(...)`/`transpose(jvp(...))`;
   `outside the model` for the loss, the clipping and AdamW);
 - for a matmul, its FLOPs (2 · output elements · contracted size, times the runs of its computation per step: a
@@ -113,8 +114,10 @@ def describe(hlo: dict, name: str) -> dict:
         dot_flops(hlo, n) for n in inner if hlo["ops"][n][0] == "dot")
     if flops:
         kind = "matmul"
-    elif opcode == "while" or "threefry" in attrs:
+    elif "threefry" in attrs:
         kind = "rng"
+    elif opcode == "while":
+        kind = "loop"
     elif opcodes & {"reduce", "reduce-window"}:
         kind = "reduction"
     elif opcodes <= LAYOUT_OPS | {"fusion"}:
