@@ -11,8 +11,10 @@ reads N runs of one shape and the same settings and reports, for every ratio all
 - runs: each run's own median, and their min–max: how far the verdict moves between runs;
 - for the ratios issue #18 sets a target on (`TARGETS`): whether the pooled median meets it and in how many runs
   the run's median does. "Holds" is read here as: met in every run.
-A file that is not a bench_train result, a run given twice, or a run whose shape, settings or CPU differ from the
-first file's is refused before anything is written. Not a test.
+`--plot PNG` draws one panel per target ratio: each run's rounds as dots, its median as a bar, the pooled median
+and its interval as a band, the target's side shaded. A file that is not a bench_train result, a run given twice, a
+run whose shape, settings or CPU differ from the first file's, or an output in a folder that does not exist is
+refused before anything is written. Not a test.
 """
 from __future__ import annotations
 
@@ -104,14 +106,54 @@ def target_text(target) -> str:
     return f"≥ {low}" if high is None else f"≤ {high}" if low is None else f"{low}–{high}"
 
 
+def plot(ratios: dict, runs: list[dict], path: str) -> None:
+    """The target ratios' rounds, run medians and pooled interval, one panel each (module docstring), to `path`."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from tupe_jax.plots import plt, save_figure  # pylint: disable=import-outside-toplevel
+    keys = [k for k in TARGETS if k in ratios]
+    cols = min(4, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys):
+        e, (low, high) = ratios[key], TARGETS[key]
+        for i, r in enumerate(runs):
+            values = r["ratios"][key]["per_round"]
+            ax.plot([i] * len(values), values, ".", color="0.6", markersize=4)
+            ax.plot([i - 0.3, i + 0.3], [e["runs"][i]["median"]] * 2, color="tab:blue", linewidth=2)
+        p = e["pooled"]
+        band = p["ci95"] or [p["median"], p["median"]]
+        ax.axhspan(band[0], band[1], color="tab:blue", alpha=0.15)
+        ax.axhline(p["median"], color="tab:blue", linestyle="--", linewidth=1)
+        bottom, top = ax.get_ylim()
+        for edge, far in ((low, bottom), (high, top)):
+            if edge is not None:
+                ax.axhline(edge, color="tab:red", linewidth=1)
+                ax.axhspan(min(edge, far), max(edge, far), color="tab:red", alpha=0.06)
+        ax.set_ylim(bottom, top)
+        ax.set_xticks(range(len(runs)), [r["started"][5:16] for r in runs], rotation=60, fontsize=7)
+        ax.set_title(key.replace(", its faster allocator", "").replace(": ", ":\n"), fontsize=8)
+        ax.set_xlabel(f"target {target_text((low, high))}: met in {e['runs_meeting']} of {len(runs)} runs",
+                      fontsize=8)
+    fig.suptitle(f"{len(runs)} bench_train runs; blue: run medians, pooled median and 95% interval; "
+                 "red: where the target is missed", fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="bench_train --json files, two or more")
     ap.add_argument("--json", default="")
+    ap.add_argument("--plot", default="", help="a PNG of the target ratios (module docstring)")
     args = ap.parse_args(argv)
     try:
         if len(args.runs) < 2:
             raise Refused(f"{len(args.runs)} run given on the command line, pass two or more bench_train files")
+        for flag, out in (("--json", args.json), ("--plot", args.plot)):
+            if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+                raise Refused(f"the folder of {flag} {out} does not exist, create it or pick another")
         runs = [load(p) for p in args.runs]
         check_poolable(args.runs, runs)
     except Refused as e:
@@ -139,6 +181,9 @@ def main(argv=None) -> int:
                                  for p, r in zip(args.runs, runs)],
                        "ratios": ratios}, f, indent=1)
         print(f"\nwrote {args.json}")
+    if args.plot:
+        plot(ratios, runs, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 

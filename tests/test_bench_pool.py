@@ -82,3 +82,18 @@ def test_refuses_one_run_and_files_that_are_not_results(tmp_path, capsys):
         assert pool_runs.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and named in err and "\n" not in err
+
+
+def test_plot_is_written_and_a_missing_folder_refused_before_anything(tmp_path, capsys):
+    a = run_file(tmp_path, "a.json", "t1", {EQUAL_FLAX: [1.30, 1.25], TUPE_A: [0.99, 1.01], LOOP: [0.95, 0.97]})
+    b = run_file(tmp_path, "b.json", "t2", {EQUAL_FLAX: [1.15, 1.18], TUPE_A: [1.02, 1.05], LOOP: [1.04, 1.05]})
+    png, out = tmp_path / "pooled.png", tmp_path / "pooled.json"
+    assert pool_runs.main([a, b, "--json", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.exists()
+    capsys.readouterr()
+    out.write_bytes(b"earlier result\n")
+    missing = tmp_path / "no such folder" / "pooled.png"
+    assert pool_runs.main([a, b, "--json", str(out), "--plot", str(missing)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "--plot" in err and "\n" not in err
+    assert out.read_bytes() == b"earlier result\n" and not missing.parent.exists()
