@@ -156,10 +156,13 @@ def main(argv=None) -> int:
                 raise Refused(f"the folder of {flag} {out} does not exist, create it or pick another")
         runs = [load(p) for p in args.runs]
         check_poolable(args.runs, runs)
+        ratios = pool(args.runs, runs)
+        if args.plot and not any(k in ratios for k in TARGETS):
+            raise Refused(f"--plot {args.plot} draws issue #18's target ratios and these runs share none of them, "
+                          "drop --plot or pass runs of bench_train's default jobs")
     except Refused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ratios = pool(args.runs, runs)
     print(f"{len(runs)} runs, {runs[0]['cpu']}, shape {runs[0]['shape']}\n")
     print("| ratio | pooled median (95% interval; rounds) | run medians | target: pooled, runs meeting |\n"
           "|---|---|---|---|")

@@ -97,3 +97,14 @@ def test_plot_is_written_and_a_missing_folder_refused_before_anything(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "--plot" in err and "\n" not in err
     assert out.read_bytes() == b"earlier result\n" and not missing.parent.exists()
+
+
+def test_plot_refused_when_the_runs_share_no_target_ratio(tmp_path, capsys):
+    a = run_file(tmp_path, "a.json", "t1", {"some other ratio": [1.0, 1.1]})
+    b = run_file(tmp_path, "b.json", "t2", {"some other ratio": [1.2, 1.3]})
+    png, out = tmp_path / "pooled.png", tmp_path / "pooled.json"
+    assert pool_runs.main([a, b, "--json", str(out), "--plot", str(png)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "--plot" in err and "\n" not in err
+    assert not png.exists() and not out.exists()
+    assert pool_runs.main([a, b, "--json", str(out)]) == 0       # without the plot the same runs pool
