@@ -7,9 +7,10 @@ Builds the step as `bench_levers.build` does (bert_a, `size=small`, dropout 0.1;
 HF, 20 = the default head), compiles it, traces `--steps` synced steps and sums, per step, the time XLA's CPU
 threads spent in each HLO instruction (a top-level event per thread; events nested in one are not counted twice).
 Each instruction is labelled from the optimised HLO:
-- kind: `matmul` (the instruction is a dot or a fusion whose computation holds one), `reduction`, `rng` (the
-  dropout masks' threefry hash), `loop` (a while instruction's own events; its body's instructions count on
-  their own), `layout` (only copies, transposes, bitcasts, slices, concatenations), `elementwise` (the rest);
+- kind: `matmul` (the instruction is a dot or a fusion whose computation holds one), `reduction`, `rng` (its
+  op_name names threefry: the dropout masks' hash where XLA did not fuse it into other ops), `loop` (a while
+  instruction's own events; its body's instructions count on their own), `layout` (only copies, transposes,
+  bitcasts, slices, concatenations), `elementwise` (the rest);
 - where: its `op_name` with the layer index dropped (`forward`/`backward` for `jvp(...)`/`transpose(jvp(...))`;
   `outside the model` for the loss, the clipping and AdamW);
 - for a matmul, its FLOPs (2 · output elements · contracted size, times the runs of its computation per step: a
