@@ -18,6 +18,12 @@ ways in every round: XLA with its default libraries, XLA with oneDNN for its dot
 options for that executable alone) and torch's `bmm`; the qkv projection with XLA's defaults is the yardstick of
 what a second core adds. Run it once as is and once under `taskset -c 0` to see which products use both cores
 (the JSON records the cores the process may use).
+
+    python benchmarks/bench_matmul.py --engines --rounds 9 --json benchmarks/results_matmul_engines_<cpu>.json
+
+`--engines`: the projection shapes above run the same three ways (XLA's default, XLA with oneDNN dots, torch's
+`mm`). With either flag the report adds, per product, torch's rate over XLA-with-oneDNN's within each round
+(median over rounds, with its interval): how far the library the train step uses is from torch's on this CPU.
 """
 from __future__ import annotations
 
@@ -51,23 +57,31 @@ BATCHED = {  # name: (lhs shape, rhs shape, lhs contracting dim, rhs contracting
 }
 
 
+ONEDNN, TORCH = "XLA, oneDNN dots", "torch"
+
+
+def xla_engines(name: str, product, a, b, calls: dict) -> None:
+    """Add `product` (jitted) on a, b compiled with XLA's defaults and with oneDNN dots to `calls`."""
+    import jax  # pylint: disable=import-outside-toplevel
+    from tupe_jax.xla_options import ONEDNN_DOTS  # pylint: disable=import-outside-toplevel
+    ja, jb = jax.numpy.asarray(a), jax.numpy.asarray(b)
+    for engine, options in (("XLA", None), (ONEDNN, ONEDNN_DOTS)):
+        compiled = product.lower(ja, jb).compile(options)
+        calls[(name, engine)] = lambda c=compiled, x=ja, y=jb: c(x, y).block_until_ready()
+
+
 def attention_products(rounds: int, steps: int) -> dict:
     """GFLOP/s per round of each batched product under each engine (module docstring), engines interleaved."""
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     import torch  # pylint: disable=import-outside-toplevel
-    from tupe_jax.xla_options import ONEDNN_DOTS  # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(0)
     calls, flops = {}, {}
     for name, (ls, rs, lc, rc) in BATCHED.items():
         a, b = rng.standard_normal(ls, np.float32), rng.standard_normal(rs, np.float32)
         dims = (((lc,), (rc,)), ((0,), (0,)))
         flops[name] = 2 * ls[0] * ls[lc] * (ls[3 - lc]) * rs[3 - rc]
-        product = jax.jit(lambda x, y, dims=dims: jax.lax.dot_general(x, y, dims))
-        ja, jb = jax.numpy.asarray(a), jax.numpy.asarray(b)
-        for engine, options in (("XLA", None), ("XLA, oneDNN dots", ONEDNN_DOTS)):
-            compiled = product.lower(ja, jb).compile(options)
-            calls[(name, engine)] = lambda c=compiled, x=ja, y=jb: c(x, y).block_until_ready()
+        xla_engines(name, jax.jit(lambda x, y, dims=dims: jax.lax.dot_general(x, y, dims)), a, b, calls)
         ta, tb = torch.from_numpy(a), torch.from_numpy(b)        # bmm takes (batch, m, k) · (batch, k, n) views
         ta, tb = (ta.transpose(1, 2) if lc == 1 else ta), (tb.transpose(1, 2) if rc == 2 else tb)
         calls[(name, "torch bmm")] = lambda x=ta, y=tb: torch.bmm(x, y)
@@ -76,9 +90,31 @@ def attention_products(rounds: int, steps: int) -> dict:
     compiled = jax.jit(jax.numpy.dot).lower(x, w).compile()
     calls[("qkv projection (2048×256 · 256×768)", "XLA")] = lambda: compiled(x, w).block_until_ready()
     flops["qkv projection (2048×256 · 256×768)"] = 2 * m * k * f
+    return timed_rounds(calls, flops, rounds, steps)
+
+
+def projection_products(rounds: int, steps: int) -> dict:
+    """GFLOP/s per round of each projection shape under XLA, XLA with oneDNN dots and torch's mm, interleaved."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import torch  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(0)
+    calls, flops = {}, {}
+    for name, (m, k, f) in SHAPES.items():
+        a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, f), np.float32)
+        flops[name] = 2 * m * k * f
+        xla_engines(name, jax.jit(jax.numpy.dot), a, b, calls)
+        calls[(name, TORCH)] = lambda x=torch.from_numpy(a), y=torch.from_numpy(b): torch.mm(x, y)
+    return timed_rounds(calls, flops, rounds, steps)
+
+
+def timed_rounds(calls: dict, flops: dict, rounds: int, steps: int) -> dict:
+    """{"product | engine" ("product" where engine is None): GFLOP/s per round}: each call `steps` times a round
+    (median), all calls in every round, after one untimed call each."""
+    key = lambda name, engine: name if engine is None else f"{name} | {engine}"  # noqa: E731
     for call in calls.values():
         call()
-    per = {f"{name} | {engine}": [] for name, engine in calls}
+    per = {key(name, engine): [] for name, engine in calls}
     for r in range(rounds):
         for (name, engine), call in calls.items():
             times = []
@@ -86,7 +122,7 @@ def attention_products(rounds: int, steps: int) -> dict:
                 t0 = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - t0)
-            per[f"{name} | {engine}"].append(flops[name] / statistics.median(times) / 1e9)
+            per[key(name, engine)].append(flops[name] / statistics.median(times) / 1e9)
         print(f"# round {r}: " + ", ".join(f"{v[-1]:.0f}" for v in per.values()) + " GFLOP/s", flush=True)
     return per
 
@@ -96,34 +132,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--attention", action="store_true", help="attention's batched products, three engines")
+    ap.add_argument("--engines", action="store_true", help="the projection shapes under the same three engines")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         sys.exit(f"error: no folder for --json {args.json!r}, --json, create the folder or name another")
-    if args.attention:
+    if args.attention and args.engines:
+        sys.exit("error: --attention and --engines together, the command line, give one of them")
+    if args.attention or args.engines:
         load_before = os.getloadavg()
-        return report(args, attention_products(args.rounds, args.steps), load_before)
+        products = attention_products if args.attention else projection_products
+        return report(args, products(args.rounds, args.steps), load_before)
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     dot = jax.jit(jnp.dot)
-    operands = {}
+    calls, flops = {}, {}
     for name, (m, k, f) in SHAPES.items():
         a = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32)
         b = jax.random.normal(jax.random.PRNGKey(1), (k, f), jnp.float32)
-        dot(a, b).block_until_ready()
-        operands[name] = (a, b)
+        calls[(name, None)] = lambda a=a, b=b: dot(a, b).block_until_ready()
+        flops[name] = 2 * m * k * f
     load_before = os.getloadavg()
-    per = {name: [] for name in SHAPES}
-    for r in range(args.rounds):
-        for name, (a, b) in operands.items():
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                dot(a, b).block_until_ready()
-                times.append(time.perf_counter() - t0)
-            m, k, f = SHAPES[name]
-            per[name].append(2 * m * k * f / statistics.median(times) / 1e9)
-        print(f"# round {r}: " + ", ".join(f"{v[-1]:.0f}" for v in per.values()) + " GFLOP/s", flush=True)
+    per = timed_rounds(calls, flops, args.rounds, args.steps)
     return report(args, per, load_before)
 
 
@@ -138,14 +168,29 @@ def report(args: argparse.Namespace, per: dict, load_before) -> None:
            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
            "gflops_per_round": per,
            "gflops": {n: spread(v) for n, v in per.items()}}
-    engines = "engine | " if args.attention else ""
-    print(f"\n| product ({len(os.sched_getaffinity(0))} cores) | {engines}GFLOP/s, median of rounds (min–max) |\n"
-          f"|---|{'---|' if engines else ''}---|")
+    print(f"\n| product | engine ({len(os.sched_getaffinity(0))} cores) | GFLOP/s, median of rounds (min–max) |\n"
+          "|---|---|---|")
     for name, g in out["gflops"].items():
-        print(f"| {name} | {g['median']:.0f} ({g['min']:.0f}–{g['max']:.0f}) |")
+        product, _, engine = name.partition(" | ")
+        print(f"| {product} | {engine or 'XLA'} | {g['median']:.0f} ({g['min']:.0f}–{g['max']:.0f}) |")
+    out["torch_over_onednn"] = torch_over_onednn(per)
+    if out["torch_over_onednn"]:
+        print("\n| product | torch ÷ XLA with oneDNN dots, per round: median (95% interval of the median) |\n|---|---|")
+        for name, r in out["torch_over_onednn"].items():
+            print(f"| {name} | {r['median']:.3f} ({r['ci95'][0]:.3f}–{r['ci95'][1]:.3f}) |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
+
+
+def torch_over_onednn(per: dict) -> dict:
+    """Per product with both engines: torch's GFLOP/s over XLA-with-oneDNN's within each round, then `spread`."""
+    out = {}
+    for key, rates in per.items():
+        product, _, engine = key.partition(" | ")
+        if engine.startswith(TORCH) and f"{product} | {ONEDNN}" in per:
+            out[product] = spread([t / o for t, o in zip(rates, per[f"{product} | {ONEDNN}"])])
+    return out
 
 
 if __name__ == "__main__":
