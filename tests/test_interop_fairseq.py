@@ -132,13 +132,17 @@ def test_imported_logits_equal_the_official_architecture(imported):
     ref = official_forward(sd, tokens, heads=4)
     keep = tokens != 1
     diff = float(np.max(np.abs(ours - ref)[keep]))
-    # the [CLS] reset and the relative buckets are live: without either the reference moves far more than 1e-5
+    # Ours is float32, the reference float64: the gap is float32 rounding grown over the layers, in units of the largest
+    # logit. Seen: 6e-6 on AMD CPUs, 1.07e-5 on an Intel one (a different summation order in XLA:CPU's dots), at a
+    # logit scale of 12.1, i.e. 4-8 float32 ulps of it. The bound is 32 ulps of the largest logit.
+    tol = 32 * float(np.finfo(np.float32).eps) * float(np.abs(ref[keep]).max())
+    # the [CLS] reset and the relative buckets are live: without either the reference moves 1e3 times the bound or more
     no_rel = float(np.max(np.abs(official_forward(sd, tokens, heads=4, rel=False) - ref)[keep]))
     no_reset = float(np.max(np.abs(official_forward(sd, tokens, heads=4, reset=False) - ref)[keep]))
     print(f"\nmax |ours - official| = {diff:.2e} (logit scale {np.abs(ref[keep]).max():.1f}); "
           f"without buckets {no_rel:.2f}, without the [CLS] reset {no_reset:.2f}")
-    assert diff <= 1e-5
-    assert no_rel > 1e-2 and no_reset > 1e-2
+    assert diff <= tol
+    assert no_rel > 1e3 * tol and no_reset > 1e3 * tol
     assert run.tokenizer.vocab[:7] == F.SPECIALS and run.tokenizer.vocab[-1] == "<mask>"
     assert run.tokenizer.mask_id == run.model_cfg.vocab_size - 1 and run.tokenizer.pad_id == 1
 
