@@ -11,11 +11,15 @@ variant in turn, `--steps` synced calls each; a variant's ratio to `plain` is ta
 the median over rounds with its min–max and, from 6 rounds, the median's 95% interval (`rounds.spread`). Also
 checked before timing: every variant's loss and gradients match `plain` within 1e-5 relative. `--dots onednn`
 compiles every variant with oneDNN for its dots, as the train step is on an x86 CPU (`tupe_jax/xla_options.py`);
-the default, `xla`, is XLA:CPU's own library, as the runs before session 26 were. Not a test.
+the default, `xla`, is XLA:CPU's own library, as the runs before session 26 were. `--torch` adds `torch`, the
+same loss and gradients as HF `BertForMaskedLM`'s head computes them (`F.linear` against the tied table with its
+bias, then `F.cross_entropy`, weighted here, and `backward`; torch's default threads), checked against `plain` like
+the others, and reports torch's time over each of ours within each round (`torch_over`). Not a test.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -29,10 +33,12 @@ sys.path.insert(0, HERE)
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 D, V = 256, 8192
+TORCH = "torch"
 
 
-def variants(m: int, chunks: list[int], compiler_options=None) -> dict:
-    """{name: jitted (h, E, b) -> (loss, grads)} for m rows (module docstring), compiled with `compiler_options`."""
+def variants(m: int, chunks: list[int], compiler_options=None, torch: bool = False) -> dict:
+    """{name: (h, E, b) -> (loss, grads)} for m rows (module docstring): ours jitted with `compiler_options`,
+    and with `torch` the torch head."""
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from tupe_jax import head  # pylint: disable=import-outside-toplevel
@@ -49,6 +55,48 @@ def variants(m: int, chunks: list[int], compiler_options=None) -> dict:
     for rows in chunks:
         out[f"chunks={rows}"] = grad(lambda h, e, b, r=rows or m: head.tied_cross_entropy(
             h, e, b, labels, weights, jnp.float32, rows=r))
+    if torch:
+        out[TORCH] = torch_head(labels, weights)
+    return out
+
+
+def torch_head(labels, weights):
+    """(h, E, b) -> (Σ w·NLL, (∂h, ∂E, ∂b)) in torch as HF's head computes it (module docstring): the inputs are
+    copied to torch tensors once, on the first call, and each call returns torch tensors."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import torch  # pylint: disable=import-outside-toplevel
+    import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+    labels_t = torch.from_numpy(np.array(labels)).long()     # a copy: torch wants it writable
+    weights_t = torch.from_numpy(np.array(weights))
+    held = {}
+
+    def run(h, e, b):
+        if not held:
+            held["leaves"] = [torch.from_numpy(np.array(x)).requires_grad_() for x in (h, e, b)]
+        th, te, tb = held["leaves"]
+        for leaf in held["leaves"]:
+            leaf.grad = None
+        loss = (F.cross_entropy(F.linear(th, te, tb), labels_t, reduction="none") * weights_t).sum()
+        loss.backward()
+        return loss.detach(), (th.grad, te.grad, tb.grad)
+    return run
+
+
+def leaves(result) -> list:
+    """A variant's (loss, grads) as numpy arrays, for the check against `plain` (torch's tensors too)."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    return [x.numpy() if hasattr(x, "requires_grad") else np.asarray(x) for x in jax.tree_util.tree_leaves(result)]
+
+
+def torch_over(times: dict) -> dict:
+    """{ours: spread of torch's ms ÷ ours, taken within each round} for each of our variants in `times`."""
+    out = {}
+    for name, values in times.items():
+        if name != TORCH:
+            out[name] = spread([t / o for t, o in zip(times[TORCH], values)])
+            ci = out[name]["ci95"] or [out[name]["min"], out[name]["max"]]
+            print(f"    torch ÷ {name}: {out[name]['median']:.3f} ({ci[0]:.3f}–{ci[1]:.3f})", flush=True)
     return out
 
 
@@ -61,8 +109,14 @@ def main() -> None:
     ap.add_argument("--dots", choices=("xla", "onednn"), default="xla",
                     help="the dot library: XLA:CPU's default (as before session 26) or oneDNN (xla_options.ONEDNN_DOTS,"
                     " as the train step compiles on an x86 CPU)")
+    ap.add_argument("--torch", action="store_true", help="add HF's head in torch (module docstring)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        sys.exit(f"error: no folder for --json {args.json!r}, --json, create the folder or name another")
+    if args.torch and importlib.util.find_spec("torch") is None:
+        sys.exit("error: --torch needs torch, which is not installed, the environment, "
+                 "pip install -e '.[bench]' or leave out --torch")
     import jax  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     from tupe_jax.host import cpu_description  # pylint: disable=import-outside-toplevel
@@ -72,19 +126,19 @@ def main() -> None:
            "jax": jax.__version__, "dots": args.dots, "loadavg_before": load_before, "shapes": {}}
     for m in (int(x) for x in args.rows.split(",")):
         chunks = [int(x) for x in args.chunks.split(",") if int(x) < m]
-        fns = variants(m, chunks, ONEDNN_DOTS if args.dots == "onednn" else None)
+        fns = variants(m, chunks, ONEDNN_DOTS if args.dots == "onednn" else None, args.torch)
         k = jax.random.split(jax.random.PRNGKey(0), 3)
         inputs = (jax.random.normal(k[0], (m, D)), jax.random.normal(k[1], (V, D)) * 0.05,
                   jax.random.normal(k[2], (V,)) * 0.1)
-        want = jax.tree_util.tree_leaves(fns["plain"](*inputs))
+        want = leaves(fns["plain"](*inputs))
         for name, fn in fns.items():
-            for got, ref in zip(jax.tree_util.tree_leaves(fn(*inputs)), want):
+            for got, ref in zip(leaves(fn(*inputs)), want):
                 np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5,
                                            atol=1e-5 * float(np.max(np.abs(ref))), err_msg=f"{name} at {m} rows")
         times = {name: [] for name in fns}
         for i in range(args.rounds):
             for name, fn in fns.items():
-                jax.block_until_ready(fn(*inputs))
+                jax.block_until_ready(fn(*inputs))    # torch's tensors pass through: its work is done on return
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     result = fn(*inputs)
@@ -98,6 +152,8 @@ def main() -> None:
             ci = f", 95% interval {r['ci95'][0]:.3f}–{r['ci95'][1]:.3f}" if r["ci95"] else ""
             print(f"  {m} rows, {name}: {statistics.median(values):.1f} ms; {r['median']:.3f}× plain "
                   f"({r['min']:.3f}–{r['max']:.3f}{ci})", flush=True)
+        if TORCH in times:
+            entry["torch_over"] = torch_over(times)
         out["shapes"][str(m)] = entry
     out["loadavg_after"] = os.getloadavg()
     if args.json:
