@@ -61,8 +61,9 @@ def variants(m: int, chunks: list[int], compiler_options=None, torch: bool = Fal
 
 
 def torch_head(labels, weights):
-    """(h, E, b) -> (Σ w·NLL, (∂h, ∂E, ∂b)) in torch as HF's head computes it (module docstring): the inputs are
-    copied to torch tensors once, on the first call, and each call returns torch tensors."""
+    """(h, E, b) -> (Σ w·NLL, (∂h, ∂E, ∂b)) in torch as HF's head computes it (module docstring). The inputs are
+    copied to torch tensors when they are not the arrays of the call before (so the timed calls, all on the same
+    arrays, copy nothing); each call returns torch tensors."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     import torch  # pylint: disable=import-outside-toplevel
     import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
@@ -71,7 +72,8 @@ def torch_head(labels, weights):
     held = {}
 
     def run(h, e, b):
-        if not held:
+        if held.get("inputs") is None or any(x is not y for x, y in zip(held["inputs"], (h, e, b))):
+            held["inputs"] = (h, e, b)
             held["leaves"] = [torch.from_numpy(np.array(x)).requires_grad_() for x in (h, e, b)]
         th, te, tb = held["leaves"]
         for leaf in held["leaves"]:

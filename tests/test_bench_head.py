@@ -30,6 +30,9 @@ def test_the_torch_head_gives_our_loss_and_gradients():
     again = leaves(fns[TORCH](*inputs))        # gradients are not accumulated across calls
     np.testing.assert_array_equal(again[2], leaves(fns[TORCH](*inputs))[2])
     np.testing.assert_allclose(again[2], want[2], rtol=1e-5, atol=1e-6 * float(np.max(np.abs(want[2]))))
+    other = (inputs[0] * 2.0, inputs[1], inputs[2])   # new arrays: computed on them, not on the first call's
+    for g, w in zip(leaves(fns[TORCH](*other)), leaves(fns["plain"](*other))):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(w))), err_msg="new inputs")
 
 
 def test_torch_over_ours_is_taken_within_each_round():
