@@ -1,9 +1,14 @@
-"""Helpers shared by the run-folder tests (test_workdir, test_lock): the repo root, a tiny pretraining config and a
-hash of every file in a folder (to show a refused command left it byte-identical)."""
+"""Helpers shared by the run-folder tests (test_workdir, test_workdir_processes, test_lock): the repo root, a tiny
+pretraining config, a hash of every file in a folder (to show a refused command left it byte-identical) and a
+committed checkpoint with tiny params."""
 import hashlib
 import os
 
+import jax.numpy as jnp
+
+from tupe_jax import checkpoint as ckpt
 from tupe_jax import config as config_lib
+from tupe_jax import workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,3 +37,11 @@ with RunLock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(float(sys.argv[2]))
 '''
+
+
+def fake_checkpoint(workdir, config, step):
+    """A committed checkpoint of `config` at `step` (tiny params; the gate reads only its meta)."""
+    params = {"w": jnp.ones((2,))}
+    with ckpt.Checkpointer(workdir, async_=False) as c:
+        c.save(step, {"step": jnp.int32(step), "params": params}, {}, workdir_lib.make_meta(config, params),
+               force=True)
