@@ -3,7 +3,7 @@
 
 Clients reach it through the environment: STORAGE_EMULATOR_HOST (gcsfs / etils.epath, google-cloud-storage:
 metadata, config.json, metrics, TensorBoard) and TENSORSTORE_GCS_HTTP_URL (tensorstore: checkpoint arrays).
-Child processes inherit both.
+Child processes inherit both. `tiny(cache)`: the tiny pretraining config the bucket runs train.
 """
 import json
 import os
@@ -12,7 +12,22 @@ import urllib.request
 
 import pytest
 
+from tupe_jax import config as config_lib
+
 BUCKET = "tupe-test"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {"model.hidden_size": "32", "model.num_layers": "1", "model.num_heads": "2", "model.mlp_dim": "64",
+        "model.vocab_size": "512", "model.max_len": "32", "train.steps": "6", "train.batch_size": "8",
+        "train.log_every": "1", "train.eval_every": "0", "train.eval_steps": "1", "checkpoint.every": "3",
+        "checkpoint.async_save": "false"}
+
+
+def tiny(cache, **extra):
+    config = config_lib.load_config(os.path.join(ROOT, "configs", "pretrain.py") + ":pe=tupe_r")
+    config_lib.apply_overrides(config, {**TINY, **{k: str(v) for k, v in extra.items()}})
+    with config.unlocked():
+        config.data.cache_dir = str(cache)
+    return config
 
 
 def make_bucket(url: str, name: str) -> None:
