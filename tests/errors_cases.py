@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import Callable
 
-from errors_inputs import (Env, OpensAFile, ROOT, base_run, config_only_workdir, copy_run, damaged_cache,
+from errors_inputs import (Env, OpensAFile, ROOT, base_run, config_only_workdir, copy_run, damaged_cache, damaged_run,
                            fairseq_ckpt, fairseq_no_dict, finetune, finetune_run, glue_copy, glue_drop,
                            import_fairseq, learned_table, locked, mismatched_tokenizer_workdir, not_a_checkpoint,
                            other_run_workdir, pretrain, write)
@@ -115,6 +115,10 @@ CASES = [
          lambda e: ["evaluate", f"--workdir={config_only_workdir(e, 'e3', '{not json')}"], "config.json"),
     Case("evaluate_missing_step", "`evaluate --step` of a step that does not exist",
          lambda e: ["evaluate", f"--workdir={e.run}", "--step=99"], "step 99"),
+    Case("evaluate_damaged_checkpoint", "`evaluate` on a run whose checkpoint is damaged (its state's metadata)",
+         lambda e: ["evaluate", f"--workdir={damaged_run(e)}"], "checkpoint step 10"),
+    Case("init_from_damaged_checkpoint", "init_from a run whose checkpoint is damaged (its state's metadata)",
+         lambda e: finetune(e, "i6", init_from=damaged_run(e)), "--config.init_step"),
     # ---------------------------------------------------------------- command line
     Case("unknown_flag", "unknown command-line flag", lambda e: pretrain(e, "c1") + ["--bogus"], "--bogus"),
     Case("unknown_command", "unknown command", lambda e: ["pretrian", f"--workdir={e.wd('c2')}"], "pretrian"),

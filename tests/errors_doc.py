@@ -65,8 +65,10 @@ def render_errors_doc() -> str:
               "checkpoint is kept |",
               "| disk full during a checkpoint save | `error: disk full: could not write checkpoint step N (...)`, exit 2;"
               " the unfinished step is removed, committed checkpoints are intact |",
-              "| corrupt or truncated latest checkpoint | warning naming the bad step, restore falls back to the previous "
-              "good one, nothing deleted (a later save of that step first moves it to `<step>.bad-<time>`) |",
+              "| corrupt or truncated latest checkpoint | resuming training: a warning naming the bad step, restore falls "
+              "back to the previous good one, nothing deleted (a later save of that step first moves it to "
+              "`<step>.bad-<time>`); `evaluate`, `export`, the analyses and `init_from` read only the step asked for "
+              "(default: the newest): `error: checkpoint step N ... failed to restore (...)` naming the other steps |",
               "| kill -9 (also during an asynchronous save) | the unfinished `<step>.orbax-checkpoint-tmp` is never "
               "restored; the restart resumes bitwise-exactly from the last committed step |",
               "| SIGTERM | the current step is checkpointed and committed, exit 0 |",

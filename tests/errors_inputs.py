@@ -220,3 +220,13 @@ def damaged_cache(env: Env) -> str:
                         data = f.read()
                     write(path, data[: len(data) // 2])
     return root
+
+
+def damaged_run(env: Env) -> str:
+    """A copy of the pretraining run whose only checkpoint (step 10) has garbage for its state's metadata (a file
+    whose message is the same on every run: a damaged array file's names whichever array Orbax read first)."""
+    root = env.data("damaged_run")
+    if not os.path.isdir(root):
+        shutil.copytree(env.run, root)
+        write(os.path.join(root, "checkpoints", "10", "state", "_METADATA"), b"\x00{not json")
+    return root

@@ -112,8 +112,9 @@ def tiny_model_overrides(config, **extra):
     return config
 
 
-def make_pretrained(workdir, cache_dir, pe="tupe_r", **model):
-    """Init a tiny TransformerLM and save it as a pretraining run: config.json, tokenizer/, checkpoints/10."""
+def make_pretrained(workdir, cache_dir, pe="tupe_r", steps=(10,), **model):
+    """Init a tiny TransformerLM and save it as a pretraining run: config.json, tokenizer/, checkpoints/<step> for
+    each of `steps` (the same params in each)."""
     from tupe_jax import checkpoint as ckpt
     from tupe_jax import data as data_lib
     from tupe_jax import workdir as workdir_lib
@@ -126,8 +127,9 @@ def make_pretrained(workdir, cache_dir, pe="tupe_r", **model):
     workdir_lib.write_config(str(workdir), config)
     data_lib.get_tokenizer(config, str(workdir))
     params = init_params(ModelConfig.from_config(config.model), jax.random.PRNGKey(1))
-    state = {"step": jnp.int32(10), "params": params, "opt_state": optax.adamw(1e-3).init(params),
-             "rng": jax.random.PRNGKey(0)}
     with ckpt.Checkpointer(str(workdir), async_=False) as c:
-        c.save(10, state, data_state={}, meta=workdir_lib.make_meta(config, params), force=True)
+        for step in steps:
+            state = {"step": jnp.int32(step), "params": params, "opt_state": optax.adamw(1e-3).init(params),
+                     "rng": jax.random.PRNGKey(0)}
+            c.save(step, state, data_state={}, meta=workdir_lib.make_meta(config, params), force=True)
     return params

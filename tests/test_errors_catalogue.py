@@ -138,7 +138,8 @@ def _run_longer_than_table_api() -> None:
 
 
 # A few cases as real `python -m launch` processes: the same one line on stderr, exit 2, no traceback.
-END_TO_END = ["mistyped_key", "non_utf8", "glue_bad_label", "evaluate_no_checkpoint", "fairseq_unsafe_pickle"]
+END_TO_END = ["mistyped_key", "non_utf8", "glue_bad_label", "evaluate_no_checkpoint", "fairseq_unsafe_pickle",
+              "evaluate_damaged_checkpoint"]
 
 
 @pytest.mark.parametrize("name", END_TO_END)

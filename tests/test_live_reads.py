@@ -52,12 +52,12 @@ def train_on_during_first_read(monkeypatch, pre, params20):
     """The first `restore_params` call finds step 20 saved and step 10 deleted, as a live run's next save does."""
     original, calls = ckpt.restore_params, []
 
-    def restore_params(path, step=None, abstract_params=None):
+    def restore_params(path, step=None, abstract_params=None, where="--step"):
         if not calls:
             save_step(pre, 20, params20)
             shutil.rmtree(os.path.join(pre, "checkpoints", "10"))
         calls.append(step)
-        return original(path, step, abstract_params)
+        return original(path, step, abstract_params, where)
 
     monkeypatch.setattr(ckpt, "restore_params", restore_params)
     return calls

@@ -14,14 +14,17 @@ import re
 import resource
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import jax
 import numpy as np
 import pytest
 
-from tests.reliability_fixtures import (TMP_SUFFIX, assert_params_equal, committed, leftovers, params_of,
-                                       run_child, tiny_config)
+from tests import xla_flags
+from tests.reliability_fixtures import (ROOT, TMP_SUFFIX, assert_params_equal, committed, leftovers,
+                                       params_of, run_child, tiny_config)
 from tupe_jax import checkpoint as ckpt
 from tupe_jax import trainer as trainer_lib
 from tupe_jax import workdir as workdir_lib
@@ -178,6 +181,27 @@ def test_training_continues_past_a_corrupt_step(two_step_run, tmp_path, caplog):
     assert len(aside) == 1
     assert os.path.isfile(damaged.replace(str(wd / "checkpoints" / "10"), aside[0]))
     assert workdir_lib.load_run(str(wd)).step == 15
+
+
+@pytest.mark.slow
+def test_a_damaged_step_puts_only_its_own_lines_on_stderr(two_step_run, tmp_path):
+    """Real processes, on a step that lost its OCDBT manifest (the damage that leaves the most of Orbax's reads in
+    flight): `evaluate` stops with its one line, exit 2; a resume falls back to step 5 and trains on. Neither prints
+    a traceback of the failed read's leftovers (`tupe_jax/failed_reads.py`)."""
+    src, _ = two_step_run
+    wd = tmp_path / "run"
+    shutil.copytree(src, wd)
+    os.remove(wd / "checkpoints" / "10" / "state" / "manifest.ocdbt")
+    evaluate = subprocess.run([sys.executable, "-m", "launch", "evaluate", f"--workdir={wd}"], cwd=ROOT,
+                              env=dict(os.environ, XLA_FLAGS=xla_flags.devices(1)), capture_output=True, text=True,
+                              timeout=300, check=False)
+    assert evaluate.returncode == 2, evaluate.stderr[-3000:]
+    assert evaluate.stderr.startswith("error: checkpoint step 10 ") and len(evaluate.stderr.splitlines()) == 1
+    resumed = run_child(wd)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert committed(wd) == [5, 10] and "checkpoint step 10" in resumed.stderr
+    for leftover in ("Traceback", "Exception ignored", "Event loop is closed", "never retrieved"):
+        assert leftover not in resumed.stderr, resumed.stderr[-3000:]
 
 
 def test_uncommitted_checkpoint_is_never_picked(two_step_run, tmp_path):

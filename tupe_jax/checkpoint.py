@@ -11,7 +11,9 @@ Each step holds three items:
 
 Orbax writes each step into a temporary directory and renames it when complete, so unfinished saves are never
 listed. If the newest step fails to restore (corrupt files), `restore` warns naming it and falls back to the
-previous step; nothing is deleted. Preemption: `install_sigterm_handler()` makes SIGTERM set a flag; the loop polls
+previous step; nothing is deleted. The read-only paths (`restore_params`, `restore_meta`: evaluate, export, the
+analyses, init_from) never fall back by themselves: a step that does not read is a one-line error naming the other
+steps, and what a failed read leaves in flight is kept off stderr (`failed_reads`). Preemption: `install_sigterm_handler()` makes SIGTERM set a flag; the loop polls
 `Checkpointer.reached_preemption(step)` (that flag, or Orbax/JAX's multi-host preemption sync point), then saves
 with `force=True`, calls `wait()` and exits 0.
 """
@@ -31,6 +33,7 @@ import orbax.checkpoint as ocp
 
 from tupe_jax import files
 from tupe_jax.errors import UserError
+from tupe_jax.failed_reads import describe, quiet_leftovers
 
 log = logging.getLogger(__name__)
 _STOP = {"requested": False}
@@ -230,26 +233,46 @@ class Checkpointer:
             try:
                 return self._restore_one(step, abstract_state)
             except Exception as err:  # pylint: disable=broad-except
-                raise UserError(f"checkpoint step {step} in {self.directory} failed to restore "
-                                f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})",
+                quiet_leftovers()
+                raise UserError(f"checkpoint step {step} in {self.directory} failed to restore ({describe(err)})",
                                 "--step", "pick another step") from None
         for candidate in reversed(self.all_steps()):
             try:
                 return self._restore_one(candidate, abstract_state)
             except Exception as err:  # pylint: disable=broad-except
-                first_line = str(err).splitlines()[0][:200] if str(err) else ""
-                log.warning("checkpoint step %d in %s failed to restore (%s: %s); trying the previous one, "
-                            "deleting nothing", candidate, self.directory, type(err).__name__, first_line)
+                quiet_leftovers()
+                log.warning("checkpoint step %d in %s failed to restore (%s); trying the previous one, "
+                            "deleting nothing", candidate, self.directory, describe(err))
         if self.all_steps():
             raise UserError(f"no checkpoint in {self.directory} restores (steps {self.all_steps()})", "--workdir",
                             "check the files, or start a fresh workdir")
         return None
 
-    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
-        """The `meta` JSON of `step` (default: latest)."""
+    def restore_meta(self, step: int | None = None, where: str = "--step") -> dict[str, Any]:
+        """The `meta` JSON of `step` (default: latest); a meta item that does not read is a UserError naming the
+        step (`unreadable`)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise UserError(f"no checkpoint in {self.directory}", "--workdir", "pretrain first")
+        try:
+            return self._meta(step)
+        except Exception as err:  # pylint: disable=broad-except
+            raise unreadable(self.directory, step, self.all_steps(), err, where) from None
+
+    def newest_meta(self) -> tuple[int | None, dict[str, Any]]:
+        """(newest step whose meta reads, its meta), warning about each newer step, as `restore` falls back; (newest
+        step, {}) if none reads; (None, {}) without checkpoints."""
+        steps = self.all_steps()
+        for step in reversed(steps):
+            try:
+                return step, self._meta(step)
+            except Exception as err:  # pylint: disable=broad-except
+                quiet_leftovers()
+                log.warning("checkpoint step %d in %s: its meta failed to restore (%s); reading the previous one, "
+                            "deleting nothing", step, self.directory, describe(err))
+        return (steps[-1], {}) if steps else (None, {})
+
+    def _meta(self, step: int) -> dict[str, Any]:
         return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {})
 
     def reached_preemption(self, step: int) -> bool:
@@ -279,11 +302,24 @@ class Checkpointer:
         self.close()
 
 
-def restore_params(path_or_workdir: str, step: int | None = None, abstract_params: Any = None) -> Any:
+def unreadable(directory: str, step: int, steps: list[int], err: BaseException, where: str) -> UserError:
+    """The one-line error for checkpoint `step` that a read-only command (evaluate, export, the analyses, a
+    fine-tune's init_from) could not read; it names the other steps to ask for instead: such a command reads the
+    step it is given, or the newest, and never another one by itself (resuming training does fall back)."""
+    quiet_leftovers()
+    others = [s for s in steps if s != step]
+    return UserError(f"checkpoint step {step} in {directory} failed to restore ({describe(err)})", where,
+                     f"ask for another step ({', '.join(map(str, others))}) or check the files" if others
+                     else "check the files, or train again")
+
+
+def restore_params(path_or_workdir: str, step: int | None = None, abstract_params: Any = None,
+                   where: str = "--step") -> Any:
     """Params only, for fine-tuning: from a workdir (or its checkpoints dir) at `step` (default latest).
 
     With `abstract_params` (ShapeDtypeStructs with shardings) only the params subtree is read, onto those
-    shardings; without it the whole state item is read and its params returned.
+    shardings; without it the whole state item is read and its params returned. A step that does not read is a
+    UserError naming it and `where` (`unreadable`).
     """
     directory = checkpoint_dir(path_or_workdir)
     if not files.isdir(directory):
@@ -301,7 +337,10 @@ def restore_params(path_or_workdir: str, step: int | None = None, abstract_param
             target = {"params": abstract_params}
             restore = ocp.args.PyTreeRestore(item=target, partial_restore=True,
                                              restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-        state = manager.restore(step, args=ocp.args.Composite(state=restore))["state"]
+        try:
+            state = manager.restore(step, args=ocp.args.Composite(state=restore))["state"]
+        except Exception as err:  # pylint: disable=broad-except
+            raise unreadable(directory, step, sorted(manager.all_steps()), err, where) from None
         return state["params"]
     finally:
         manager.close()

@@ -28,6 +28,7 @@ MUST_MATCH = ("pe", "objective", "num_layers", "hidden_size", "num_heads", "mlp_
               "untie_cls", "rel_num_buckets", "rel_max_distance", "rope_base", "rope_style", "rope_fraction",
               "layer_norm_eps", "tupe_form", "sinusoidal_style", "type_vocab_size")
 WHERE = "--config.init_from"
+WHERE_STEP = "--config.init_step"   # a step of the run that does not read names this
 
 
 # ------------------------------------------------------------------------------------------------ init_from
@@ -60,7 +61,8 @@ def resolve_init_from(path: str, init_step: int = -1) -> tuple[str, int | None]:
 def open_init_source(config: ml_collections.ConfigDict) -> InitSource:
     """Resolve `config.init_from`, pick the step, read its meta and refuse another scheme or model shape."""
     workdir, requested = resolve_init_from(str(config.init_from), int(config.init_step))
-    step, meta = workdir_lib.read_kept_step(workdir, requested, functools.partial(workdir_lib.read_meta, workdir),
+    step, meta = workdir_lib.read_kept_step(workdir, requested, functools.partial(workdir_lib.read_meta, workdir,
+                                                                                   where=WHERE_STEP),
                                             WHERE, follow=requested is None, where_run=WHERE)
     workdir_lib.check_compatible(meta, canonical_name(str(config.model.pe)), where=WHERE)
     check_model_keys(workdir, config)
@@ -109,9 +111,10 @@ def restore_encoder(source: InitSource, abstract_encoder: Any) -> tuple[Any, Ini
     has deleted that step meanwhile and no step was asked for, its newest step then."""
 
     def read(at: int) -> tuple[dict[str, Any], Any]:
-        meta = source.meta if at == source.step else workdir_lib.read_meta(source.workdir, at)
+        meta = source.meta if at == source.step else workdir_lib.read_meta(source.workdir, at, WHERE_STEP)
         check_encoder_shapes(meta, abstract_encoder)
-        return meta, ckpt_lib.restore_params(source.workdir, at, abstract_params={"encoder": abstract_encoder})
+        return meta, ckpt_lib.restore_params(source.workdir, at, abstract_params={"encoder": abstract_encoder},
+                                             where=WHERE_STEP)
 
     step, (meta, restored) = workdir_lib.read_kept_step(source.workdir, source.step, read, WHERE,
                                                         follow=source.follow, where_run=WHERE)

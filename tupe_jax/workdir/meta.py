@@ -109,20 +109,20 @@ def checkpoint_steps(workdir: str) -> list[int]:
         return checkpointer.all_steps()
 
 
-def read_meta(workdir: str, step: int) -> dict[str, Any]:
-    """The meta item of `workdir`'s checkpoint `step`."""
+def read_meta(workdir: str, step: int, where: str = "--step") -> dict[str, Any]:
+    """The meta item of `workdir`'s checkpoint `step` (a UserError naming `where` if it does not read)."""
     with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
-        return checkpointer.restore_meta(step)
+        return checkpointer.restore_meta(step, where)
 
 
 def latest_meta(workdir: str) -> tuple[int | None, dict[str, Any]]:
-    """(latest committed step, its meta) — (None, {}) without checkpoints. Read by the gate only after
-    `lock.refuse_if_held`: a live run could prune the step between the listing and the read."""
+    """(newest committed step whose meta reads, its meta) — (None, {}) without checkpoints; a newer step whose meta
+    does not read is named in a warning, as a resume falls back past it (`Checkpointer.newest_meta`). Read by the
+    gate only after `lock.refuse_if_held`: a live run could prune the step between the listing and the read."""
     if not files.isdir(files.join(workdir, "checkpoints")):
         return None, {}
     with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
-        steps = checkpointer.all_steps()
-        return (steps[-1], checkpointer.restore_meta(steps[-1])) if steps else (None, {})
+        return checkpointer.newest_meta()
 
 
 def _agreed(value: int) -> int:
