@@ -13,7 +13,6 @@ and the median's 95% interval (`rounds.spread`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -26,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 from tests import xla_flags  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], help="extra XLA flags (repeatable)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     base = base_flags(args.variant)
     jobs = {"suite flags less the variants": base, **{v: f"{base} {v}" for v in args.variant}}
     rows: dict[str, list[dict]] = {name: [] for name in jobs}
@@ -80,8 +81,7 @@ def main() -> None:
         print(f"{name}: compile {job['compile_s']['median']:.2f} s (train step {job['train_step_compile_s']['median']:.2f}),"
               f" wall {job['wall_s']['median']:.2f} s")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ the process's CPU ms (all threads) are both kept.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -24,6 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 LIBRARIES = {"xla": "0", "onednn": "1"}
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    refuse_missing_folder(args.json)
     schemes, lengths = args.schemes.split(","), [int(x) for x in args.lengths.split(",")]
     built = {scheme: build(scheme, lengths) for scheme in schemes}
     rounds = []
@@ -109,9 +110,7 @@ def main() -> None:
               "model": "size=small causal: 4 layers, d 256, 4 heads, MLP 1024, vocab 8192, float32",
               "results": results, "per_round_ms": rounds}
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

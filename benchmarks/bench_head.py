@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shlex
 import statistics
@@ -30,6 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 D, V = 256, 8192
@@ -114,8 +114,7 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="add HF's head in torch (module docstring)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        sys.exit(f"error: no folder for --json {args.json!r}, --json, create the folder or name another")
+    refuse_missing_folder(args.json)
     if args.torch and importlib.util.find_spec("torch") is None:
         sys.exit("error: --torch needs torch, which is not installed, the environment, "
                  "pip install -e '.[bench]' or leave out --torch")
@@ -159,8 +158,7 @@ def main() -> None:
         out["shapes"][str(m)] = entry
     out["loadavg_after"] = os.getloadavg()
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import a `launch pretrain` pays). Medians over rounds with min, max and the medi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -23,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 from tupe_jax import host  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--site", action="append", required=True)
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
+    refuse_missing_folder(args.json)
     for site in args.site:
         if site != "installed" and not os.path.isdir(os.path.join(site, "ml_dtypes")):
             sys.exit(f"error: no ml_dtypes package in {site}, --site, give `installed` or an unpacked wheel's folder")
@@ -73,10 +74,7 @@ def main() -> None:
               "python": platform.python_version(), "numpy": numpy_version(),
               "sites": {site: {"ml_dtypes": versions[site], **{p: spread(v) for p, v in times[site].items()}}
                         for site in args.site}}
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    print(f"wrote {args.json}")
+    write_json(args.json, result, newline=True)
 
 
 if __name__ == "__main__":

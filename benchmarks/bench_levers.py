@@ -62,7 +62,6 @@ they ran at their own speed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -73,6 +72,7 @@ from typing import Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 from tupe_jax.xla_options import ONEDNN_DOTS  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -88,7 +88,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     from train_workers import shape as train_shape, synthetic_batches  # pylint: disable=import-outside-toplevel
     from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
     from tupe_jax.data.batch import LMBatch  # pylint: disable=import-outside-toplevel
-    from tupe_jax.model import ModelConfig, TransformerLM  # pylint: disable=import-outside-toplevel
+    from tupe_jax.model import ModelConfig, Transformer, TransformerLM  # pylint: disable=import-outside-toplevel
     from tupe_jax.optim import make_optimizer  # pylint: disable=import-outside-toplevel
     from tupe_jax.pretrain import steps  # pylint: disable=import-outside-toplevel
     from tupe_jax.trainer import init_state_fn  # pylint: disable=import-outside-toplevel
@@ -103,11 +103,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     model = TransformerLM(ModelConfig.from_config(config.model))
     tx, schedule = make_optimizer(config.train)
     state = jax.jit(lambda r: nn.meta.unbox(init_state_fn(model, tx, shape["seq"])(r)))(jax.random.PRNGKey(0))
-    from tupe_jax import attention as attention_lib  # pylint: disable=import-outside-toplevel
-    from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
-    from tupe_jax.model import Transformer  # pylint: disable=import-outside-toplevel
-    from tupe_jax import dropout as dropout_lib  # pylint: disable=import-outside-toplevel
-    from tupe_jax import head as head_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax import attention as attention_lib, dropout as dropout_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax import head as head_lib, model as model_lib  # pylint: disable=import-outside-toplevel
     kept, kept_attend, kept_dot, kept_gelu = (head_lib.argmax_hits, Transformer.attend, model_lib.dense_dot_general,
                                               model_lib.gelu)
     kept_loss = steps.batch_loss
@@ -286,6 +283,7 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     load_before = os.getloadavg()
     makers = {"current": lambda: build(args.slots),
               "argmax (before)": lambda: build(args.slots, plain_argmax=True, logits_head=True),
@@ -345,8 +343,7 @@ def main() -> None:
               f"{interval(r)}); CPU {statistics.median(cpu[name]):.1f} ms, {c['median']:.3f}× "
               f"({c['min']:.3f}–{c['max']:.3f}{interval(c)})", flush=True)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

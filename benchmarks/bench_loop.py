@@ -18,7 +18,6 @@ with it, as `python -m launch` does).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -33,6 +32,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from bench_train import loop_overrides, loop_result  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 from train_workers import shape_args, worker_ours  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--host_costs", type=int, default=1, help="also time the loop's host work per step alone")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     from tupe_jax import allocator, host  # pylint: disable=import-outside-toplevel
     allocator.maybe_reexec()                    # the launcher's allocator, for both arms
     for key in ("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"):
@@ -156,9 +157,7 @@ def main() -> None:
     for name, cost in costs.items():
         print(f"host work alone, {name}: {cost['wall_ms']:.2f} ms wall, {cost['cpu_ms']:.2f} ms CPU")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ what a second core adds. Run it once as is and once under `taskset -c 0` to see 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -38,6 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 SHAPES = {  # name: (M, K, F) of the product (M, K) · (K, F)
@@ -135,8 +135,7 @@ def main() -> None:
     ap.add_argument("--engines", action="store_true", help="the projection shapes under the same three engines")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        sys.exit(f"error: no folder for --json {args.json!r}, --json, create the folder or name another")
+    refuse_missing_folder(args.json)
     if args.attention and args.engines:
         sys.exit("error: --attention and --engines together, the command line, give one of them")
     if args.attention or args.engines:
@@ -181,8 +180,7 @@ def report(args: argparse.Namespace, per: dict, load_before) -> None:
             low, high = r["ci95"] or (r["min"], r["max"])
             print(f"| {name} | {r['median']:.3f} ({low:.3f}–{high:.3f}) |")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
 
 
 def torch_over_onednn(per: dict) -> dict:

@@ -30,6 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 SHARD_MB = 4.0   # >= 4 shards per worker even for the 1-copy corpus (11 MB): the last shard is not left to one core
@@ -153,6 +156,7 @@ def main() -> None:
     ap.add_argument("--scratch", default="/tmp/bench_prepare")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     scratch = Path(args.scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     vocab = vocabulary(scratch, Path(args.text))
@@ -161,7 +165,7 @@ def main() -> None:
                   time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result, newline=True)
 
 
 if __name__ == "__main__":

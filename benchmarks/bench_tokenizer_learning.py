@@ -22,6 +22,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+
 CHILD = r"""
 import json, resource, sys, time
 method, path, mb, vocab = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
@@ -82,6 +85,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     rows = []
     for r in range(args.rounds):
         for method in METHODS:
@@ -104,8 +108,7 @@ def main() -> None:
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(json.dumps(result["median"], indent=1))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ ROOT = os.path.dirname(HERE)
 
 sys.path.insert(0, HERE)
 from train_workers import ALL_SCHEMES, SHAPES, USAGE, WORKERS, shape_args  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -212,6 +213,7 @@ def main() -> None:
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--worker_arg", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     s = shape_args(args)
     args.default_predictions = -(-15 * s["seq"] // 100)
     args.predictions = args.predictions or args.default_predictions
@@ -220,8 +222,6 @@ def main() -> None:
         print(json.dumps({**WORKERS[args.worker](args, s), "usage": USAGE}))
         return
 
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        sys.exit(f"error: the folder of --json {args.json} does not exist, bench_train.py, create it or pick another")
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     sys.path.insert(0, ROOT)
@@ -329,16 +329,15 @@ def main() -> None:
     if not args.json:
         return
     from tupe_jax import host  # pylint: disable=import-outside-toplevel
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump({"command": "python benchmarks/bench_train.py " + shlex.join(sys.argv[1:]), "started": started,
-                   "git_commit": commit,
-                   "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "shape": s,
-                   "args": vars(args), "machine": f"{platform.processor() or platform.machine()}, "
-                   f"{os.cpu_count()} cores", "cpu": host.cpu_description(), "peaks_flops": peaks,
-                   "torch_threads": torch_threads,
-                   "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "ratios": ratios,
-                   "jobs": jobs_out, "runs": results}, f, indent=1)
-    print(f"\nwrote {args.json}")
+    print()
+    write_json(args.json, {"command": "python benchmarks/bench_train.py " + shlex.join(sys.argv[1:]),
+                           "started": started, "git_commit": commit,
+                           "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "shape": s,
+                           "args": vars(args), "machine": f"{platform.processor() or platform.machine()}, "
+                           f"{os.cpu_count()} cores", "cpu": host.cpu_description(), "peaks_flops": peaks,
+                           "torch_threads": torch_threads,
+                           "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "ratios": ratios,
+                           "jobs": jobs_out, "runs": results})
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def cases():
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--backends", default="xla,cudnn")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from tests.attention_fixtures import (bf16_bound, bias_cast_to_bf16, cudnn_like,  # pylint: disable=import-outside-toplevel
@@ -78,8 +81,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "rows": rows}
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     sys.exit(1 if failed else 0)
 
 

@@ -24,6 +24,8 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 CASES = [("bert_a", "bias"), ("tupe_a", "bias"), ("tupe_a", "concat"), ("tupe_r", "bias"), ("tupe_r", "concat")]
 
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     if args.smoke:
         args.seq, args.batch, args.dtype = 64, 2, "float32"
     import jax  # pylint: disable=import-outside-toplevel
@@ -83,10 +86,9 @@ def main() -> None:
     rows, ok = [], True
 
     def write(rows: list) -> None:
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "args": vars(args),
-                           "rows": rows}, f, indent=1)
+        if args.json:   # quietly: rewritten after every comparison
+            write_json(args.json, {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                   "args": vars(args), "rows": rows}, announce=False)
 
     cases = [tuple(c.split(":")) for c in args.cases.split(",")] if args.cases else CASES
     for scheme, form, *objective in cases:

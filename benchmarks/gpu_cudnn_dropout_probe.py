@@ -24,6 +24,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main() -> None:
@@ -31,6 +33,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.1)
     ap.add_argument("--json", default=os.path.join(HERE, "results_gpu_cudnn_dropout_probe.json"))
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     if jax.default_backend() != "gpu":
@@ -56,8 +59,7 @@ def main() -> None:
     except Exception as err:  # pylint: disable=broad-except
         out["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         print(json.dumps(out, indent=1))
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
         sys.exit(1)
     out["realised_drop_rate"] = float(jnp.mean(jnp.asarray(a, jnp.float32) == 0.0))
     out["kept_value"] = float(jnp.max(jnp.asarray(a, jnp.float32)))      # expect 1/(1 - rate), in bf16
@@ -69,8 +71,7 @@ def main() -> None:
     except Exception as err:  # pylint: disable=broad-except
         out["traced_seed"] = f"refused: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
     print(json.dumps(out, indent=1))
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

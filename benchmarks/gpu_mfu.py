@@ -28,6 +28,8 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 # (scheme, tupe_form, attention_backend[, dropout_rng]); cheapest-to-skip last
 CONFIGS = [("bert_a", "bias", "cudnn"), ("tupe_a", "bias", "cudnn"), ("tupe_a", "concat", "cudnn"),
@@ -170,6 +172,8 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--profile_dir", default="", help="also write a 3-step jax.profiler trace per configuration")
     args = ap.parse_args()
+    out = args.json or os.path.join(os.environ.get("OUT", HERE), "gpu_mfu.json")
+    refuse_missing_folder(out)
     if args.smoke:
         args.seq, args.batch, args.steps, args.warmup, args.dtype = 128, 4, 2, 1, "float32"
     start = time.perf_counter()
@@ -181,12 +185,11 @@ def main() -> None:
     measured = measured_matmul_peak(args.dtype, 2048 if args.smoke else 8192)
     configs = CONFIGS if not args.configs else [tuple(c.split(":")) for c in args.configs.split(",")]
     rows = []
-    out = args.json or os.path.join(os.environ.get("OUT", HERE), "gpu_mfu.json")
 
-    def write(rows: list) -> None:
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump({"device": device.device_kind, "jax": jax.__version__, "args": vars(args),
-                       "table_peak_tflops": table_peak, "measured_peak_flops": measured, "rows": rows}, f, indent=1)
+    def write(rows: list) -> None:     # quietly: rewritten after every configuration
+        write_json(out, {"device": device.device_kind, "jax": jax.__version__, "args": vars(args),
+                         "table_peak_tflops": table_peak, "measured_peak_flops": measured, "rows": rows},
+                   announce=False)
 
     write(rows)
     modes = args.causal_mask.split(",") if args.objective == "clm" else ["explicit"]

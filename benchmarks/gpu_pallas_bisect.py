@@ -29,6 +29,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 # the model's form first (the mask precomputed: what gpu_round2.sh's canary compiles), then 8 warps (no spill in
 # benchmarks/triton_registers.py), 1 stage, and the form that stalled in session 22 (hashed in the kernel)
 CASES = ("dkv:0.1:2:4:64:precomputed,dq:0.1:2:4:64:precomputed,dkv:0.1:2:8:64:precomputed,"
@@ -74,6 +76,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     if args.child:
         kernel, rate, stages, warps, block_q, *mask = args.child.split(":")
         return compile_one(kernel, float(rate), int(stages), int(warps), int(block_q), args.interpret, *mask)
@@ -97,9 +100,9 @@ def main() -> None:
                "dump_files": len(names)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"timeout_s": args.timeout, "interpret": args.interpret, "rows": rows}, f, indent=1)
+        if args.json:   # quietly: rewritten after every case
+            write_json(args.json, {"timeout_s": args.timeout, "interpret": args.interpret, "rows": rows},
+                       announce=False)
     return None
 
 

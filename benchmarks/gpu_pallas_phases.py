@@ -11,6 +11,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main() -> None:
@@ -23,6 +25,7 @@ def main() -> None:
     ap.add_argument("--dropout_mask", choices=("precomputed", "in_kernel"), default="precomputed")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from tupe_jax.dropout import keep_bits16  # pylint: disable=import-outside-toplevel
@@ -32,10 +35,9 @@ def main() -> None:
     def note(phase: str, seconds: float, **extra) -> None:
         rows.append(dict(phase=phase, seconds=seconds, **extra))
         print(json.dumps(rows[-1]), flush=True)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "args": vars(args),
-                           "rows": rows}, f, indent=1)
+        if args.json:   # quietly: rewritten after every phase
+            write_json(args.json, {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                   "args": vars(args), "rows": rows}, announce=False)
 
     shape = (args.batch, args.length, args.heads, 64)
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16) for i in range(3))

@@ -21,6 +21,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 BUDGET_GIB = 4.0
 
 
@@ -65,6 +67,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     if args.worker:
         print(json.dumps(worker(args.worker, args.length, args.backend)))
         return
@@ -91,8 +94,7 @@ def main() -> None:
         print(f"| {r['scheme']} | {r['model']} | {gib:.2f} | {'yes' if gib < BUDGET_GIB else 'NO'} | "
               f"{r['forward_s']:.2f} | {r['loss']:.3f} |")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

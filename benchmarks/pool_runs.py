@@ -27,6 +27,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from outputs import missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 # issue #18's must-show targets: ratio -> (lowest, highest) it may be
@@ -152,8 +153,9 @@ def main(argv=None) -> int:
         if len(args.runs) < 2:
             raise Refused(f"{len(args.runs)} run given on the command line, pass two or more bench_train files")
         for flag, out in (("--json", args.json), ("--plot", args.plot)):
-            if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-                raise Refused(f"the folder of {flag} {out} does not exist, create it or pick another")
+            message = missing_folder(out, flag)
+            if message:
+                raise Refused(message)
         runs = [load(p) for p in args.runs]
         check_poolable(args.runs, runs)
         ratios = pool(args.runs, runs)
@@ -174,16 +176,14 @@ def main(argv=None) -> int:
         print(f"| {key} | {p['median']:.3f}× ({ci}; {len(p['per_round'])}) | "
               f"{', '.join(format(r['median'], '.3f') for r in e['runs'])} | {verdict} |")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"command": "python benchmarks/pool_runs.py " + shlex.join(sys.argv[1:] if argv is None
-                                                                                  else argv),
-                       "cpu": runs[0]["cpu"], "shape": runs[0]["shape"],
-                       "settings": {k: runs[0]["args"].get(k) for k in SETTINGS},
-                       "files": [{"file": p, "started": r["started"], "finished": r.get("finished"),
-                                  "git_commit": r.get("git_commit"), "command": r.get("command")}
-                                 for p, r in zip(args.runs, runs)],
-                       "ratios": ratios}, f, indent=1)
-        print(f"\nwrote {args.json}")
+        command = "python benchmarks/pool_runs.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+        print()
+        write_json(args.json, {"command": command, "cpu": runs[0]["cpu"], "shape": runs[0]["shape"],
+                               "settings": {k: runs[0]["args"].get(k) for k in SETTINGS},
+                               "files": [{"file": p, "started": r["started"], "finished": r.get("finished"),
+                                          "git_commit": r.get("git_commit"), "command": r.get("command")}
+                                         for p, r in zip(args.runs, runs)],
+                               "ratios": ratios})
     if args.plot:
         plot(ratios, runs, args.plot)
         print(f"wrote {args.plot}")

@@ -39,6 +39,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 LAYOUT_OPS = {"copy", "transpose", "bitcast", "reshape", "slice", "concatenate", "broadcast", "pad", "tuple",
               "get-tuple-element", "parameter", "constant", "dynamic-slice", "dynamic-update-slice", "iota"}
@@ -218,6 +219,7 @@ def main() -> None:
                     "build_hf_flax: dense logits over every position) instead of ours")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     import jax  # pylint: disable=import-outside-toplevel
     from bench_levers import build, build_hf_flax, run  # pylint: disable=import-outside-toplevel
     from tupe_jax.host import cpu_description, cpu_kind  # pylint: disable=import-outside-toplevel
@@ -250,8 +252,7 @@ def main() -> None:
     print(f"\nmatmul FLOPs {out['matmul_gflop_per_step']:.2f} GFLOP/step; dispatch only (work untraced): "
           f"{d['instructions']} instructions, {d['gflop']:.2f} GFLOP ({', '.join(d['places']) or '-'})")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shlex
 import sys
@@ -29,6 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 
@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     import torch  # pylint: disable=import-outside-toplevel
     from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
     from train_workers import shape as train_shape, torch_peer  # pylint: disable=import-outside-toplevel
@@ -107,8 +108,7 @@ def main() -> None:
     for o in out["ops"][:15]:
         print(f"  {o['op']}: {o['ms']:.1f} ms ({o['kind']})")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

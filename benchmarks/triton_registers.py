@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import re
 import shlex
@@ -29,6 +28,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 SHAPE, BIAS_SHAPE = (4, 512, 12, 64), (1, 12, 512, 512)
 SCALE, BLOCK_Q, BLOCK_K, CAPABILITY = 0.125, 64, 128, 90
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("--triton-path", default="", help="a `pip install --target` folder holding triton")
     ap.add_argument("--warps", default="4", help="comma-separated num_warps to lower with (calls.NUM_WARPS: 4)")
     args = ap.parse_args()
+    refuse_missing_folder(args.json)
     if args.triton_path:
         sys.path.insert(0, args.triton_path)
     import jax  # pylint: disable=import-outside-toplevel
@@ -156,9 +158,7 @@ def main() -> None:
                       qkv=list(SHAPE), bias=list(BIAS_SHAPE), scale=SCALE, block_q=BLOCK_Q, block_k=BLOCK_K),
                   rows=rows)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        write_json(args.json, result, newline=True)
 
 
 if __name__ == "__main__":
