@@ -222,3 +222,15 @@ def test_a_run_made_before_an_added_key_resumes_and_keeps_its_identity(tmp_path)
         k: v for k, v in json_lib.loads(config_lib.to_json(config))["model"].items() if k != "sinusoidal_style"}}))
     with pytest.raises(UserError, match="sinusoidal_style"):
         check_config(str(tmp_path), other)
+
+
+def test_a_whole_file_write_that_fails_keeps_the_earlier_file_and_leaves_no_temporary_one(tmp_path):
+    """`files.write_text` (config.json, results, exports): a write that fails part way (here a character UTF-8 cannot
+    encode; a full disk alike) leaves the earlier file byte-identical and nothing else in the folder."""
+    from tupe_jax import files  # pylint: disable=import-outside-toplevel
+    path = tmp_path / "config.json"
+    files.write_json(str(path), {"a": 1})
+    before = path.read_bytes()
+    with pytest.raises(UnicodeEncodeError):
+        files.write_text(str(path), "x" * 100_000 + "\udc80")
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["config.json"]

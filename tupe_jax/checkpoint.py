@@ -13,9 +13,9 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 listed. If the newest step fails to restore (corrupt files), `restore` warns naming it and falls back to the
 previous step; nothing is deleted. The read-only paths (`restore_params`, `restore_meta`: evaluate, export, the
 analyses, init_from) never fall back by themselves: a step that does not read is a one-line error naming the other
-steps, and what a failed read leaves in flight is kept off stderr (`failed_reads`). Preemption: `install_sigterm_handler()` makes SIGTERM set a flag; the loop polls
-`Checkpointer.reached_preemption(step)` (that flag, or Orbax/JAX's multi-host preemption sync point), then saves
-with `force=True`, calls `wait()` and exits 0.
+steps, and what a failed read leaves in flight is kept off stderr (`failed_reads`). Preemption:
+`install_sigterm_handler()` makes SIGTERM set a flag; the loop polls `Checkpointer.reached_preemption(step)` (that
+flag, or Orbax/JAX's multi-host preemption sync point), then saves with `force=True`, calls `wait()` and exits 0.
 """
 from __future__ import annotations
 

@@ -264,9 +264,14 @@ def write_text(path: str | os.PathLike, text: str) -> str:
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:   # a full disk, an unencodable character: the earlier file stays, and no temporary one
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return path
 
 
