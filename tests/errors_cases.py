@@ -276,10 +276,13 @@ CASES = [
     Case("fairseq_learned_positions", "fairseq checkpoint with a learned input position table (upstream BERT/RoBERTa)",
          lambda e: import_fairseq(e, fairseq_ckpt(e, "fairseq_learned", tensors=learned_table()), "f7"),
          "embed_positions.weight"),
+    Case("import_into_a_bucket", "import-hf into a bucket folder (the imports write local folders)",
+         lambda e: ["import-hf", f"--from={e.data('nowhere')}", "--workdir=gs://tupe-test/imported"], "--workdir"),
+    Case("import_from_a_bucket", "import-fairseq --from a bucket folder",
+         lambda e: ["import-fairseq", "--from=gs://tupe-test/tupe-r", f"--workdir={e.wd('f8')}"], "--from"),
     Case("override_no_value", "override with no value at the end of the line",
          lambda e: pretrain(e, "o1") + ["--config.train.steps"], "--config.train.steps"),
     Case("tuple_override_scalar", "a scalar where a tuple is expected",
          lambda e: finetune(e, "o2", data__glue_buckets="32"), "--config.data.glue_buckets"),
 ]
 CASE_BY_NAME = {c.name: c for c in CASES}
-RECORDS: dict[str, tuple[str, str, str]] = {}   # name -> (what, command, message), for docs/errors.md

@@ -44,8 +44,8 @@ def gcs():
     server = server_module.FakeGCSServer()
     server.start()                                            # sets STORAGE_EMULATOR_HOST
     # the wrapper pipes the server's request log to us: drain it, or the server blocks once the pipe is full
-    threading.Thread(target=lambda: [None for _ in iter(lambda: server._process.stderr.read(65536), b"")],
-                     daemon=True).start()
+    log = server._process.stderr    # bound once: stopping the server drops the wrapper's handle to the process
+    threading.Thread(target=lambda: [None for _ in iter(lambda: log.read(65536), b"")], daemon=True).start()
     saved = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_CLOUD_PROJECT",
                                             "NO_GCE_CHECK", "GCE_METADATA_HOST")}
     os.environ.update(TENSORSTORE_GCS_HTTP_URL=server.url, GOOGLE_CLOUD_PROJECT="test", NO_GCE_CHECK="true",

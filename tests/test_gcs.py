@@ -185,6 +185,61 @@ def test_text_files_and_glue_tsvs_can_live_in_a_bucket(gcs, tmp_path):  # noqa: 
         documents(f"gs://{BUCKET}/nope", tmp_path / "c1")
 
 
+def _safetensors(data):
+    """({name: array}, metadata) of a safetensors file's bytes."""
+    from safetensors import numpy as st  # pylint: disable=import-outside-toplevel
+    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+    import tempfile  # pylint: disable=import-outside-toplevel
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(data)
+        f.flush()
+        with safe_open(f.name, framework="numpy") as opened:
+            return st.load_file(f.name), opened.metadata()
+
+
+def test_export_to_a_bucket_folder_writes_the_local_exports_files(gcs, tmp_path, monkeypatch):  # noqa: F811
+    """`export --out=gs://...`: the files of a local export of the same run; an existing bucket folder
+    and a missing bucket are refused in one line; an upload that fails leaves no folder in the bucket and no local
+    copy behind."""
+    from etils import epath  # pylint: disable=import-outside-toplevel
+    from tests.glue_fixtures import make_pretrained  # pylint: disable=import-outside-toplevel
+    from tupe_jax.interop import export as export_lib  # pylint: disable=import-outside-toplevel
+    run = tmp_path / "run"
+    make_pretrained(str(run), str(tmp_path / "cache"))
+    (tmp_path / "local").mkdir()
+    local = export_lib.export(str(run), str(tmp_path / "local" / "model"))
+    remote = export_lib.export(str(run), f"gs://{BUCKET}/exports/model/")
+    assert remote == f"gs://{BUCKET}/exports/model"
+    assert sorted(files.listdir(remote)) == sorted(os.listdir(local))
+    for name in os.listdir(local):
+        ours, theirs = epath.Path(f"{remote}/{name}").read_bytes(), (tmp_path / "local" / "model" / name).read_bytes()
+        if name == "model.safetensors":   # its header lists the tensors in no fixed order: compare what it holds
+            ours, theirs = _safetensors(ours), _safetensors(theirs)
+            assert ours[0].keys() == theirs[0].keys() and ours[1] == theirs[1]
+            assert all(np.array_equal(ours[0][k], theirs[0][k]) for k in ours[0])
+        else:
+            assert ours == theirs, name
+    with pytest.raises(UserError, match=f"^error: {remote} already exists, --out, give a new folder"):
+        export_lib.export(str(run), remote)
+    with pytest.raises(UserError, match="^error: bucket gs://no-such-bucket does not exist .*, --out, "):
+        export_lib.export(str(run), "gs://no-such-bucket/model")
+
+    monkeypatch.setattr(export_lib.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    upload, sent = files.upload, []
+
+    def fails_third(src, dst):
+        if len(sent) == 2:
+            raise OSError("connection reset")
+        sent.append(dst)
+        upload(src, dst)
+    monkeypatch.setattr(files, "upload", fails_third)
+    with pytest.raises(OSError, match="connection reset"):
+        export_lib.export(str(run), f"gs://{BUCKET}/exports/broken")
+    assert len(sent) == 2 and not any(s.endswith("config.json") for s in sent)   # config.json goes last
+    assert not files.exists(f"gs://{BUCKET}/exports/broken") and os.listdir(tmp_path / "tmp") == []
+
+
 @pytest.mark.parametrize("where,needle", [("gs://no-such-bucket/run", "bucket gs://no-such-bucket does not exist"),
                                           ("unreachable", "cannot reach the storage of gs://tupe-test")])
 def test_bucket_errors_through_the_launcher_are_one_line(gcs, tmp_path, where, needle):  # noqa: F811

@@ -6,12 +6,15 @@
 - every other scheme (and causal decoders): `model.safetensors` keyed by our param paths (`names.py`, native map),
   a `config.json` with model_type 'tupe_jax' holding the run's `model` section, the same tokenizer files and a
   README.md; `launch import-hf --from=DIR` reads it back (docs/interop.md).
-The folder is written under a temporary name and renamed when complete; an existing target is refused.
+The folder is written under a temporary name and renamed when complete; an existing target is refused. `--out` may
+be a bucket folder (`gs://...`): the export is made in a local temporary folder and uploaded, config.json last (a
+folder without it is no model to `from_pretrained`), and what was uploaded is removed if the upload fails.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from typing import Any, Optional
 
 import numpy as np
@@ -60,42 +63,71 @@ def write_tokenizer(out: str, tokenizer: Any, max_len: int) -> None:
 
 
 def export(workdir: str, out: str, step: Optional[int] = None) -> str:
-    """Export the run `workdir` (checkpoint `step`, default latest) to the new folder `out`; returns `out`."""
-    out = os.path.abspath(os.path.expanduser(out))
-    require(not os.path.exists(out), f"{out} already exists", "--out",
-            "give a new folder (export never overwrites)")
-    require(os.path.isdir(os.path.dirname(out)), f"the parent folder of {out} does not exist", "--out",
+    """Export the run `workdir` (checkpoint `step`, default latest) to the new folder `out` (local or in a bucket);
+    returns `out`."""
+    remote = files.is_remote(out)
+    out = str(out).rstrip("/") if remote else os.path.abspath(os.path.expanduser(out))
+    if remote:
+        workdir_lib.check_bucket(out, "--out")
+    require(not files.exists(out), f"{out} already exists", "--out", "give a new folder (export never overwrites)")
+    require(remote or os.path.isdir(os.path.dirname(out)), f"the parent folder of {out} does not exist", "--out",
             "create it first")
     run = workdir_lib.load_run(workdir, step)
-    cfg, model = run.model_cfg, run.config.model.to_dict()
+    cfg = run.model_cfg
     is_bert = run.pe == "bert_a" and not cfg.causal
-    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    name = out.rpartition("/")[2] if remote else os.path.basename(out)
+    if remote:
+        tmp = tempfile.mkdtemp(prefix=f".{name}.")
+    else:
+        tmp = os.path.join(os.path.dirname(out), f".{name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     try:
-        if is_bert:
-            tensors = names.bert_from_params(run.params, names.bert_rows(cfg.num_layers,
-                                                                          token_types=cfg.type_vocab_size > 0))
-            files.write_json(os.path.join(tmp, "config.json"), bert_config(model, run.tokenizer))
-            metadata = {"format": "pt"}   # PyTorch names and layouts: transformers loads it in torch or Flax
+        write_export(tmp, run, is_bert, name)
+        if remote:
+            upload(tmp, out)
         else:
-            tensors = names.flatten(run.params)
-            arch = "TupeJaxForCausalLM" if cfg.causal else "TupeJaxForMaskedLM"
-            files.write_json(os.path.join(tmp, "config.json"), {
-                "architectures": [arch], "model_type": NATIVE, "vocab_size": cfg.vocab_size,
-                NATIVE: {"model": model, "step": run.step, "name_map": "param path joined with '.'"}})
-            files.write_text(os.path.join(tmp, "README.md"), README.format(
-                pe=run.pe, objective=cfg.objective, name=os.path.basename(out)))
-            metadata = {"format": NATIVE, "pe": run.pe}
-        safetensors_io.write(os.path.join(tmp, safetensors_io.WEIGHTS), names_to_numpy(tensors), metadata)
-        write_tokenizer(tmp, run.tokenizer, cfg.max_len)
-        os.rename(tmp, out)
+            os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(tmp, ignore_errors=True)   # the local copy of a bucket export
     layout = "BertForMaskedLM" if is_bert else "tupe_jax native"
     print(f"exported {workdir} step {run.step} ({run.pe}, {cfg.objective}) -> {out} ({layout} layout)", flush=True)
     return out
+
+
+def write_export(folder: str, run: Any, is_bert: bool, name: str) -> None:
+    """The export's files in the local `folder` (module docstring); `name` is the export's folder name."""
+    cfg, model = run.model_cfg, run.config.model.to_dict()
+    if is_bert:
+        tensors = names.bert_from_params(run.params, names.bert_rows(cfg.num_layers,
+                                                                      token_types=cfg.type_vocab_size > 0))
+        files.write_json(os.path.join(folder, "config.json"), bert_config(model, run.tokenizer))
+        metadata = {"format": "pt"}   # PyTorch names and layouts: transformers loads it in torch or Flax
+    else:
+        tensors = names.flatten(run.params)
+        arch = "TupeJaxForCausalLM" if cfg.causal else "TupeJaxForMaskedLM"
+        files.write_json(os.path.join(folder, "config.json"), {
+            "architectures": [arch], "model_type": NATIVE, "vocab_size": cfg.vocab_size,
+            NATIVE: {"model": model, "step": run.step, "name_map": "param path joined with '.'"}})
+        files.write_text(os.path.join(folder, "README.md"), README.format(pe=run.pe, objective=cfg.objective,
+                                                                          name=name))
+        metadata = {"format": NATIVE, "pe": run.pe}
+    safetensors_io.write(os.path.join(folder, safetensors_io.WEIGHTS), names_to_numpy(tensors), metadata)
+    write_tokenizer(folder, run.tokenizer, cfg.max_len)
+
+
+def upload(folder: str, out: str) -> None:
+    """Every file of the local `folder` into the bucket folder `out`, config.json last; on a failure what was
+    uploaded is removed (`out` did not exist before)."""
+    try:
+        for entry in sorted(os.listdir(folder), key=lambda n: (n == "config.json", n)):
+            files.upload(os.path.join(folder, entry), files.join(out, entry))
+    except BaseException:
+        if files.exists(out):
+            files.rmtree(out)
+        raise
 
 
 def names_to_numpy(tensors: dict) -> dict:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax import files
 from tupe_jax.config import unflatten
 from tupe_jax import model as model_lib
 from tupe_jax import optim
@@ -214,6 +215,10 @@ def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert
     """The import commands' shared tail: refuse a non-empty `workdir` before reading anything, run
     `convert_fn(src, base) -> (config, params, tokenizer, notes)`, write the run at step 0 (removing a half-written
     one on any failure), print the notes and a one-line summary; returns the absolute workdir."""
+    for flag, path in (("--workdir", workdir), ("--from", src)):
+        require(not files.is_remote(path), f"{path} is a bucket path; the imports read and write local folders",
+                flag, "import into a local folder (then `gcloud storage cp -r` it to the bucket if a pod needs it)"
+                if flag == "--workdir" else "download the folder first (`gcloud storage cp -r`)")
     workdir = os.path.abspath(os.path.expanduser(workdir))
     require(not (os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir))),
             f"{workdir} already exists and is not empty", "--workdir", "give a new folder for the imported run")

@@ -36,17 +36,17 @@ from tupe_jax.workdir.gate import check_config, store_config
 from tupe_jax.workdir.lock import LOCK_NAME, LeaseLost, RunLock, check_held, refuse_if_held
 
 
-def check_bucket(path: str) -> None:
-    """The bucket of a `gs://bucket/...` path exists and its storage answers (one line otherwise)."""
+def check_bucket(path: str, where: str = "--workdir") -> None:
+    """The bucket of a `gs://bucket/...` path exists and its storage answers (one line naming `where` otherwise)."""
     bucket = "/".join(str(path).split("/")[:3])
     try:
         files.stat_bucket(bucket)
     except FileNotFoundError:
-        raise UserError(f"bucket {bucket} does not exist (or this account cannot list it)", "--workdir",
+        raise UserError(f"bucket {bucket} does not exist (or this account cannot list it)", where,
                         "create the bucket or fix the name / permissions") from None
     except Exception as err:  # pylint: disable=broad-except  # any transport failure: one line, before compute
         raise UserError(f"cannot reach the storage of {bucket} ({type(err).__name__}: "
-                        f"{(str(err).splitlines() or [''])[0][:160]})", "--workdir",
+                        f"{(str(err).splitlines() or [''])[0][:160]})", where,
                         "check the network / STORAGE_EMULATOR_HOST and the credentials") from None
 
 
