@@ -56,40 +56,34 @@ def test_the_bucket_lease_refuses_a_second_process_and_a_stale_lease_is_taken_ov
     assert not files.exists(folder + "/.lock")
 
 
-def test_of_two_commands_that_both_saw_a_bucket_folder_free_only_one_gets_the_lease(gcs, monkeypatch):  # noqa: F811
-    folder = f"gs://{BUCKET}/raced"
-    other = {"pid": 7, "host": "h", "started": "s", "command": "c", "heartbeat": time.time()}
+def lose_the_race(monkeypatch, folder, other, what):
+    """Our check of the folder's lease passes, then, before our conditional write, another command writes `other`:
+    ours is refused naming it, and its lease is left as it is."""
     lock_module = importlib.import_module("tupe_jax.workdir.lock")
-    saw_it_free = lock_module._stale_lease          # pylint: disable=protected-access
+    checked = lock_module._stale_lease              # pylint: disable=protected-access
 
-    def then_the_other_took_it(workdir, path):      # our check found no lease; the other command writes one now
-        found = saw_it_free(workdir, path)
+    def then_the_other_writes(workdir, path):
+        found = checked(workdir, path)
         files.write_text(path, json.dumps(other))
         return found
-    monkeypatch.setattr(lock_module, "_stale_lease", then_the_other_took_it)
+    monkeypatch.setattr(lock_module, "_stale_lease", then_the_other_writes)
     with pytest.raises(UserError, match=f"^error: {folder} is in use by process 7 on h .*heartbeat"):
         with workdir_lib.RunLock(folder):
-            pytest.fail("both commands hold the folder")
-    assert json.loads(files.read_text(folder + "/.lock")) == other       # the other's lease is untouched
+            pytest.fail(what)
+    assert json.loads(files.read_text(folder + "/.lock")) == other
+
+
+def test_of_two_commands_that_both_saw_a_bucket_folder_free_only_one_gets_the_lease(gcs, monkeypatch):  # noqa: F811
+    other = {"pid": 7, "host": "h", "started": "s", "command": "c", "heartbeat": time.time()}
+    lose_the_race(monkeypatch, f"gs://{BUCKET}/raced", other, "both commands hold the folder")
 
 
 def test_of_two_commands_that_both_saw_the_same_stale_lease_only_one_takes_it_over(gcs, monkeypatch):  # noqa: F811
     folder = f"gs://{BUCKET}/raced-stale"
     dead = {"pid": 5, "host": "gone", "started": "s", "command": "c", "heartbeat": time.time() - 3600}
-    other = {"pid": 7, "host": "h", "started": "s", "command": "c", "heartbeat": time.time()}
     files.write_text(folder + "/.lock", json.dumps(dead))
-    lock_module = importlib.import_module("tupe_jax.workdir.lock")
-    saw_it_stale = lock_module._stale_lease         # pylint: disable=protected-access
-
-    def then_the_other_took_it_over(workdir, path):  # we found the dead run's lease; the other command takes it now
-        found = saw_it_stale(workdir, path)
-        files.write_text(path, json.dumps(other))
-        return found
-    monkeypatch.setattr(lock_module, "_stale_lease", then_the_other_took_it_over)
-    with pytest.raises(UserError, match=f"^error: {folder} is in use by process 7 on h .*heartbeat"):
-        with workdir_lib.RunLock(folder):
-            pytest.fail("both commands took the dead run's folder over")
-    assert json.loads(files.read_text(folder + "/.lock")) == other       # the winner's lease is untouched
+    other = {"pid": 7, "host": "h", "started": "s", "command": "c", "heartbeat": time.time()}
+    lose_the_race(monkeypatch, folder, other, "both commands took the dead run's folder over")
 
 
 def test_a_holder_taken_for_dead_stops_its_heartbeat_and_leaves_the_new_lease(gcs, monkeypatch, capsys):  # noqa: F811

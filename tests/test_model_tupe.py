@@ -67,15 +67,21 @@ def test_tupe_r_adds_official_cls_buckets():
             np.testing.assert_allclose(total[:, i, j], absolute[:, i, j] + table[bucket], atol=1e-5)
 
 
+def layer0_projections(cfg, params, x):
+    """(the model's outputs with hidden states and attention probabilities, layer 0's q/k/v (b, 3, l, h, d_h) in
+    float64 from its input and the fused QKV kernel)."""
+    out = run(cfg, params, x, return_hidden=True, return_attention=True)
+    h0 = np.asarray(out["hidden_states"][0], np.float64)
+    qkv = params["encoder"]["blocks_0"]["attention"]["qkv"]
+    return out, np.einsum("bld,dthk->btlhk", h0, np.asarray(qkv["kernel"])) + np.asarray(qkv["bias"])[None, :, None]
+
+
 def test_tupe_attention_is_word_term_plus_shared_position_term():
     """Layer-0 probs = softmax(word term/√(2d_h) + position term): no cross terms, same scale on both."""
     cfg = tiny("tupe_a", dropout_rate=0.0, attention_dropout_rate=0.0)
     params = init_params(cfg, jax.random.key(5))
     x = tokens(length=9)
-    out = run(cfg, params, x, return_hidden=True, return_attention=True)
-    h0 = np.asarray(out["hidden_states"][0], np.float64)
-    qkv = params["encoder"]["blocks_0"]["attention"]["qkv"]
-    proj = np.einsum("bld,dthk->btlhk", h0, np.asarray(qkv["kernel"])) + np.asarray(qkv["bias"])[None, :, None]
+    out, proj = layer0_projections(cfg, params, x)
     word = np.einsum("bqhk,bphk->bhqp", proj[:, 0], proj[:, 1]) / np.sqrt(2 * cfg.head_dim)
     pos = reference_tupe_term(params["encoder"]["positional"]["proj"], 9, cfg.head_dim)
     logits = word + pos[None]
@@ -159,10 +165,7 @@ def test_bert_ad_keeps_all_four_terms_scaled_by_sqrt_4dh():
     cfg = tiny("bert_ad", dropout_rate=0.0, attention_dropout_rate=0.0)
     params = init_params(cfg, jax.random.key(8))
     x = tokens(length=7)
-    out = run(cfg, params, x, return_hidden=True, return_attention=True)
-    h0 = np.asarray(out["hidden_states"][0], np.float64)
-    qkv = params["encoder"]["blocks_0"]["attention"]["qkv"]
-    proj = np.einsum("bld,dthk->btlhk", h0, np.asarray(qkv["kernel"])) + np.asarray(qkv["bias"])[None, :, None]
+    out, proj = layer0_projections(cfg, params, x)
     proj_p = params["encoder"]["positional"]["proj"]
     rows = numpy_layer_norm(np.asarray(proj_p["pos_table"], np.float64)[:7], np.asarray(proj_p["pos_ln"]["scale"]), np.asarray(proj_p["pos_ln"]["bias"]))
     pq = np.einsum("ld,dhk->lhk", rows, np.asarray(proj_p["pos_q"]["kernel"])) + np.asarray(proj_p["pos_q"]["bias"])

@@ -254,10 +254,11 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise UserError(f"no checkpoint in {self.directory}", "--workdir", "pretrain first")
+        steps = self.all_steps()   # listed before the read: a transport failure there must not raise again below
         try:
             return self._meta(step)
         except Exception as err:  # pylint: disable=broad-except
-            raise unreadable(self.directory, step, self.all_steps(), err, where) from None
+            raise unreadable(self.directory, step, steps, err, where) from None
 
     def newest_meta(self) -> tuple[int | None, dict[str, Any]]:
         """(newest step whose meta reads, its meta), warning about each newer step, as `restore` falls back; (newest
@@ -328,7 +329,8 @@ def restore_params(path_or_workdir: str, step: int | None = None, abstract_param
                                     item_names=("state", "data", "meta"))
     try:
         step = manager.latest_step() if step is None else step
-        if step is None or step not in manager.all_steps():
+        steps = sorted(manager.all_steps())
+        if step is None or step not in steps:
             raise UserError(f"no checkpoint{'' if step is None else f' at step {step}'} in {directory}",
                             "--config.init_from", "point it at a pretraining workdir with checkpoints")
         if abstract_params is None:
@@ -340,7 +342,7 @@ def restore_params(path_or_workdir: str, step: int | None = None, abstract_param
         try:
             state = manager.restore(step, args=ocp.args.Composite(state=restore))["state"]
         except Exception as err:  # pylint: disable=broad-except
-            raise unreadable(directory, step, sorted(manager.all_steps()), err, where) from None
+            raise unreadable(directory, step, steps, err, where) from None
         return state["params"]
     finally:
         manager.close()
