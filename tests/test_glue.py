@@ -13,7 +13,6 @@ from tests.glue_fixtures import (DIRS, TINY, load_config_module, make_pretrained
                                  tiny_model_overrides, write_glue_dir)
 from tupe_jax import checkpoint as ckpt
 from tupe_jax import data as data_lib
-from tupe_jax import workdir as workdir_lib
 from tupe_jax.finetune import init_from as ft_init
 from tupe_jax.finetune import loop as ft_loop
 from tupe_jax.finetune import runner as ft_runner
@@ -207,6 +206,7 @@ def test_pair_task_beats_majority_and_resumes(env, tmp_path):
 
 
 @pytest.mark.slow  # ~15 s on 2 cores with a cold compilation cache, ~5 s warm
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")   # the final checkpoint, read without a target
 def test_wordorder_finetune_machinery(env, tmp_path, monkeypatch):
     """The built-in word-order task through the fine-tuning loop from a pretraining run: the encoder the run starts from
     is the pretraining checkpoint's (not a fresh init), training moves it, and results.json / metrics.jsonl hold a

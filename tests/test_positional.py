@@ -1,7 +1,6 @@
 """Each scheme's contribution against an independent NumPy reference written from its equation."""
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
