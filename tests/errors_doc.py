@@ -72,6 +72,8 @@ def render_errors_doc() -> str:
               "| kill -9 (also during an asynchronous save) | the unfinished `<step>.orbax-checkpoint-tmp` is never "
               "restored; the restart resumes bitwise-exactly from the last committed step |",
               "| SIGTERM | the current step is checkpointed and committed, exit 0 |",
+              "| Ctrl-C (SIGINT) while training in one process | the current step is checkpointed and committed, then "
+              "`error: interrupted, ...`, exit 130; a second Ctrl-C stops at once (a save in flight still commits) |",
               "| a second process on a workdir in use | `error: <workdir> is in use by process PID on HOST ...`, exit 2, "
               "before it reads the run's checkpoints, nothing written; the lock of a killed run dies with it and the "
               "next command takes it over |",

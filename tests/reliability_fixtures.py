@@ -24,6 +24,7 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 #   save   SIGKILL right after the asynchronous save of `step` was started (its files are being written)
 #   commit SIGKILL when the save of `step` has written everything and is about to rename (commit) it
 #   term   SIGTERM at the start of the `calls`-th step (graceful: save the current step, exit 0)
+#   int    SIGINT (Ctrl-C) at the start of the `calls`-th step (save the current step, exit 130)
 CHILD = r'''
 import json, os, signal, sys, time
 import tupe_jax.sharding as sh
@@ -34,12 +35,12 @@ def hit(sig):
     with open(os.path.join(wd, "interrupted_at"), "w") as f:
         f.write(str(time.time()))
     os.kill(os.getpid(), sig)
-if kill and kill["phase"] in ("step", "term"):
+if kill and kill["phase"] in ("step", "term", "int"):
     original, calls = sh.global_batch, [0]
     def global_batch(*a, **k):
         calls[0] += 1
         if calls[0] == kill["calls"]:
-            hit(signal.SIGKILL if kill["phase"] == "step" else signal.SIGTERM)
+            hit({"step": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}[kill["phase"]])
         return original(*a, **k)
     sh.global_batch = global_batch
 if kill and kill["phase"] == "save":
@@ -58,7 +59,10 @@ if kill and kill["phase"] == "commit":
             hit(signal.SIGKILL)
         return await original_finalize(self, *a, **k)
     atomicity.AtomicRenameTemporaryPath.finalize = finalize
-loop.pretrain(workdir.read_config(wd), wd)
+try:
+    loop.pretrain(workdir.read_config(wd), wd)
+except KeyboardInterrupt:
+    sys.exit(130)
 '''
 
 

@@ -18,9 +18,12 @@ command took over stops every process, with one line, before anything is written
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import shutil
+import signal
+import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -109,6 +112,32 @@ class Outcome:
     preempted: bool
 
 
+@contextlib.contextmanager
+def ctrl_c_saves():
+    """While a one-process run trains: the first Ctrl-C (SIGINT) sets `flag['set']`, and the loop checkpoints that
+    step and stops, as on preemption; a second raises KeyboardInterrupt at once. Python's own handler raises wherever
+    the main thread is, and inside a callback (JAX's garbage-collection hook) the interrupt is printed and dropped:
+    the run went on. Several processes keep Python's handler (a save is collective; one host's Ctrl-C is not the
+    others'), and so does a process that ignores SIGINT (a background job)."""
+    flag = {"set": False}
+    previous = signal.getsignal(signal.SIGINT)
+    if (jax.process_count() > 1 or threading.current_thread() is not threading.main_thread()
+            or previous is signal.SIG_IGN):
+        yield flag
+        return
+
+    def handler(signum: int, frame: Any) -> None:  # pylint: disable=unused-argument
+        if flag["set"]:
+            raise KeyboardInterrupt
+        flag["set"] = True
+        print("interrupt: saving this step, then stopping (Ctrl-C again to stop at once)", flush=True)
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @dataclasses.dataclass(frozen=True)
 class Profile:
     """A jax.profiler trace of steps `first`..`last`, written to `folder`. With `target` (a bucket path), `folder` is
@@ -181,10 +210,22 @@ class Trainer:
     def fit(self, state: dict, batches: Iterable[Any], total_steps: int, hooks: Optional[Hooks] = None,
             stop_after: Optional[int] = None) -> Outcome:
         """Train from `state` until `total_steps` (or the batches run out, or preemption); checkpoint at the due
-        steps, at the end and on preemption. `stop_after`: behave as if preempted after that many steps."""
-        hooks = hooks or Hooks()
+        steps, at the end and on preemption. `stop_after`: behave as if preempted after that many steps. Ctrl-C
+        (`ctrl_c_saves`): the step is checkpointed as on preemption, then KeyboardInterrupt goes on up."""
         if self.checkpointer is None:
             raise ValueError("Trainer.fit needs a checkpointer")
+        with ctrl_c_saves() as interrupt:
+            try:
+                outcome = self._fit(state, batches, total_steps, hooks or Hooks(), stop_after, interrupt)
+            except KeyboardInterrupt:   # a second Ctrl-C: a save in flight still commits (a third stops that)
+                self.checkpointer.wait()
+                raise
+        if interrupt["set"]:
+            raise KeyboardInterrupt
+        return outcome
+
+    def _fit(self, state: dict, batches: Iterable[Any], total_steps: int, hooks: Hooks, stop_after: Optional[int],
+             interrupt: dict) -> Outcome:
         start = step = int(state["step"])
         every = self.checkpointer.every
         meta = self.meta_fn(state)
@@ -220,8 +261,8 @@ class Trainer:
                 if pending[0] % self.log_every == 0:
                     log(pending[0], values)
             pending = (step, device_metrics)
-            preempted = self.checkpointer.reached_preemption(step) or (stop_after is not None
-                                                                       and step - start >= stop_after)
+            preempted = interrupt["set"] or self.checkpointer.reached_preemption(step) or (
+                stop_after is not None and step - start >= stop_after)
             save = (step % every == 0 or step == total_steps or preempted
                     or (hooks.checkpoint_due is not None and hooks.checkpoint_due(step)))
             if save or (hooks.sync_due is not None and hooks.sync_due(step)):
@@ -237,7 +278,8 @@ class Trainer:
                 workdir_lib.still_held(self.checkpointer.workdir)   # a bucket lease taken over: stop, write nothing
                 self.checkpointer.save(step, state, hooks.payload() if hooks.payload else {}, meta, force=True)
             if preempted:
-                print(f"preemption: saved step {step} to {self.checkpointer.directory}; exiting", flush=True)
+                why = "interrupted" if interrupt["set"] else "preemption"
+                print(f"{why}: saved step {step} to {self.checkpointer.directory}; exiting", flush=True)
                 break
         if pending is not None:
             log(pending[0], self._fetch(*pending))
