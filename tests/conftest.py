@@ -64,3 +64,10 @@ class StandInLM(nn.Module):
 def standin_model():
     """The stand-in LM class."""
     return StandInLM
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A GCS endpoint (fake-gcs-server) for the bucket tests, one per test process: tests/gcs_fixtures.py."""
+    from tests.gcs_fixtures import emulator  # pylint: disable=import-outside-toplevel
+    yield from emulator()

