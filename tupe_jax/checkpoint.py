@@ -133,6 +133,7 @@ class Checkpointer:
         self.directory = files.absolute(files.join(workdir, "checkpoints"))
         self.every = max(int(every), 1)
         write_replicas_whole_in_one_process()
+        quiet_leftovers()   # before any read: a failed read's leftovers can come (on other threads) before its error
         options = ocp.CheckpointManagerOptions(  # the interval is decided in `save`, not by Orbax
             save_interval_steps=1, max_to_keep=keep, create=not read_only, read_only=read_only,
             enable_async_checkpointing=async_)
@@ -230,17 +231,15 @@ class Checkpointer:
             if step not in self.all_steps():
                 raise UserError(f"no checkpoint at step {step} in {self.directory}", "--step",
                                 f"use one of {self.all_steps()}" if self.all_steps() else "train first")
+            steps = self.all_steps()
             try:
                 return self._restore_one(step, abstract_state)
             except Exception as err:  # pylint: disable=broad-except
-                quiet_leftovers()
-                raise UserError(f"checkpoint step {step} in {self.directory} failed to restore ({describe(err)})",
-                                "--step", "pick another step") from None
+                raise unreadable(self.directory, step, steps, err, "--step") from None
         for candidate in reversed(self.all_steps()):
             try:
                 return self._restore_one(candidate, abstract_state)
             except Exception as err:  # pylint: disable=broad-except
-                quiet_leftovers()
                 log.warning("checkpoint step %d in %s failed to restore (%s); trying the previous one, "
                             "deleting nothing", candidate, self.directory, describe(err))
         if self.all_steps():
@@ -268,7 +267,6 @@ class Checkpointer:
             try:
                 return step, self._meta(step)
             except Exception as err:  # pylint: disable=broad-except
-                quiet_leftovers()
                 log.warning("checkpoint step %d in %s: its meta failed to restore (%s); reading the previous one, "
                             "deleting nothing", step, self.directory, describe(err))
         return (steps[-1], {}) if steps else (None, {})
@@ -307,7 +305,6 @@ def unreadable(directory: str, step: int, steps: list[int], err: BaseException, 
     """The one-line error for checkpoint `step` that a read-only command (evaluate, export, the analyses, a
     fine-tune's init_from) could not read; it names the other steps to ask for instead: such a command reads the
     step it is given, or the newest, and never another one by itself (resuming training does fall back)."""
-    quiet_leftovers()
     others = [s for s in steps if s != step]
     return UserError(f"checkpoint step {step} in {directory} failed to restore ({describe(err)})", where,
                      f"ask for another step ({', '.join(map(str, others))}) or check the files" if others
@@ -322,6 +319,7 @@ def restore_params(path_or_workdir: str, step: int | None = None, abstract_param
     shardings; without it the whole state item is read and its params returned. A step that does not read is a
     UserError naming it and `where` (`unreadable`).
     """
+    quiet_leftovers()
     directory = checkpoint_dir(path_or_workdir)
     if not files.isdir(directory):
         raise UserError(f"no checkpoints at {path_or_workdir}", "--config.init_from", "point it at a pretraining workdir")

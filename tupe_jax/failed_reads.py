@@ -5,13 +5,14 @@
 ...: Requested byte range ... is not valid") in a generic "Encountered error while reading array index" whose first
 line names only array slices; the root names the file and what is wrong with it.
 
-`quiet_leftovers()` is called once a restore has failed. Orbax's other reads of that step are still in flight and
-end later: on tensorstore's threads, as callbacks posted to the event loop Orbax already closed, or when the garbage
-collector closes their coroutines. Python prints each as an "Exception ignored in ..." traceback on stderr (hundreds
-of lines for a checkpoint that lost its manifest), after our one line that said which step failed and what happens
-next; asyncio logs the futures whose failures nobody collected ("... exception was never retrieved"). From then on
-the process drops exactly these three leftovers, and passes everything else on (`sys.unraisablehook` to the hook it
-replaced; asyncio's logger unchanged):
+`quiet_leftovers()` is called before any checkpoint is opened (a failed read's leftovers may arrive, on other
+threads, before its error reaches the caller). Once a restore has failed, Orbax's other reads of that step are still
+in flight and end later: on tensorstore's threads, as callbacks posted to the event loop Orbax already closed, or
+when the garbage collector closes their coroutines. Python prints each as an "Exception ignored in ..." traceback on
+stderr (hundreds of lines for a checkpoint that lost its manifest), after our one line that said which step failed
+and what happens next; asyncio logs the futures whose failures nobody collected ("... exception was never
+retrieved"). The process drops exactly these three leftovers, and passes everything else on (`sys.unraisablehook` to
+the hook it replaced; asyncio's logger unchanged):
 - a RuntimeError 'Event loop is closed' raised in asyncio's `call_soon_threadsafe`;
 - an Orbax coroutine that raised while being closed (GeneratorExit in its exception's chain);
 - asyncio's "exception was never retrieved" record of a checkpoint read's error (raised in Orbax's code, or by
@@ -83,7 +84,7 @@ class _DropUnretrieved(logging.Filter):
 
 
 def quiet_leftovers() -> None:
-    """Drop a failed read's leftovers from now on (module docstring); idempotent."""
+    """Drop failed reads' leftovers from now on (module docstring); idempotent."""
     if _INSTALLED["done"]:
         return
     previous = sys.unraisablehook
