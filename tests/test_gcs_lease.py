@@ -151,25 +151,33 @@ def test_metrics_stop_reaching_a_bucket_folder_the_run_no_longer_holds(gcs, caps
     assert len(lines) == 1 and "this run no longer holds its folder" in lines[0], lines
 
 
-def test_a_heartbeat_that_meets_a_storage_error_tries_again(gcs, monkeypatch, capsys):
-    """A renewal that fails (the endpoint unreachable past the client's retries) is reported and retried at the
-    next beat: a heartbeat thread that died would let the lease expire under a live run."""
-    folder = f"gs://{BUCKET}/flaky-endpoint"
+def beat_through(monkeypatch, folder, second_write):
+    """Hold `folder` for 0.5 s with 0.4-s leases, the second write of the lease (its first renewal; the creation is
+    the first) going through `second_write(write, path, text, generation)`: the renewals went on after it, the lease
+    stayed ours and was released."""
     lock_module = importlib.import_module("tupe_jax.workdir.lock")
     monkeypatch.setattr(lock_module, "LEASE_SECONDS", 0.4)
     write_object, calls = files.write_object, []
 
-    def second_write_fails(path, text, generation):
+    def write(path, text, generation):
         calls.append(text)
         if len(calls) == 2:
-            raise ConnectionError("connection reset by peer")
+            return second_write(write_object, path, text, generation)
         return write_object(path, text, generation)
-    monkeypatch.setattr(files, "write_object", second_write_fails)
+    monkeypatch.setattr(files, "write_object", write)
     with workdir_lib.RunLock(folder):
         time.sleep(0.5)
-        assert len(calls) >= 4                                      # it went on renewing after the failure
+        assert len(calls) >= 4                                      # it went on renewing after the second write
         assert json.loads(files.read_text(folder + "/.lock"))["pid"] == os.getpid()
-    assert not files.exists(folder + "/.lock")
+    assert not files.exists(folder + "/.lock")                      # and released its own lease
+
+
+def test_a_heartbeat_that_meets_a_storage_error_tries_again(gcs, monkeypatch, capsys):
+    """A renewal that fails (the endpoint unreachable past the client's retries) is reported and retried at the
+    next beat: a heartbeat thread that died would let the lease expire under a live run."""
+    def fails(write, path, text, generation):
+        raise ConnectionError("connection reset by peer")
+    beat_through(monkeypatch, f"gs://{BUCKET}/flaky-endpoint", fails)
     err = capsys.readouterr().err
     assert "renewing the lease failed (ConnectionError: connection reset by peer)" in err and "error:" not in err
 
@@ -177,21 +185,8 @@ def test_a_heartbeat_that_meets_a_storage_error_tries_again(gcs, monkeypatch, ca
 def test_a_heartbeat_whose_reply_was_lost_keeps_the_lease(gcs, monkeypatch, capsys):
     """A heartbeat upload that landed but whose reply was lost is retried by the client and refused (the lease is
     no longer at the generation it was conditioned on): the holder finds its own text there and keeps beating."""
-    folder = f"gs://{BUCKET}/lost-reply"
-    lock_module = importlib.import_module("tupe_jax.workdir.lock")
-    monkeypatch.setattr(lock_module, "LEASE_SECONDS", 0.4)
-    write_object, calls = files.write_object, []
-
-    def first_heartbeat_loses_its_reply(path, text, generation):
-        calls.append(text)
-        new = write_object(path, text, generation)
-        if len(calls) == 2:                                         # the lease's creation is call 1
-            raise FileExistsError(path)
-        return new
-    monkeypatch.setattr(files, "write_object", first_heartbeat_loses_its_reply)
-    with workdir_lib.RunLock(folder):
-        time.sleep(0.5)
-        assert len(calls) >= 4                                      # it kept beating after the lost reply
-        assert json.loads(files.read_text(folder + "/.lock"))["pid"] == os.getpid()
-    assert not files.exists(folder + "/.lock")                      # and released its own lease
+    def lands_but_loses_its_reply(write, path, text, generation):
+        write(path, text, generation)
+        raise FileExistsError(path)
+    beat_through(monkeypatch, f"gs://{BUCKET}/lost-reply", lands_but_loses_its_reply)
     assert "error:" not in capsys.readouterr().err

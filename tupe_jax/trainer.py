@@ -220,7 +220,7 @@ class Trainer:
             except KeyboardInterrupt:   # a second Ctrl-C: a save in flight still commits (a third stops that)
                 self.checkpointer.wait()
                 raise
-        if interrupt["set"]:
+        if interrupt["set"] and outcome.step < total_steps:   # at the last step the run is complete anyway
             raise KeyboardInterrupt
         return outcome
 

@@ -88,10 +88,8 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
             upload(tmp, out)
         else:
             os.rename(tmp, out)
-    except BaseException:
+    finally:   # an unfinished export, or the local copy of a bucket export (after a rename: nothing)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(tmp, ignore_errors=True)   # the local copy of a bucket export
     layout = "BertForMaskedLM" if is_bert else "tupe_jax native"
     print(f"exported {workdir} step {run.step} ({run.pe}, {cfg.objective}) -> {out} ({layout} layout)", flush=True)
     return out
