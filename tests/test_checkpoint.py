@@ -159,6 +159,11 @@ def test_restore_params_only_and_meta_check(tmp_path, standin_model):
     shapes = ckpt.param_shapes(standin_model(embed=32).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
     with pytest.raises(UserError, match="shape"):
         workdir_lib.check_compatible(meta, "tupe_r", shapes)
+    # a missing step names the caller's step flag and the steps there; a missing folder, the caller's folder flag
+    with pytest.raises(UserError, match=r"no checkpoint at step 4 in .*, --config\.init_step, use one of \[5\]$"):
+        ckpt.restore_params(str(tmp_path), 4, where="--config.init_step", where_run="--config.init_from")
+    with pytest.raises(UserError, match=r"no checkpoints at .*, --workdir, "):
+        ckpt.restore_params(str(tmp_path / "elsewhere"))
 
 
 def test_sigterm_sets_the_stop_flag(monkeypatch):

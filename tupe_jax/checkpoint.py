@@ -312,25 +312,28 @@ def unreadable(directory: str, step: int, steps: list[int], err: BaseException, 
 
 
 def restore_params(path_or_workdir: str, step: int | None = None, abstract_params: Any = None,
-                   where: str = "--step") -> Any:
+                   where: str = "--step", where_run: str = "--workdir") -> Any:
     """Params only, for fine-tuning: from a workdir (or its checkpoints dir) at `step` (default latest).
 
     With `abstract_params` (ShapeDtypeStructs with shardings) only the params subtree is read, onto those
     shardings; without it the whole state item is read and its params returned. A step that does not read is a
-    UserError naming it and `where` (`unreadable`).
+    UserError naming it and `where` (`unreadable`); a missing step names `where` too, with the steps there;
+    a folder without checkpoints names `where_run` (the flag that gave the folder).
     """
     quiet_leftovers()
     directory = checkpoint_dir(path_or_workdir)
     if not files.isdir(directory):
-        raise UserError(f"no checkpoints at {path_or_workdir}", "--config.init_from", "point it at a pretraining workdir")
+        raise UserError(f"no checkpoints at {path_or_workdir}", where_run, "point it at a pretraining workdir")
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
                                     item_names=("state", "data", "meta"))
     try:
         step = manager.latest_step() if step is None else step
         steps = sorted(manager.all_steps())
-        if step is None or step not in steps:
-            raise UserError(f"no checkpoint{'' if step is None else f' at step {step}'} in {directory}",
-                            "--config.init_from", "point it at a pretraining workdir with checkpoints")
+        if step is None:
+            raise UserError(f"no checkpoint in {directory}", where_run, "point it at a pretraining workdir with "
+                            "checkpoints")
+        if step not in steps:
+            raise UserError(f"no checkpoint at step {step} in {directory}", where, f"use one of {steps}")
         if abstract_params is None:
             restore = ocp.args.PyTreeRestore()
         else:

@@ -114,7 +114,7 @@ def restore_encoder(source: InitSource, abstract_encoder: Any) -> tuple[Any, Ini
         meta = source.meta if at == source.step else workdir_lib.read_meta(source.workdir, at, WHERE_STEP)
         check_encoder_shapes(meta, abstract_encoder)
         return meta, ckpt_lib.restore_params(source.workdir, at, abstract_params={"encoder": abstract_encoder},
-                                             where=WHERE_STEP)
+                                             where=WHERE_STEP, where_run=WHERE)
 
     step, (meta, restored) = workdir_lib.read_kept_step(source.workdir, source.step, read, WHERE,
                                                         follow=source.follow, where_run=WHERE)
