@@ -2,12 +2,14 @@
 
 Arg (comma-separated, all optional): `task=<cola|sst2|mrpc|stsb|qqp|mnli|qnli|rte|wnli|wordorder>` (default rte),
 `pe=<scheme>` (default tupe_r), `size=tiny|small|medium|base|large` (default tiny), `objective=mlm|clm` (default mlm).
-`model.*` is built exactly as in `configs/pretrain.py`, so a checkpoint of the same `pe`/`size` fits.
+`model.*` is built exactly as in `configs/pretrain.py`. With `init_from`, the launcher then sets the model keys that
+must match the pretraining run (`tupe_jax/finetune/init_from.py:MUST_MATCH`) to that run's, except those the
+command line gives (`pe=`, `size=`, `objective=` here, `--config.model.KEY`), which must equal the run's.
 
 Ready-to-paste commands:
 
-    # fine-tune a pretraining run on RTE (data.glue_dir: the download_glue_data.py layout)
-    python -m launch finetune --config=configs/glue.py:task=rte,pe=tupe_r,size=tiny --workdir=runs/x-rte \
+    # fine-tune a pretraining run on RTE (data.glue_dir: the download_glue_data.py layout); the model is the run's
+    python -m launch finetune --config=configs/glue.py:task=rte --workdir=runs/x-rte \
         --config.init_from=runs/x --config.data.glue_dir=../shared/data/glue
 
     # the same from a given pretraining step, or from scratch (a baseline: leave init_from unset)
@@ -18,7 +20,7 @@ Ready-to-paste commands:
     python -m launch finetune --config=configs/glue.py:task=wordorder --workdir=runs/x-wordorder --config.init_from=runs/x
 
     # the paper's protocol: lr grid x 5 seeds per task, median of the best lr (resumable; writes sweep.md/json)
-    python -m launch glue-sweep --config=configs/glue.py:pe=tupe_r,size=base --workdir=runs/x-glue \
+    python -m launch glue-sweep --config=configs/glue.py --workdir=runs/x-glue \
         --config.init_from=runs/x --config.data.glue_dir=PATH --config.sweep.tasks=cola,sst2,mrpc,stsb,rte
 
     # a small CPU sweep: 2 lrs x 2 seeds, 1 epoch

@@ -30,12 +30,15 @@ from tupe_jax.errors import UserError
 @dataclasses.dataclass(frozen=True)
 class Command:
     """A launcher command: the library function it calls, how to call it, and (for commands that take --config)
-    the validator that checks the config before any compute (`module:function`)."""
+    the validator that checks the config before any compute (`module:function`), and what fills the keys the
+    command line left to the config file's presets from elsewhere first (`adopt`: `module:function`, called with
+    the config, the config-arg keys given and the override keys given; it returns the keys it set, printed)."""
     module: str
     function: str
     help: str
     call: Callable[[Callable[..., Any], Any, argparse.Namespace], Any]
     validator: str = ""          # "" = the command reads its config from --workdir
+    adopt: str = ""
 
     @property
     def needs_config(self) -> bool:
@@ -44,6 +47,7 @@ class Command:
 
 _PRETRAIN = "tupe_jax.pretrain.validate:validate"
 _FINETUNE = "tupe_jax.finetune.validate:validate"
+_ADOPT = "tupe_jax.finetune.init_from:adopt_model_keys"   # the model keys of config.init_from's run
 COMMANDS: dict[str, Command] = {
     "pretrain": Command("tupe_jax.pretrain.loop", "pretrain", "pretrain a model (MLM or causal LM)",
                         lambda fn, cfg, a: fn(cfg, a.workdir), _PRETRAIN),
@@ -53,9 +57,9 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command("tupe_jax.pretrain.evaluate", "evaluate", "evaluate a pretraining checkpoint",
                         lambda fn, cfg, a: fn(a.workdir, a.step)),
     "finetune": Command("tupe_jax.finetune.loop", "finetune", "fine-tune a pretrained run on a GLUE task",
-                        lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE),
+                        lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE, _ADOPT),
     "glue-sweep": Command("tupe_jax.finetune.sweep", "sweep", "fine-tune over GLUE tasks and learning rates",
-                          lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE),
+                          lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE, _ADOPT),
     "extrapolate": Command("tupe_jax.analysis.extrapolate", "run",
                            "perplexity / MLM loss vs evaluation length (several --workdir: one line each)",
                            lambda fn, cfg, a: fn(a.workdir, _lengths(a.lengths), mode=a.mode, stride=a.stride,
@@ -217,6 +221,10 @@ def run(argv: Sequence[str]) -> int:
         from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
         config = config_lib.load_config(args.config)
         config_lib.apply_overrides(config, overrides)
+        if command.adopt:
+            adopted = resolve(command.adopt)(config, config_lib.arg_keys(args.config), frozenset(overrides))
+            if adopted:
+                print(f"from {config.init_from}: " + ", ".join(adopted), flush=True)
     elif overrides:
         first = next(iter(overrides))
         raise UserError(f"--config.{first} given without --config", f"--config.{first}",

@@ -14,7 +14,6 @@ from tupe_jax.errors import UserError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 PRETRAIN_CONFIG = os.path.join(CONFIGS, "pretrain.py")
-GLUE_CONFIG = os.path.join(CONFIGS, "glue.py")
 
 
 def _one_workdir(args: argparse.Namespace) -> str:
@@ -44,26 +43,13 @@ def import_fairseq(args: argparse.Namespace) -> str:
 
 
 def finetune_arguments(run: str) -> list[str]:
-    """The `launch finetune` arguments that fit the run `run`: the configs/glue.py size preset closest to its model
-    (fewest shape-defining keys to override) and `--config.model.*` for the keys that still differ."""
-    from configs import pretrain as pretrain_config  # pylint: disable=import-outside-toplevel
-    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-    from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
-    from tupe_jax.finetune.init_from import MUST_MATCH  # pylint: disable=import-outside-toplevel
-    model = workdir_lib.read_config(run).model
-    best = None
-    for size in pretrain_config.SIZES:
-        preset = config_lib.load_config(f"{GLUE_CONFIG}:task=rte,pe={model.pe},size={size}").model
-        differ = [k for k in MUST_MATCH if k in model and k in preset and model[k] != preset[k]]
-        if best is None or len(differ) < len(best[1]):
-            best = (size, differ)
-    size, differ = best
-    return ([f"--config=configs/glue.py:task=TASK,pe={model.pe},size={size}", f"--config.init_from={run}"]
-            + [f"--config.model.{k}={model[k]}" for k in differ])
+    """The `launch finetune` arguments for the run `run`: the fine-tune takes its model keys from `init_from`
+    (`tupe_jax.finetune.init_from.adopt_model_keys`), so none are repeated."""
+    return ["--config=configs/glue.py:task=TASK", f"--config.init_from={run}"]
 
 
 def print_finetune_hint(run: str) -> str:
-    """Print the fine-tune command for the imported run `run` (its model keys must be on that command line)."""
+    """Print the fine-tune command for the imported run `run`."""
     print("fine-tune it: python -m launch finetune " + " ".join(finetune_arguments(run))
           + " --workdir=OUT --config.data.glue_dir=GLUE", flush=True)
     return run

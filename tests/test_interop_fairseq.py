@@ -18,6 +18,7 @@ from tests import fairseq_fixtures as F  # noqa: E402
 from tests.glue_fixtures import write_glue_dir  # noqa: E402
 from tupe_jax import workdir as workdir_lib  # noqa: E402
 from tupe_jax.data import fairseq_bpe  # noqa: E402
+from tupe_jax.finetune.init_from import MUST_MATCH  # noqa: E402
 from tupe_jax.model import TransformerLM  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,14 +223,16 @@ def test_finetune_from_an_imported_checkpoint_runs_end_to_end_on_rte(imported, t
     write_glue_dir(glue)
     from launch.interop import finetune_arguments   # what import-fairseq prints for the fine-tune
     config_arg, *model_args = finetune_arguments(imported["run"])
-    assert config_arg == "--config=configs/glue.py:task=TASK,pe=tupe_r,size=tiny"
-    assert f"--config.init_from={imported['run']}" in model_args
+    assert [config_arg, *model_args] == ["--config=configs/glue.py:task=TASK", f"--config.init_from={imported['run']}"]
     argv = ["finetune", config_arg.replace("configs/", f"{ROOT}/configs/").replace("TASK", "rte"),
             f"--workdir={tmp_path / 'rte'}", *model_args, f"--config.data.glue_dir={glue}",
             f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.train.steps=4", "--config.train.batch_size=8",
             "--config.train.eval_batch_size=8", "--config.checkpoint.async_save=false",
             "--config.data.glue_buckets=(64,)"]
     assert launch.main(argv) == 0
+    model = json.loads((tmp_path / "rte" / "config.json").read_text())["model"]   # the imported run's model keys
+    run_model = workdir_lib.read_config(imported["run"]).model.to_dict()
+    assert {k: model[k] for k in MUST_MATCH} == {k: run_model[k] for k in MUST_MATCH}
     results = json.loads((tmp_path / "rte" / "results.json").read_text())
     print(f"\nRTE from an imported fairseq checkpoint: {json.dumps(results)[:200]}")
     assert json.loads((tmp_path / "rte" / "tokenizer" / "tokenizer_config.json").read_text())["tokenizer_class"] \

@@ -55,6 +55,13 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     return result
 
 
+def arg_keys(spec: str) -> frozenset[str]:
+    """The keys written as `key=value` in the arg of "path/to/config.py:arg" (what the command line gave, as
+    opposed to the defaults `get_config` fills in)."""
+    arg = spec.partition(":")[2]
+    return frozenset(item.partition("=")[0].strip() for item in arg.split(",") if "=" in item)
+
+
 def parse_value(raw: str, current: Any, where: str) -> Any:
     """Convert the string `raw` to the type of `current`; raise `UserError` naming `where` if impossible."""
     def bad(kind: str) -> UserError:

@@ -29,6 +29,9 @@ MUST_MATCH = ("pe", "objective", "num_layers", "hidden_size", "num_heads", "mlp_
               "layer_norm_eps", "tupe_form", "sinusoidal_style", "type_vocab_size")
 WHERE = "--config.init_from"
 WHERE_STEP = "--config.init_step"   # a step of the run that does not read names this
+# The model keys each key of the config arg (configs/glue.py:pe=...,size=...,objective=...) sets when it is given.
+ARG_KEYS = {"pe": ("pe",), "objective": ("objective", "untie_cls"),
+            "size": ("num_layers", "hidden_size", "num_heads", "mlp_dim", "vocab_size", "max_len")}
 
 
 # ------------------------------------------------------------------------------------------------ init_from
@@ -69,6 +72,33 @@ def open_init_source(config: ml_collections.ConfigDict) -> InitSource:
     return InitSource(workdir, int(step), meta, follow=requested is None)
 
 
+def adopt_model_keys(config: ml_collections.ConfigDict, arg_keys: frozenset[str] = frozenset(),
+                     override_keys: frozenset[str] = frozenset()) -> list[str]:
+    """With `config.init_from`, set the MUST_MATCH model keys that the command line left to their presets to the
+    pretraining run's values (its config.json); return them as `model.key=value`. A key counts as given when
+    `override_keys` holds `model.<key>` or `arg_keys` holds a config-arg key that sets it (`ARG_KEYS`: `pe`,
+    `objective`, `size`); a given key is kept, and `check_model_keys` refuses it if it differs from the run's.
+    Without init_from, or a run without a readable config.json, nothing changes."""
+    if not config.init_from:
+        return []
+    workdir, _ = resolve_init_from(str(config.init_from), int(config.init_step))
+    path = workdir_lib.config_path(workdir)
+    if not files.isfile(path):
+        return []
+    try:
+        theirs = files.read_json(path).get("model", {})
+    except ValueError:
+        return []
+    given = {k[len("model."):] for k in override_keys if k.startswith("model.")}
+    given |= {key for arg in arg_keys for key in ARG_KEYS.get(arg, ())}
+    adopted = []
+    for key in MUST_MATCH:
+        if key in theirs and key in config.model and key not in given and theirs[key] != config.model[key]:
+            config.model[key] = theirs[key]
+            adopted.append(f"model.{key}={theirs[key]!r}")
+    return adopted
+
+
 def check_model_keys(pretrain_workdir: str, config: ml_collections.ConfigDict) -> None:
     """Refuse a pretraining run whose config.json has other shape-defining model keys, naming both values."""
     path = workdir_lib.config_path(pretrain_workdir)
@@ -84,8 +114,8 @@ def check_model_keys(pretrain_workdir: str, config: ml_collections.ConfigDict) -
         theirs = ", ".join(f"model.{k}={a!r}" for k, a, _ in diffs)
         ours = ", ".join(f"model.{k}={b!r}" for k, _, b in diffs)
         raise UserError(f"init_from {pretrain_workdir} was pretrained with {theirs} but this config has {ours}",
-                        WHERE, "use the pretraining run's size/pe (configs/glue.py:pe=...,size=...) and "
-                        "--config.model.* overrides")
+                        WHERE, "leave those keys off the command line to take the run's (pe=, size=, objective= "
+                        "in --config and --config.model.*)")
 
 
 def check_encoder_shapes(meta: dict[str, Any], abstract_encoder: Any) -> None:
