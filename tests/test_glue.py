@@ -177,12 +177,13 @@ def test_refuses_missing_checkpoint_and_other_tokenizer(env, tmp_path):
 
 
 @pytest.mark.slow
-def test_pair_task_beats_majority_and_resumes(env, tmp_path):
+def test_pair_task_beats_majority_and_resumes(env, tmp_path, capsys):
     """Tiny RTE-layout fixture (hypothesis drawn from the premise or not): beats the majority class; an interrupted
     run resumes to the same result; predictions/RTE.tsv has the official name, header, labels and row count."""
     config = make_config(env, "rte", epochs=3, learning_rate=2e-3)
     config.checkpoint.every = 8
     result = ft_loop.finetune(config, str(tmp_path / "a"))
+    assert ": 48 steps = 3 epochs x 16 steps, batch 16," in capsys.readouterr().out
     majority = result["majority_baseline"]["accuracy"]
     dev = [e["label"] for e in data_lib.glue_examples(config, "rte", "validation")]
     assert result["score"] > max(majority, scores.majority_accuracy(dev)) + 0.1, result
@@ -207,7 +208,7 @@ def test_pair_task_beats_majority_and_resumes(env, tmp_path):
 
 @pytest.mark.slow  # ~15 s on 2 cores with a cold compilation cache, ~5 s warm
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")   # the final checkpoint, read without a target
-def test_wordorder_finetune_machinery(env, tmp_path, monkeypatch):
+def test_wordorder_finetune_machinery(env, tmp_path, monkeypatch, capsys):
     """The built-in word-order task through the fine-tuning loop from a pretraining run: the encoder the run starts from
     is the pretraining checkpoint's (not a fresh init), training moves it, and results.json / metrics.jsonl hold a
     valid accuracy on the balanced dev set. Whether the model beats chance is an experiment (see the GLUE notes),
@@ -238,6 +239,8 @@ def test_wordorder_finetune_machinery(env, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_lib.Trainer, "restore_or_init", spy)
     workdir = tmp_path / "ft"
     result = ft_loop.finetune(config, str(workdir), devices=jax.devices()[:1])
+    spe = len(train) // 16
+    assert f": 3 steps (train.steps; {3 / spe:.3g} epochs of {spe} steps), batch 16," in capsys.readouterr().out
 
     # step 0 (a new workdir: nothing restored from it): encoder == the pretraining checkpoint (step 10), leaf by
     # leaf, bitwise; and that is not what a fresh init gives

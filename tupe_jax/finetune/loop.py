@@ -75,8 +75,10 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
     init = progress["init"]
     origin = f"{init['workdir']} step {init['step']}" if init else "scratch (no init_from)"
     if step == 0:
-        print(f"fine-tuning {task} from {origin}: {total} steps = {runner.epochs} epochs x {spe} steps, "
-              f"batch {runner.batch_size}, lr {float(t.learning_rate):g}, seed {runner.seed}", flush=True)
+        count = (f"{total} steps (train.steps; {total / spe:.3g} epochs of {spe} steps)" if int(t.steps)
+                 else f"{total} steps = {runner.epochs} epochs x {spe} steps")
+        print(f"fine-tuning {task} from {origin}: {count}, batch {runner.batch_size}, lr {float(t.learning_rate):g}, "
+              f"seed {runner.seed}", flush=True)
 
     # --------------------------------------------------------------------------------------- hooks
     writer = metrics_lib.MetricsWriter(workdir, owns_folder=lambda: workdir_lib.owns_folder(workdir))
