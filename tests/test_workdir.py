@@ -104,6 +104,35 @@ def test_claim_cleans_up_after_a_failure_but_keeps_what_was_there(tmp_path):
     assert not os.path.exists(os.path.join(wd, ".lock"))
 
 
+def test_a_command_refused_inside_the_claim_leaves_the_run_byte_identical(tmp_path):
+    """A resume refused after the claim (by a check that needs the restored state: the data iterator's settings, a
+    prepared corpus's tokenizer) puts back config.json, config_history.jsonl and provenance.jsonl and removes the
+    tensorboard file it opened; one that saved a checkpoint first keeps them all (they describe that step)."""
+    wd = str(tmp_path / "run")
+    with workdir_lib.claim(wd, load_config(**{"train.steps": 3})):
+        fake_checkpoint(wd, load_config(**{"train.steps": 3}), 3)
+        os.makedirs(os.path.join(wd, "tensorboard"))
+        (tmp_path / "run" / "tensorboard" / "events.1").write_text("old")
+    before = tree(wd)
+    assert "config_history.jsonl" not in before and "provenance.jsonl" in before
+    for _ in range(2):       # the first refusal creates config_history.jsonl, the second finds one to append to
+        with pytest.raises(UserError, match="belongs to different data settings"):
+            with workdir_lib.claim(wd, load_config(**{"train.steps": 5})):
+                assert workdir_lib.read_config(wd).train.steps == 5
+                (tmp_path / "run" / "tensorboard" / "events.2").write_text("new")
+                raise UserError("the saved data-iterator state belongs to different data settings")
+        assert tree(wd) == before
+        (tmp_path / "run" / "config_history.jsonl").write_text('{"changes": {}}\n')
+        before = tree(wd)
+    with pytest.raises(UserError):
+        with workdir_lib.claim(wd, load_config(**{"train.steps": 5})):
+            fake_checkpoint(wd, load_config(**{"train.steps": 5}), 4)
+            raise UserError("a later failure")
+    assert workdir_lib.read_config(wd).train.steps == 5 and os.path.isdir(os.path.join(wd, "checkpoints", "4"))
+    assert len(open(os.path.join(wd, "provenance.jsonl")).read().splitlines()) == 2
+    assert open(os.path.join(wd, "config_history.jsonl")).read().count("\n") == 2
+
+
 def test_nothing_outside_the_workdir_and_no_downloading_line(tmp_path):
     """A first run on the embedded corpus: the prepared data goes to data.cache_dir, $TMPDIR stays empty, and
     nothing claims to be downloading (nothing is downloaded)."""

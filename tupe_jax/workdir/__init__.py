@@ -5,7 +5,8 @@
                config_history.jsonl), `read_config`, `write_config`
     lock.py    one run per folder: `RunLock` (`.lock`, an exclusive flock that dies with its process);
                `refuse_if_held` (read only: a live holder is refused before the gate reads its checkpoints)
-    claim.py   `claim(workdir, config)`: check, lock, write, run; after a failure remove what the command created
+    claim.py   `claim(workdir, config)`: check, lock, write, run; after a failure undo what the command wrote
+    undo.py    `Before`: the folder as a command found it, and putting it back after a failure
     provenance.py  `provenance.jsonl`: a row per command (command line, git commit, packages, devices, processes)
     meta.py    what defines a run (`RESUMABLE`, `identity_hash`) and the checkpoint's meta item (`make_meta`,
                `check_compatible`, `check_tokenizer`), `checkpoint_steps`, `read_meta`, `read_kept_step` (a step of a
@@ -24,7 +25,7 @@ A run folder holds:
     profile/             a jax.profiler trace when `train.profile_steps` is set
 Whole-file writes go through `files.write_json` / `files.write_text` (atomic).
 """
-from tupe_jax.workdir.claim import check_bucket, check_folder, claim, remove_partial_outputs, still_held
+from tupe_jax.workdir.claim import check_bucket, check_folder, claim, still_held
 from tupe_jax.workdir.gate import check_config, config_path, differing_keys, read_config, tokenizer_path, write_config
 from tupe_jax.workdir.lock import LeaseLost, RunLock, owns_folder, refuse_if_held
 from tupe_jax.workdir.meta import (RESUMABLE, RUN_IDENTITY_SECTIONS, check_compatible, check_tokenizer,
@@ -34,5 +35,4 @@ from tupe_jax.workdir.run import LoadedRun, load_run, load_runs
 __all__ = ["RESUMABLE", "RUN_IDENTITY_SECTIONS", "LeaseLost", "LoadedRun", "RunLock", "check_compatible",
            "check_bucket", "check_config", "check_folder", "check_tokenizer", "checkpoint_steps", "claim", "config_path",
            "differing_keys", "load_run", "load_runs", "make_meta", "owns_folder", "read_config", "read_kept_step",
-           "read_meta", "refuse_if_held",
-           "remove_partial_outputs", "still_held", "tokenizer_path", "write_config"]
+           "read_meta", "refuse_if_held", "still_held", "tokenizer_path", "write_config"]

@@ -10,8 +10,8 @@ config.json is stored and a provenance row appended (process 0; `provenance.py`;
 there stops every process; an unexpected error in the checks or this step is shared as well, as its type and
 first line), and every other process of a run in a local folder sees that config.json (`see_what_process_0_wrote`:
 a folder of each host's own is refused before any compute, even for a fresh run). If the command then fails — a
-UserError or anything unexpected, but not an interrupt — what it created in the folder is removed unless it holds
-checkpoints or results; what was there before is never touched. A run whose bucket lease was taken over
+UserError or anything unexpected, but not an interrupt — and produced no checkpoint or results, the folder is put
+back as it was (`undo.Before`: what it created is removed, the files the claim rewrote get their text back). A run whose bucket lease was taken over
 (`still_held`, asked before every checkpoint) stops and removes nothing: the folder is the other command's.
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ from tupe_jax import files
 from tupe_jax.errors import UserError
 from tupe_jax.workdir import provenance
 from tupe_jax.workdir.gate import check_config, store_config
-from tupe_jax.workdir.lock import LOCK_NAME, LeaseLost, RunLock, check_held, refuse_if_held
+from tupe_jax.workdir.lock import LeaseLost, RunLock, check_held, refuse_if_held
+from tupe_jax.workdir.undo import Before
 
 
 def check_bucket(path: str, where: str = "--workdir") -> None:
@@ -73,42 +74,6 @@ def check_folder(workdir: str, writable: bool = True) -> None:
     except OSError as err:
         raise UserError(f"{existing} is not writable ({err.strerror})", "--workdir",
                         "give a workdir on a writable disk") from None
-
-
-def _holds_results(path: str) -> bool:
-    """True if `path` holds a committed checkpoint step or a results file (worth keeping after an error)."""
-    if files.is_remote(path):
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        return (name in ("results.json", "sweep.json")
-                or (name == "checkpoints" and any(d.isdigit() for d in files.listdir(path))))
-    if os.path.isfile(path):
-        return False
-    for root, dirs, names in os.walk(path):
-        if os.path.basename(root) == "checkpoints" and any(d.isdigit() for d in dirs):
-            return True
-        if {"results.json", "sweep.json"} & set(names):
-            return True
-    return False
-
-
-def remove_partial_outputs(workdir: str, before: Optional[set[str]]) -> None:
-    """Remove what a failed command created in `workdir` (config.json, tokenizer/, metrics, ...) unless it produced
-    checkpoints or results. Entries that existed before (`before`, None = the folder did not exist) stay."""
-    if not files.isdir(workdir):
-        return
-    new = sorted(set(files.listdir(workdir)) - (before or set()) - {LOCK_NAME, "logs"})
-    if any(_holds_results(files.join(workdir, name)) for name in new):
-        return
-    for name in new:
-        path = files.join(workdir, name)
-        if files.is_remote(path) or not os.path.islink(path):
-            if files.isdir(path):
-                files.rmtree(path)
-                continue
-        with contextlib.suppress(OSError):
-            files.remove(path)
-    if before is None and not files.is_remote(workdir) and not os.listdir(workdir):
-        os.rmdir(workdir)
 
 
 def view(workdir: str) -> str:
@@ -240,7 +205,7 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
     agree(workdir, failure, sees, stage="checks")
     changes = check_config(workdir, config, overwrite=overwrite)   # refuse before anything (even the lock) is written
     wait_for_all_processes(workdir)
-    before = set(files.listdir(workdir)) if files.isdir(workdir) else None
+    before = Before.take(workdir) if lead else None
     try:
         with contextlib.ExitStack() as held:
             failure = None
@@ -268,8 +233,8 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
     except LeaseLost:   # the folder is another command's now: nothing in it is this command's to remove
         raise
     except Exception:   # an interrupt (Ctrl-C) keeps everything: the same command continues where it stopped
-        if lead:
-            remove_partial_outputs(workdir, before)
+        if before is not None:
+            before.undo()
         raise
 
 

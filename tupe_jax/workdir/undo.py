@@ -1,0 +1,107 @@
+"""What a failed command undoes in its run folder: `Before.take(workdir)` just before `claim` writes anything,
+`before.undo()` after the command failed (a UserError or anything unexpected, not an interrupt).
+
+A command that produced nothing worth keeping — no new committed checkpoint step, no new results file — leaves the
+folder as it found it: what it created at the top level (config.json, tokenizer/, metrics, ...) and in an existing
+tensorboard/ is removed, and the files `claim` rewrites or appends to in an existing run (config.json,
+config_history.jsonl, provenance.jsonl) get their earlier text back. So a resume refused late, by a check that
+needs the restored state (the data iterator's settings, a prepared corpus's tokenizer), changes nothing on disk.
+A command that did produce checkpoints or results keeps everything: its config and provenance rows describe them.
+`.lock` (the lock's own business) and `logs/` (the traceback an error line points at) are never removed.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Optional
+
+from tupe_jax import files
+from tupe_jax.workdir.gate import HISTORY
+from tupe_jax.workdir.lock import LOCK_NAME
+from tupe_jax.workdir.provenance import NAME as PROVENANCE
+
+REWRITTEN = ("config.json", HISTORY, PROVENANCE)   # what `claim` writes into a folder that already holds a run
+KEEP = (LOCK_NAME, "logs")
+RESULTS = ("results.json", "sweep.json")
+
+
+def _names(path: str) -> set[str]:
+    return set(files.listdir(path)) if files.isdir(path) else set()
+
+
+def _steps(workdir: str) -> set[str]:
+    """The committed checkpoint steps (Orbax's unfinished saves are `<step>.orbax-checkpoint-tmp-*`)."""
+    return {name for name in _names(files.join(workdir, "checkpoints")) if name.isdigit()}
+
+
+def holds_results(path: str) -> bool:
+    """True if `path` holds a committed checkpoint step or a results file (worth keeping after an error)."""
+    if files.is_remote(path):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        return name in RESULTS or (name == "checkpoints" and any(d.isdigit() for d in files.listdir(path)))
+    if os.path.isfile(path):
+        return False
+    for root, dirs, names in os.walk(path):
+        if os.path.basename(root) == "checkpoints" and any(d.isdigit() for d in dirs):
+            return True
+        if set(RESULTS) & set(names):
+            return True
+    return False
+
+
+def _remove(path: str) -> None:
+    if (files.is_remote(path) or not os.path.islink(path)) and files.isdir(path):
+        files.rmtree(path)
+        return
+    with contextlib.suppress(OSError):
+        files.remove(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Before:
+    """A run folder as a command found it: its top-level entries (None: no folder), the text of the files `claim`
+    rewrites (None: absent), its committed checkpoint steps and its tensorboard/ entries."""
+    workdir: str
+    names: Optional[frozenset[str]]
+    texts: dict[str, Optional[str]]
+    steps: frozenset[str]
+    events: frozenset[str]
+
+    @classmethod
+    def take(cls, workdir: str) -> "Before":
+        if not files.isdir(workdir):
+            return cls(workdir, None, {}, frozenset(), frozenset())
+        names = frozenset(files.listdir(workdir))
+        texts = {name: files.read_text(files.join(workdir, name)) if name in names else None for name in REWRITTEN}
+        return cls(workdir, names, texts, frozenset(_steps(workdir)),
+                   frozenset(_names(files.join(workdir, "tensorboard"))))
+
+    def new_entries(self) -> list[str]:
+        return sorted(_names(self.workdir) - (self.names or set()) - set(KEEP))
+
+    def produced(self) -> bool:
+        """Whether the command left something worth keeping: a new checkpoint step or results."""
+        return bool(_steps(self.workdir) - self.steps) or any(
+            holds_results(files.join(self.workdir, name)) for name in self.new_entries())
+
+    def undo(self) -> None:
+        """Put the folder back as it was, unless the command produced checkpoints or results (module doc)."""
+        if not files.isdir(self.workdir) or self.produced():
+            return
+        for name in self.new_entries():
+            _remove(files.join(self.workdir, name))
+        if self.names is None:
+            if not files.is_remote(self.workdir) and not os.listdir(self.workdir):
+                os.rmdir(self.workdir)
+            return
+        events = files.join(self.workdir, "tensorboard")
+        for name in sorted(_names(events) - self.events) if "tensorboard" in self.names else ():
+            _remove(files.join(events, name))
+        for name, text in self.texts.items():
+            path = files.join(self.workdir, name)
+            if text is None:
+                if files.exists(path):
+                    files.remove(path)
+            elif not files.isfile(path) or files.read_text(path) != text:
+                files.write_text(path, text)
