@@ -9,7 +9,7 @@ import os
 from typing import Callable
 
 from errors_inputs import (Env, OpensAFile, ROOT, base_run, config_only_workdir, copy_run, damaged_cache, damaged_run,
-                           fairseq_ckpt, fairseq_no_dict, finetune, finetune_run, glue_copy, glue_drop,
+                           dangling_link, fairseq_ckpt, fairseq_no_dict, finetune, finetune_run, glue_copy, glue_drop,
                            import_fairseq, learned_table, locked, mismatched_tokenizer_workdir, not_a_checkpoint,
                            other_run_workdir, pretrain, write)
 
@@ -68,6 +68,19 @@ CASES = [
                             data__path=write(e.data("latin1.txt"), b"first line\ncaf\xe9 au lait\n")),
          "latin1.txt:2"),
     Case("unknown_data_name", "unknown dataset name", lambda e: pretrain(e, "d4", data__name="books"), "data.name"),
+    Case("data_path_not_read", "data.path given while data.name is left at the built-in corpus (it was ignored)",
+         lambda e: pretrain(e, "d7", data__path=write(e.data("corpus/train.txt"), b"a line\n")),
+         "does not read it, --config.data.name"),
+    Case("holdout_negative", "negative data.holdout (it was read as 0: no validation split)",
+         lambda e: pretrain(e, "d8", data__name="text_files", data__path=write(e.data("corpus/train.txt"), b"a\n"),
+                            data__holdout=-5), "--config.data.holdout"),
+    Case("prepared_not_a_manifest", "a prepared directory whose manifest.json is not one",
+         lambda e: pretrain(e, "d9", data__name="prepared",
+                            data__path=os.path.dirname(write(e.data("prepared/manifest.json"), b"{}"))),
+         "is not a prepare manifest"),
+    Case("prepare_shard_mb_inf", "`prepare` with prepare.shard_mb=inf",
+         lambda e: ["prepare", f"--config={ROOT}/configs/prepare.py", f"--workdir={e.wd('d10')}",
+                    "--config.prepare.shard_mb=inf"], "prepare.shard_mb = inf is not a finite number"),
     Case("missing_vocab_file", "vocab file that does not exist",
          lambda e: pretrain(e, "d5", data__vocab_file=e.data("nope/vocab.txt")), "data.vocab_file"),
     Case("vocab_larger_than_model", "vocab file larger than model.vocab_size",
@@ -151,6 +164,8 @@ CASES = [
     Case("workdir_is_file", "workdir that is a file",
          lambda e: pretrain(e, "x")[:2] + [f"--workdir={write(e.data('a_file'), b'x')}"] + pretrain(e, "x")[3:],
          "is a file, not a folder"),
+    Case("workdir_dangling_link", "workdir that is a link to a folder that does not exist",
+         lambda e: pretrain(e, "x")[:2] + [f"--workdir={dangling_link(e)}"] + pretrain(e, "x")[3:], "does not exist"),
     Case("workdir_empty", "empty --workdir", lambda e: pretrain(e, "x")[:2] + ["--workdir="] + pretrain(e, "x")[3:],
          "--workdir is empty"),
     Case("workdir_not_writable", "workdir where nothing can be written (/proc)",

@@ -89,6 +89,15 @@ def write(path: str, data: bytes) -> str:
     return path
 
 
+def dangling_link(env: Env) -> str:
+    """A link to a folder that does not exist."""
+    path = env.data("dangling")
+    if not os.path.islink(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.symlink(env.data("nowhere"), path)
+    return path
+
+
 def other_run_workdir(env: Env) -> str:
     """A workdir whose config.json holds a pe=rope run (as `launch pretrain` would have written it)."""
     from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel

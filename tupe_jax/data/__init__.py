@@ -31,6 +31,7 @@ from tupe_jax.data.classification import glue_batches
 from tupe_jax.data.glue_tsv import num_labels
 from tupe_jax.data.pipeline import PretrainIterator, pretrain_iterator
 from tupe_jax.data import prepared
+from tupe_jax.data.sources import check_source
 from tupe_jax.data.tokenizer import Tokenizer
 from tupe_jax.data.tokenizer import get_tokenizer as _corpus_tokenizer
 
@@ -46,6 +47,7 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir) -> Tokenizer:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Check the pretraining data keys against the model (`config.data`, `config.model`) before any compute."""
+    check_source(config.data)
     if config.data.get("name", "") == "prepared":
         prepared.open_split(config, "train")   # settings, every shard present and as the manifest says
     if config.model.objective != "mlm":

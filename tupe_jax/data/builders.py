@@ -52,8 +52,11 @@ def _file_stamps(files, root) -> list:
         st = os.stat(f)
         memo = (os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ino)
         if memo not in _SHA256:            # once per file and process (several readers ask for the same key)
-            with open(f, "rb") as fh:
-                _SHA256[memo] = hashlib.file_digest(fh, "sha256").hexdigest()
+            try:
+                with open(f, "rb") as fh:
+                    _SHA256[memo] = hashlib.file_digest(fh, "sha256").hexdigest()
+            except OSError as err:
+                raise sources.unreadable(f, err) from None
         out.append([os.path.relpath(f, root) if os.path.isdir(root) else os.path.basename(f), st.st_size,
                     _SHA256[memo]])
     return out

@@ -26,6 +26,7 @@ nor kill -9 removes finished shards (the launcher cleans up after errors only).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
@@ -37,13 +38,13 @@ import ml_collections
 import numpy as np
 
 from tupe_jax import files
-from tupe_jax.config import require_one_of, require_positive
+from tupe_jax.config import require_finite, require_one_of, require_positive
 from tupe_jax.data import builders, pipeline, pool, sources
+from tupe_jax.data.prepared import MANIFEST, load_manifest
 from tupe_jax.data.tokenizer import Tokenizer
 from tupe_jax.errors import require
 
 FORMAT = 1
-MANIFEST = "manifest.json"
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int = 1) -> None:
@@ -52,8 +53,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int = 1) -> None:
     require_one_of(config.model.objective, ("mlm", "clm"), "model.objective")
     require(config.model.max_len >= 8, f"model.max_len = {config.model.max_len} is too small",
             "--config.model.max_len", "use at least 8")
+    require_finite(config)
     require_positive(config, ("model.vocab_size", "prepare.shard_mb"))
     require_positive(config, ("data.num_threads",), allow_zero=True)
+    sources.check_source(config.data)
     require_one_of(config.data.packing, ("full_sentences", "contiguous"), "data.packing")
     require(not config.data.name == "prepared", "data.name=prepared is a prepared directory already",
             "--config.data.name", "give the raw corpus: embedded, text_files, wikitext or tfds:<name>")
@@ -225,12 +228,16 @@ def _done(folder: Path, k: int, settings: dict) -> dict | None:
     side_path = folder / f"shard-{k:05d}.json"
     if not side_path.is_file():
         return None
-    side = files.read_json(str(side_path))
-    require(side.get("settings") == settings["fingerprint"],
+    try:
+        side = json.loads(side_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):   # a damaged sidecar: the shard is written again
+        print(f"prepare: {side_path} is damaged; writing that shard again", flush=True)
+        return None
+    require(isinstance(side, dict) and side.get("settings") == settings["fingerprint"],
             f"{side_path} was written with other settings (tokenizer, length, packing or source changed)",
             "--workdir", "use a fresh directory, or restore the settings and source it was prepared with")
-    rec = folder / side["file"]
-    return side if rec.is_file() and rec.stat().st_size == side["bytes"] else None
+    rec = folder / str(side.get("file"))
+    return side if rec.is_file() and rec.stat().st_size == side.get("bytes") else None
 
 
 def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict, num_workers: int) -> dict:
@@ -272,12 +279,18 @@ def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict:
     settings = settings_of(config, tok)
     old = out / MANIFEST
     if old.is_file():
-        manifest = files.read_json(str(old))
-        require(manifest.get("settings", {}).get("fingerprint") == settings["fingerprint"],
+        manifest = load_manifest(old, f"delete {old} and rerun: the finished shards are kept")
+        require(manifest["settings"]["fingerprint"] == settings["fingerprint"],
                 f"{old} was written with other settings", "--workdir", "use a fresh directory")
-        if set(splits) <= set(manifest["splits"]):
+        missing = [f"{split}/{shard['file']}" for split in splits for shard in manifest["splits"].get(split, {})
+                   .get("shards", []) if not (out / split / shard["file"]).is_file()
+                   or (out / split / shard["file"]).stat().st_size != shard["bytes"]]
+        if set(splits) <= set(manifest["splits"]) and not missing:
             print(f"prepare: {out} is complete ({', '.join(manifest['splits'])})", flush=True)
             return manifest
+        if missing:
+            print(f"prepare: {out}: {len(missing)} shards missing or changed ({', '.join(missing[:3])}); "
+                  "writing them again", flush=True)
     result = {}
     for split in splits:
         result[split] = prepare_split(config, out, split, tok, settings, workers(config))

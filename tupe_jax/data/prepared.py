@@ -29,17 +29,33 @@ def root_of(config) -> Path:
     return Path(path).expanduser()
 
 
+SETTINGS = ("objective", "max_len", "packing", "tokenizer", "vocab_size", "dtype", "fingerprint")
+
+
+def load_manifest(path: Path, fix: str) -> dict:
+    """The manifest at `path`, with the fields a reader relies on; a UserError naming `path` and `fix` when it cannot
+    be read or is not a manifest (damaged, or another file of that name)."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise UserError(f"cannot read {path} ({err.strerror})", str(path), "fix its permissions") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({err})", str(path), fix) from None
+    settings = manifest.get("settings") if isinstance(manifest, dict) else None
+    missing = [k for k in SETTINGS if not isinstance(settings, dict) or k not in settings]
+    require(not missing and isinstance(manifest.get("splits"), dict) and "tokenizer_file" in manifest,
+            f"{path} is not a prepare manifest (no {', '.join(['settings.' + k for k in missing][:3]) or 'splits'})",
+            str(path), fix)
+    return manifest
+
+
 def read_manifest(config) -> dict:
     """DIR/manifest.json (UserError when DIR is not a finished prepared directory)."""
     root = root_of(config)
     path = root / MANIFEST
     require(path.is_file(), f"{root} holds no {MANIFEST} (not a prepared directory, or its prepare did not finish)",
             "--config.data.path", "run (or rerun, it resumes) `python -m launch prepare` with that --workdir")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} is not valid JSON ({err})", str(path), "rerun `launch prepare` into a fresh "
-                        "directory") from None
+    return load_manifest(path, "rerun `launch prepare` into a fresh directory")
 
 
 def check_settings(config, manifest: dict | None = None) -> dict:
@@ -67,6 +83,8 @@ def prepared_tokenizer(config, workdir) -> Tokenizer:
     root = root_of(config)
     saved = Path(workdir) / "tokenizer" / "vocab.txt" if workdir else None
     source = saved if saved is not None and saved.is_file() else root / manifest["tokenizer_file"]
+    require(source.is_file(), f"the tokenizer of the prepared directory {root} is missing", str(source),
+            "restore it from a copy of the directory, or prepare the corpus again into a fresh directory")
     tok = Tokenizer.from_file(source)
     require(tok.fingerprint == manifest["settings"]["tokenizer"],
             f"{source} is not the tokenizer {root} was prepared with", "--config.data.path",
@@ -99,6 +117,12 @@ class PreparedSplit:
         for path, shard in zip(self.paths, entry["shards"]):
             require(path.is_file(), f"shard {path.name} of {split} is missing", str(path),
                     "restore it, or rerun `launch prepare` on the directory (it rewrites what is missing)")
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as err:    # the record reader would count 0 records: not a damaged shard
+                raise UserError(f"cannot read shard {path.name} of {split} ({err.strerror})", str(path),
+                                "fix its permissions") from None
             require(path.stat().st_size == shard["bytes"],
                     f"shard {path.name} has {path.stat().st_size} bytes but the manifest says {shard['bytes']}",
                     str(path), "the directory is damaged or mixed: prepare it again into a fresh directory")

@@ -15,11 +15,11 @@ import glob as globlib
 import os
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
-from tupe_jax.errors import UserError
+from tupe_jax.errors import UserError, require
 
 TEXT_SUFFIXES = (".txt", ".tokens", ".raw", ".text")
 SPLITS = ("train", "validation", "test")
@@ -29,6 +29,20 @@ EMBEDDED_HOLDOUT = 20  # the embedded corpus is small: paragraph i%20==19 → va
 
 
 # ----------------------------------------------------------------------------------------------- files
+
+PATH_NAMES = ("text_files", "wikitext", "prepared")   # the corpora read from data.path
+
+
+def check_source(data: Any) -> None:
+    """The keys that choose the documents (pretraining and `prepare`): a data.path that the corpus would not read
+    (data.name left at 'embedded', say) and a negative holdout are refused rather than ignored."""
+    name, path = str(data.get("name", "")), str(data.get("path", ""))
+    require(not path or name in PATH_NAMES, f"data.path={path!r} is set but data.name={name!r} does not read it",
+            "--config.data.name", "set --config.data.name=text_files (or wikitext, prepared) to read data.path, or "
+            "leave data.path empty")
+    require(int(data.get("holdout", 0)) >= 0, f"data.holdout = {data.holdout} is negative", "--config.data.holdout",
+            "use 0 (no validation split) or e.g. 200 (1 document in 200)")
+
 
 def find_files(path: str, pattern: str = "") -> list[Path]:
     """The files named by `path` (a file, a directory or a glob), sorted."""
@@ -42,10 +56,11 @@ def find_files(path: str, pattern: str = "") -> list[Path]:
         if p.is_file():
             files = [p]
         elif p.is_dir():
-            if pattern:
-                files = list(p.glob(pattern))
-            else:
-                files = [f for f in p.iterdir() if f.suffix.lower() in TEXT_SUFFIXES]
+            try:
+                files = list(p.glob(pattern)) if pattern else [f for f in p.iterdir()
+                                                               if f.suffix.lower() in TEXT_SUFFIXES]
+            except OSError as err:
+                raise unreadable(p, err) from None
         else:
             raise UserError(f"no such file or directory {path!r}", "config.data.path",
                             "point data.path at an existing directory, file or glob")
@@ -81,9 +96,18 @@ def assign_files(files: list[Path]) -> tuple[dict[str, list[Path]], bool]:
     return out, True
 
 
+def unreadable(path: Path, err: OSError) -> UserError:
+    """The one-line error for a corpus file or folder that cannot be read (permissions, an I/O error)."""
+    return UserError(f"cannot read {path} ({err.strerror or type(err).__name__})", "--config.data.path",
+                     "fix its permissions, or point data.path elsewhere")
+
+
 def read_lines(path: Path) -> list[str]:
     """UTF-8 lines (without newline); undecodable bytes are an error naming the file and line."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise unreadable(path, err) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

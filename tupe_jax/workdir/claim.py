@@ -60,6 +60,9 @@ def check_folder(workdir: str, writable: bool = True) -> None:
         return
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UserError(f"{workdir} is a file, not a folder", "--workdir", "give a folder path")
+    if os.path.islink(workdir) and not os.path.exists(workdir):
+        raise UserError(f"{workdir} is a link to {os.readlink(workdir)}, which does not exist", "--workdir",
+                        "create the folder it points at, or give another workdir")
     if not writable:
         return
     existing = os.path.abspath(workdir)

@@ -46,8 +46,10 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def _has_results(workdir: str) -> bool:
-    """A fine-tune's, sweep's or suite's results are in the folder (a config change would misrepresent them)."""
-    return any(files.exists(files.join(workdir, name)) for name in ("results.json", "sweep.json", "report.json"))
+    """A fine-tune's, sweep's or suite's results, or a prepared corpus's manifest, are in the folder (a config
+    change would misrepresent them)."""
+    return any(files.exists(files.join(workdir, name))
+               for name in ("results.json", "sweep.json", "report.json", "manifest.json"))
 
 
 def _shown(key: str, old: Any, new: Any) -> str:

@@ -1,0 +1,135 @@
+"""Damaged, unreadable or mistaken data inputs: a rerun of `prepare` repairs what it can (a missing shard, a damaged
+sidecar) and refuses the rest in one line (a damaged manifest, a file that is not one); unreadable corpora and
+shards are one-line errors, not tracebacks or a wrong diagnosis; a data.path the corpus would not read and a
+negative holdout are refused. The one-line errors of whole commands are rows of the errors catalogue too."""
+import json
+import os
+import shutil
+
+import pytest
+
+import launch
+from tests.glue_fixtures import ROOT
+from tests.test_data_prepare import prepare_args, run_config, write_corpus
+from tupe_jax import data as D
+from tupe_jax.data import prepared as R
+from tupe_jax.data import sources
+from tupe_jax.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """(corpus, the folder `launch prepare` made of it): copied by each test that damages it."""
+    tmp = tmp_path_factory.mktemp("repairs")
+    corpus = write_corpus(tmp / "corpus")
+    assert launch.main(prepare_args(corpus, tmp / "out")) == 0
+    return corpus, tmp / "out"
+
+
+def run_launch(args, capsys):
+    """(exit code, stdout, stderr) of `python -m launch ARGS` run in-process from the repo root."""
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        rc = launch.main(args)
+    finally:
+        os.chdir(cwd)
+    out, err = capsys.readouterr()
+    return rc, out, err.strip()
+
+
+def test_a_rerun_writes_a_shard_the_manifest_lists_but_the_folder_lost(made, tmp_path, capsys):
+    corpus, done = made
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    (out / "train" / "shard-00001.array_record").unlink()
+    with pytest.raises(UserError, match="rerun `launch prepare` on the directory"):
+        D.validate_config(run_config(out))
+    rc, printed, err = run_launch(prepare_args(corpus, out), capsys)
+    assert rc == 0, err
+    assert "1 shards missing or changed (train/shard-00001.array_record); writing them again" in printed
+    a, b = (json.loads((d / "manifest.json").read_text()) for d in (out, done))
+    assert a["splits"] == b["splits"] and a["settings"] == b["settings"]
+    assert (out / "train" / "shard-00001.array_record").read_bytes() == \
+        (done / "train" / "shard-00001.array_record").read_bytes()
+    D.validate_config(run_config(out))
+
+
+def test_a_damaged_sidecar_is_written_again_and_a_damaged_manifest_is_refused(made, tmp_path, capsys):
+    corpus, done = made
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    (out / "manifest.json").unlink()
+    (out / "train" / "shard-00002.json").write_text('{"settings": ')
+    rc, printed, err = run_launch(prepare_args(corpus, out), capsys)
+    assert rc == 0, err
+    assert "shard-00002.json is damaged; writing that shard again" in printed
+    assert (out / "train" / "shard-00002.json").read_bytes() == (done / "train" / "shard-00002.json").read_bytes()
+    for text, needle in (("", "is not valid JSON"), ("{}", "is not a prepare manifest"), ("[1, 2]", "not a prepare")):
+        (out / "manifest.json").write_text(text)
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        rc, _, err = run_launch(prepare_args(corpus, out), capsys)
+        assert rc == 2 and needle in err and "delete" in err and "\n" not in err, err
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+        with pytest.raises(UserError, match=needle):          # and a run reading it
+            D.validate_config(run_config(out))
+
+
+def test_unreadable_corpus_and_shard_are_one_line_errors(made, tmp_path, monkeypatch):
+    """chmod 000 does not stop root (these tests may run as root): the reads are made to fail instead."""
+    _, done = made
+    corpus = write_corpus(tmp_path / "corpus", docs=16)
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(type(corpus), "read_bytes", denied)
+    with pytest.raises(UserError, match=r"^error: cannot read .*train.txt \(Permission denied\), "
+                                        r"--config.data.path, fix its permissions"):
+        sources.read_lines(corpus / "train.txt")
+    monkeypatch.setattr(type(corpus), "iterdir", denied)
+    with pytest.raises(UserError, match=r"cannot read .*corpus \(Permission denied\)"):
+        sources.find_files(str(corpus))
+    monkeypatch.undo()
+    shard = str(done / "train" / "shard-00000.array_record")
+    real_open = open
+
+    def shard_denied(path, *args, **kwargs):
+        if str(path) == shard:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(R, "open", shard_denied, raising=False)
+    with pytest.raises(UserError, match=r"cannot read shard shard-00000.array_record of train \(Permission denied"):
+        D.validate_config(run_config(done))
+
+
+@pytest.mark.parametrize("name", ["embedded", "tfds:wikipedia"])
+def test_a_data_path_the_corpus_would_not_read_and_a_negative_holdout_are_refused(made, name):
+    _, done = made
+    config = run_config(done)
+    config.data.name = name
+    with pytest.raises(UserError, match=f"data.path=.* is set but data.name='{name}' does not read it, "
+                                        "--config.data.name"):
+        D.validate_config(config)
+    config.data.path = ""
+    config.data.holdout = -5
+    with pytest.raises(UserError, match="data.holdout = -5 is negative"):
+        D.validate_config(config)
+    for reads_path in ("text_files", "wikitext", "prepared"):
+        config = run_config(done)
+        config.data.name = reads_path
+        sources.check_source(config.data)
+
+
+def test_no_leftover_in_the_prepared_folder_after_a_refusal(made, tmp_path, capsys):
+    """A prepared folder's manifest counts as results: --overwrite_config is refused on it (it was suggested, and
+    taking it rewrote config.json to settings the manifest does not have)."""
+    corpus, done = made
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rc, _, err = run_launch(prepare_args(corpus, out, max_len=64), capsys)
+    assert rc == 2 and "--overwrite_config" not in err, err
+    rc, _, err = run_launch(prepare_args(corpus, out, "--overwrite_config", max_len=64), capsys)
+    assert rc == 2 and "--overwrite_config would misrepresent" in err, err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert os.listdir(out) == os.listdir(done)
