@@ -12,6 +12,7 @@ import launch
 from tests.glue_fixtures import ROOT
 from tests.test_data_prepare import prepare_args, run_config, write_corpus
 from tupe_jax import data as D
+from tupe_jax.data import prepare as P
 from tupe_jax.data import prepared as R
 from tupe_jax.data import sources
 from tupe_jax.errors import UserError
@@ -133,3 +134,48 @@ def test_no_leftover_in_the_prepared_folder_after_a_refusal(made, tmp_path, caps
     assert rc == 2 and "--overwrite_config would misrepresent" in err, err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert os.listdir(out) == os.listdir(done)
+
+
+def test_a_corpus_copied_back_with_new_times_resumes_and_legacy_stamps_are_recognised(made, tmp_path, capsys):
+    """The source is stamped by content: an interrupted prepare resumes on its corpus copied back in place (new
+    mtimes; a fresh VM), and a folder stamped the old way (absolute path + mtime) still resumes on those files."""
+    corpus, done = made
+    for f in corpus.iterdir():
+        os.utime(f, (1e9, 1e9))
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    for name in ("manifest.json", "train/shard-00002.json", "train/shard-00002.array_record"):
+        (out / name).unlink()
+    rc, _, err = run_launch(prepare_args(corpus, out), capsys)
+    assert rc == 0, err
+    assert (out / "train" / "shard-00002.array_record").read_bytes() == \
+        (done / "train" / "shard-00002.array_record").read_bytes()
+    assert json.loads((out / "manifest.json").read_text())["splits"] == \
+        json.loads((done / "manifest.json").read_text())["splits"]
+
+    legacy = tmp_path / "legacy"                    # the same folder as a version with mtime stamps left it
+    shutil.copytree(done, legacy)
+    config = run_config(corpus)
+    config.data.name, config.data.path, config.prepare = "text_files", str(corpus), {"shard_mb": 0.004}
+    tok = D.Tokenizer.from_file(done / "tokenizer" / "vocab.txt")
+    old = P.settings_of(config, tok, legacy=True)
+    assert old["fingerprint"] != P.settings_of(config, tok)["fingerprint"]
+    manifest = json.loads((legacy / "manifest.json").read_text())
+    (legacy / "manifest.json").write_text(json.dumps({**manifest, "settings": old}))
+    for side in legacy.rglob("shard-*.json"):
+        side.write_text(json.dumps({**json.loads(side.read_text()), "settings": old["fingerprint"]}))
+    rc, printed, err = run_launch(prepare_args(corpus, legacy), capsys)
+    assert rc == 0 and "is complete" in printed, err
+    (legacy / "manifest.json").unlink()
+    (legacy / "train" / "shard-00001.array_record").unlink()
+    rc, _, err = run_launch(prepare_args(corpus, legacy), capsys)
+    assert rc == 0, err
+    assert (legacy / "train" / "shard-00001.array_record").read_bytes() == \
+        (done / "train" / "shard-00001.array_record").read_bytes()
+    (corpus / "train.txt").write_text((corpus / "train.txt").read_text() + "\nan edited corpus\n")
+    try:                                            # an edited file is another corpus: refused
+        (legacy / "manifest.json").unlink()
+        rc, _, err = run_launch(prepare_args(corpus, legacy), capsys)
+        assert rc == 2 and "was written with other settings" in err, err
+    finally:
+        (corpus / "train.txt").write_text((corpus / "train.txt").read_text().replace("\nan edited corpus\n", ""))

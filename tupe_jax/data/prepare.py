@@ -101,14 +101,21 @@ def documents(config, split: str) -> Iterator[str]:
                                     wikitext=name == "wikitext")
 
 
-def source_stamp(config) -> list:
-    """What the documents depend on: corpus name and options, and each input file's path, size and mtime."""
+def source_stamp(config, legacy: bool = False) -> list:
+    """What the documents depend on: corpus name and options, and each input file's path under data.path, size and
+    sha256 (`builders._file_stamps`: the same files with other times, copied back to a fresh VM, say, are the
+    same corpus, so an interrupted prepare resumes on them; an edited file is another corpus). `legacy`: the stamp of folders
+    prepared before that (absolute path, size and mtime), recognised so that they still resume."""
     d = config.data
     stamp = [d.name, d.path, d.file_pattern, d.split_by, int(d.holdout), d.tfds_text_key, d.tfds_data_dir]
     if d.name in ("text_files", "wikitext"):
         by_split, _ = _local_files(config)
-        stamp.append([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
-                      for s in sorted(by_split) for f in by_split[s]])
+        if legacy:
+            stamp.append([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
+                          for s in sorted(by_split) for f in by_split[s]])
+        else:
+            stamp.append(builders._file_stamps([f for s in sorted(by_split) for f in by_split[s]],  # pylint: disable=protected-access
+                                               os.path.expanduser(d.path)))
     elif d.name == "embedded":
         stamp.append(list(sys.version_info[:2]))
     return stamp
@@ -212,19 +219,21 @@ def _tokenizer(config, out: Path) -> Tokenizer:
     return tok
 
 
-def settings_of(config, tok: Tokenizer) -> dict:
-    """What every record depends on; its fingerprint is stored in each sidecar and in the manifest."""
+def settings_of(config, tok: Tokenizer, legacy: bool = False) -> dict:
+    """What every record depends on; its fingerprint is stored in each sidecar and in the manifest. `legacy`: with
+    the source stamp of folders prepared before content stamps (`source_stamp`)."""
     s = {"format": FORMAT, "objective": config.model.objective, "max_len": int(config.model.max_len),
          "packing": config.data.packing if config.model.objective == "mlm" else "contiguous",
          "tokenizer": tok.fingerprint, "vocab_size": tok.vocab_size,
          "dtype": "<u2" if tok.vocab_size <= 65535 else "<i4", "shard_mb": float(config.prepare.shard_mb),
-         "source": source_stamp(config)}
+         "source": source_stamp(config, legacy)}
     s["fingerprint"] = builders.digest(s)
     return s
 
 
-def _done(folder: Path, k: int, settings: dict) -> dict | None:
-    """The sidecar of shard k when it and its records are complete; refuses one from other settings."""
+def _done(folder: Path, k: int, accepted: tuple[str, ...]) -> dict | None:
+    """The sidecar of shard k when it and its records are complete; refuses one from other settings (a fingerprint
+    not in `accepted`: these settings', and the same settings' under the legacy source stamp)."""
     side_path = folder / f"shard-{k:05d}.json"
     if not side_path.is_file():
         return None
@@ -233,18 +242,20 @@ def _done(folder: Path, k: int, settings: dict) -> dict | None:
     except (ValueError, UnicodeDecodeError):   # a damaged sidecar: the shard is written again
         print(f"prepare: {side_path} is damaged; writing that shard again", flush=True)
         return None
-    require(isinstance(side, dict) and side.get("settings") == settings["fingerprint"],
+    require(isinstance(side, dict) and side.get("settings") in accepted,
             f"{side_path} was written with other settings (tokenizer, length, packing or source changed)",
             "--workdir", "use a fresh directory, or restore the settings and source it was prepared with")
     rec = folder / str(side.get("file"))
     return side if rec.is_file() and rec.stat().st_size == side.get("bytes") else None
 
 
-def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict, num_workers: int) -> dict:
+def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict, num_workers: int,
+                  accepted: tuple[str, ...] = ()) -> dict:
+    accepted = accepted or (settings["fingerprint"],)
     folder = out / split
     folder.mkdir(parents=True, exist_ok=True)
     for side in sorted(folder.glob("shard-*.json")):   # refuse other settings before any work starts
-        _done(folder, int(side.stem.split("-")[1]), settings)
+        _done(folder, int(side.stem.split("-")[1]), accepted)
     for tmp in folder.glob(".shard-*.tmp"):             # half-written records of a killed prepare
         tmp.unlink()
     groups = pool.groups(_nonempty(documents(config, split), config, split), int(config.prepare.shard_mb * 1e6))
@@ -252,7 +263,7 @@ def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict,
 
     def todo():
         for k, docs in enumerate(groups):
-            done = _done(folder, k, settings)
+            done = _done(folder, k, accepted)
             if done is not None:
                 sides[k] = done
             yield k, None if done is not None else (str(folder), k, docs)
@@ -277,10 +288,11 @@ def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict:
     t0 = time.perf_counter()
     tok = _tokenizer(config, out)
     settings = settings_of(config, tok)
+    accepted = (settings["fingerprint"], settings_of(config, tok, legacy=True)["fingerprint"])
     old = out / MANIFEST
     if old.is_file():
         manifest = load_manifest(old, f"delete {old} and rerun: the finished shards are kept")
-        require(manifest["settings"]["fingerprint"] == settings["fingerprint"],
+        require(manifest["settings"]["fingerprint"] in accepted,
                 f"{old} was written with other settings", "--workdir", "use a fresh directory")
         missing = [f"{split}/{shard['file']}" for split in splits for shard in manifest["splits"].get(split, {})
                    .get("shards", []) if not (out / split / shard["file"]).is_file()
@@ -293,7 +305,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict:
                   "writing them again", flush=True)
     result = {}
     for split in splits:
-        result[split] = prepare_split(config, out, split, tok, settings, workers(config))
+        result[split] = prepare_split(config, out, split, tok, settings, workers(config), accepted)
         print(f"prepare: {split}: {result[split]['examples']} examples, {result[split]['tokens']} tokens in "
               f"{len(result[split]['shards'])} shards", flush=True)
     manifest = {"format": FORMAT, "settings": settings, "splits": result,
