@@ -116,6 +116,30 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message.replace("\n", " "), "", f"see `{self.prog} --help`")
 
 
+# The commands that read one checkpoint step of a run (`--step`); the others refuse the flag with what to use.
+STEP_COMMANDS = ("evaluate", "extrapolate", "probe", "correlations", "shuffle-attention", "export")
+NO_STEP = {"finetune": "give the pretraining run's step as --config.init_step=N",
+           "glue-sweep": "give the pretraining run's step as --config.init_step=N",
+           "pretrain": "a run resumes from its newest checkpoint; for an earlier one, copy the run and delete the "
+                       "newer steps"}
+
+
+class _Once(argparse.Action):
+    """A flag that may be given once: a second value would silently replace the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, f"_seen_{self.dest}", False):
+            raise UserError(f"{option_string} is given twice", option_string, "give it once")
+        setattr(namespace, f"_seen_{self.dest}", True)
+        setattr(namespace, self.dest, values)
+
+
+def _step(raw: str) -> int:
+    if not raw.strip().isdigit():   # argparse's error names the flag: "argument --step: ..."
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a checkpoint step (give a step >= 0, e.g. --step=1000)")
+    return int(raw)
+
+
 def _lengths(raw: str) -> list[int]:
     try:
         lengths = [int(x) for x in raw.split(",") if x.strip()]
@@ -124,6 +148,8 @@ def _lengths(raw: str) -> list[int]:
                         "write e.g. --lengths=128,256,512") from None
     if not lengths or min(lengths) <= 0:
         raise UserError(f"--lengths={raw!r} needs positive lengths", "--lengths", "write e.g. --lengths=128,256,512")
+    if min(lengths) < 2:     # one token has nothing to predict (refused here, not after the other lengths ran)
+        raise UserError(f"evaluation length {min(lengths)} is too short", "--lengths", "use lengths of at least 2")
     return lengths
 
 
@@ -138,12 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--workdir", required=True, action="append",
                            help="run directory; repeat to analyse several runs together")
         else:
-            p.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints, metrics)")
+            p.add_argument("--workdir", required=True, action=_Once,
+                           help="run directory (config.json, checkpoints, metrics)")
         if cmd.needs_config:
             p.add_argument("--config", required=True, help="configs/FILE.py[:arg]")
             p.add_argument("--overwrite_config", action="store_true",
                            help="replace a workdir/config.json that holds another run's config")
-        p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+        p.add_argument("--step", type=_step, default=None, action=_Once, help="checkpoint step (default: latest)"
+                       if name in STEP_COMMANDS else argparse.SUPPRESS)
         for flags, kwargs in ANALYSIS_FLAGS.get(name, ()):
             p.add_argument(*flags, **kwargs)
         p.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
@@ -215,6 +243,9 @@ def run(argv: Sequence[str]) -> int:
         parser.print_help()
         return 2
     command = COMMANDS[args.command]
+    if args.step is not None and args.command not in STEP_COMMANDS:
+        raise UserError(f"{args.command} takes no --step", "--step",
+                        NO_STEP.get(args.command, "drop it (it is read by " + ", ".join(STEP_COMMANDS) + ")"))
     xla_options.opted_out()           # a bad TUPE_JAX_ONEDNN stops here, before any work
     config = None
     if command.needs_config:

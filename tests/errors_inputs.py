@@ -203,6 +203,15 @@ def finetune_run(env: Env) -> str:
     return config_only_workdir(env, "finetune_run", config_lib.to_json(config))
 
 
+def finetune_run_with_checkpoints(env: Env) -> str:
+    """A fine-tuning run's folder as init_from sees one: its config.json and a checkpoints/ folder."""
+    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    config = config_lib.load_config(f"{GLUE[len('--config='):]}:task=rte")
+    path = config_only_workdir(env, "finetune_run_ckpt", config_lib.to_json(config))
+    os.makedirs(os.path.join(path, "checkpoints", "2"), exist_ok=True)
+    return path
+
+
 def locked(env: Env) -> str:
     """A workdir whose lock another live process holds."""
     wd = env.wd("locked")

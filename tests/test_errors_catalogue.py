@@ -65,6 +65,13 @@ def _workdir_of(argv: list[str]) -> str | None:
     return next((a.split("=", 1)[1] for a in argv if a.startswith("--workdir=")), None)
 
 
+def _folders(workdir: str | None, argv: list[str]) -> list[str]:
+    """Every folder under the workdir and an `--out` (`_tree` lists files only)."""
+    roots = [workdir] + [a.split("=", 1)[1] for a in argv if a.startswith("--out=")]
+    return sorted(os.path.join(r, d) for root in roots if root and os.path.isdir(root)
+                  for r, dirs, _ in os.walk(root) for d in dirs) + [r for r in roots if r and os.path.isdir(r)]
+
+
 def check_one_line(err: str, needle: str) -> str:
     """The stderr of a failed command holds exactly one `error:` line (the last), naming `needle`; no traceback."""
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -85,6 +92,7 @@ def _run_case(case: Case, env: Env, capsys) -> None:
     argv = case.argv(env)
     workdir = _workdir_of(argv)
     before = _tree(workdir) if workdir else None
+    folders = _folders(workdir, argv)
     capsys.readouterr()
     code = launch.main(argv)
     err = capsys.readouterr().err
@@ -92,6 +100,7 @@ def _run_case(case: Case, env: Env, capsys) -> None:
     message = check_one_line(err, case.needle)
     if workdir:   # no partial outputs: the workdir is exactly as before (absent if it was absent)
         assert _tree(workdir) == before, (workdir, _tree(workdir), before)
+    assert _folders(workdir, argv) == folders       # nor an empty folder (an analysis's output folder, say)
     shown = [a for a in argv if a not in _base_overrides(env)]
     shown += ["[tiny]"] if len(shown) < len(argv) else []
     RECORDS[case.name] = (case.what, display(" ".join(["python -m launch", *shown]), env.tmp),

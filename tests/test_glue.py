@@ -206,6 +206,25 @@ def test_pair_task_beats_majority_and_resumes(env, tmp_path, capsys):
     assert again["best"]["step"] == result["best"]["step"]
 
 
+def test_a_resume_on_changed_glue_files_is_refused_and_changes_nothing(env, tmp_path):
+    """The examples' key (the TSVs' contents) is saved with the checkpoints: resuming after dev.tsv changed would
+    score the run's best step on one dev set and its last on another."""
+    from tests.workdir_fixtures import tree
+    glue = tmp_path / "glue"
+    shutil.copytree(env["glue"], glue)
+    config = make_config(env, "rte", steps=16)
+    config.data.glue_dir, config.checkpoint.every = str(glue), 8
+    ft_loop.finetune(config, str(tmp_path / "ft"))
+    shutil.rmtree(tmp_path / "ft" / "checkpoints" / "16")
+    dev = glue / DIRS["rte"] / "dev.tsv"
+    dev.write_text("\n".join(dev.read_text().splitlines()[:-1]) + "\n")     # one dev row fewer
+    before = tree(str(tmp_path / "ft"))
+    with pytest.raises(UserError, match=r"the rte examples differ from those this run started on .*, "
+                                        r"--config.data.glue_dir, restore the files"):
+        ft_loop.finetune(config, str(tmp_path / "ft"))
+    assert tree(str(tmp_path / "ft")) == before
+
+
 @pytest.mark.slow  # ~15 s on 2 cores with a cold compilation cache, ~5 s warm
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")   # the final checkpoint, read without a target
 def test_wordorder_finetune_machinery(env, tmp_path, monkeypatch, capsys):

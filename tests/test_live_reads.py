@@ -52,12 +52,12 @@ def train_on_during_first_read(monkeypatch, pre, params20):
     """The first `restore_params` call finds step 20 saved and step 10 deleted, as a live run's next save does."""
     original, calls = ckpt.restore_params, []
 
-    def restore_params(path, step=None, abstract_params=None, where="--step"):
+    def restore_params(path, step=None, abstract_params=None, **flags):
         if not calls:
             save_step(pre, 20, params20)
             shutil.rmtree(os.path.join(pre, "checkpoints", "10"))
         calls.append(step)
-        return original(path, step, abstract_params, where)
+        return original(path, step, abstract_params, **flags)
 
     monkeypatch.setattr(ckpt, "restore_params", restore_params)
     return calls
@@ -122,6 +122,19 @@ def test_init_from_reads_the_newest_step_when_the_one_listed_is_deleted(made, pr
     calls = train_on_during_first_read(monkeypatch, pre, params20)
     state = runner.init_state()
     assert calls == [10, 20] and runner.source.step == 20 and runner.source.meta["pe"] == "tupe_r"
+    assert_same(state["params"]["encoder"], params20["encoder"])
+
+
+def test_init_from_reads_the_newest_step_when_the_one_it_chose_is_gone_before_the_read(made, pre, tmp_path):
+    """The live run's retention deleted the step the fine-tune chose (opening init_from) before the encoder's read
+    listed the checkpoints: that read takes the newest step, as it does when the step goes during the read."""
+    runner = ft_runner.Runner(glue_config(made, pre), str(tmp_path / "ft"))
+    assert runner.source.step == 10
+    params20 = other_params(made[1])
+    save_step(pre, 20, params20)
+    shutil.rmtree(os.path.join(pre, "checkpoints", "10"))
+    state = runner.init_state()
+    assert runner.source.step == 20
     assert_same(state["params"]["encoder"], params20["encoder"])
 
 

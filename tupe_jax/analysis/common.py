@@ -49,6 +49,9 @@ def _target(workdirs: str | Sequence[str], out: Optional[str]) -> str:
 def check_output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> None:
     """Before any compute: the output folder (`out`, or `<first workdir>/analysis/`) is not a file and, locally,
     can be written."""
+    if out is not None and not str(out).strip():
+        raise UserError("--out is empty", "--out", "give a folder for the analysis outputs, or leave --out out for "
+                        "<workdir>/analysis/")
     target = _target(workdirs, out)
     if files.exists(target) and not files.isdir(target):
         raise UserError(f"{target} is a file, not a folder", "--out", "give a folder for the analysis outputs")
@@ -59,6 +62,14 @@ def check_output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -
         existing = existing.parent
     if not os.access(existing, os.W_OK):
         raise UserError(f"{existing} is not writable", "--out", "give an output folder you can write")
+
+
+def check_layer(runs: Sequence["Run"], layer: int) -> None:
+    """Before any output is written: `layer` is a block of every run."""
+    for run in runs:
+        if not 0 <= layer < run.model_cfg.num_layers:
+            raise UserError(f"--layer={layer} is out of range for '{run.name}'", "--layer",
+                            f"use 0..{run.model_cfg.num_layers - 1}")
 
 
 def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> Path:

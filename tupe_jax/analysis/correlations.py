@@ -268,6 +268,7 @@ def run(workdir, *, layer: int = 0, out: Optional[str] = None, step: Optional[in
     """Load the run(s), decompose `layer`, write `correlations.json` + heatmap PNGs to `out`."""
     common.check_output_dir(workdir, out)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step)
+    common.check_layer(runs, layer)
     directory = common.output_dir(workdir, out)
     report = correlations(runs, layer, batch, seed, directory)
     common.write_json(directory / "correlations.json", report)

@@ -200,6 +200,9 @@ def extrapolate(runs: Sequence[common.Run], lengths: Sequence[int], *, mode: str
         raise UserError(f"unknown extrapolation mode {mode!r}", "--mode", f"use one of {', '.join(MODES)}")
     if mode == "sliding" and stride is not None and stride < 1:
         raise UserError(f"--stride={stride} must be at least 1", "--stride", "give a positive stride")
+    if mode != "sliding" and stride is not None:
+        raise UserError(f"--stride={stride} is read by --mode=sliding only (mode {mode} would ignore it)", "--stride",
+                        "add --mode=sliding (causal LMs), or drop --stride")
     for run in runs:   # before any compute: every defined length must fit in memory
         for length in lengths:
             if not undefined(run, int(length)):

@@ -113,7 +113,10 @@ def run(workdir, *, text: Optional[str] = None, layer: int = 0, seed: int = 0, o
         step: Optional[int] = None, runs: Optional[Sequence[common.Run]] = None) -> dict:
     """Load the run(s), write `shuffle_attention.json` + `shuffle_attention.png` to `out`."""
     common.check_output_dir(workdir, out)
+    if text is not None and not text.strip():
+        raise UserError("--text is empty", "--text", "give a sentence, or leave --text out for the built-in one")
     runs = list(runs) if runs is not None else common.load_runs(workdir, step)
+    common.check_layer(runs, layer)
     for r in runs:          # a text too short to shuffle is refused before anything is written
         encode(r, text or DEFAULT_TEXT, announce=False)
     directory = common.output_dir(workdir, out)

@@ -234,6 +234,16 @@ def glue_builder(config, task: str):
     return local_builder(config, "glue_tsv", spec, splits, _glue_features(task == "stsb"), make)
 
 
+def glue_fingerprint(config, task: str) -> str:
+    """What a task's examples are, as a key: the prepared builder's (its spec digests the TSVs' contents) or the
+    TFDS dataset's name and data_dir. A fine-tune stores it and refuses to resume on other examples."""
+    if glue_source_name(config, task).startswith("tfds:"):
+        data_dir = config.data.get("tfds_data_dir", "") or os.environ.get("TFDS_DATA_DIR", "")
+        return f"tfds:glue/{task}/{digest([data_dir])}"
+    b = glue_builder(config, task)
+    return f"{b.name}/{b.builder_config.name}"
+
+
 def glue_source_name(config, task: str) -> str:
     """Where a task's examples come from: 'wordorder', 'tsv' (data.glue_dir) or 'tfds:glue/<task>'."""
     if task == "wordorder":

@@ -58,6 +58,14 @@ def resolve_init_from(path: str, init_step: int = -1) -> tuple[str, int | None]:
         raise UserError(f"init_from {path} is not a pretraining run (no checkpoints/ there)", WHERE,
                         "point it at a `launch pretrain` workdir or its checkpoints/<step>, or leave it empty to "
                         "train from scratch")
+    config = workdir_lib.config_path(workdir)
+    try:
+        task = files.read_json(config).get("task") if files.isfile(config) else None
+    except (ValueError, AttributeError):
+        task = None       # read (and refused, if need be) with the run's checkpoints
+    if task:
+        raise UserError(f"init_from {workdir} is a fine-tuning run ({task}), not a pretraining run", WHERE,
+                        "point it at the pretraining run that fine-tune started from (its results.json names it)")
     return workdir, step
 
 

@@ -24,6 +24,7 @@ from tupe_jax import files
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import trainer as trainer_lib
 from tupe_jax import workdir as workdir_lib
+from tupe_jax.errors import require
 from tupe_jax.finetune import scores
 from tupe_jax.finetune.runner import Runner
 from tupe_jax.finetune.validate import validate
@@ -65,8 +66,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
     state, progress = trainer.restore_or_init(fresh=lambda s: runner.load_encoder(s, trainer.abstract_params))
     source = {"workdir": runner.source.workdir, "step": runner.source.step} if runner.source else None
     if progress is None:    # the checkpoint read now; a resumed run reports the one its first start read
-        progress = {"best": None, "last_eval": None, "predictions": [], "init": source}
+        progress = {"best": None, "last_eval": None, "predictions": [], "init": source, "data": runner.data_key}
     else:
+        saved = progress.setdefault("data", runner.data_key)   # runs saved before the field: not checked
+        require(saved == runner.data_key, f"the {task} examples differ from those this run started on (the files "
+                f"in data.glue_dir changed since; {saved} then, {runner.data_key} now): its best dev score would "
+                "compare two dev sets", "--config.data.glue_dir", "restore the files it started with, or fine-tune "
+                "into a fresh workdir")
         progress.setdefault("best", None)
         progress.setdefault("predictions", [])
         progress.setdefault("init", source)     # saved by versions before the field: the checkpoint read now

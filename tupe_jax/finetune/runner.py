@@ -24,6 +24,7 @@ from tupe_jax import trainer as trainer_lib
 from tupe_jax import xla_options
 from tupe_jax.data import classification
 from tupe_jax.data.batch import ClassificationBatch
+from tupe_jax.data.builders import glue_fingerprint
 from tupe_jax.data.tokenizer import Tokenizer
 from tupe_jax.errors import UserError, require
 from tupe_jax.finetune import scores
@@ -89,6 +90,7 @@ class Runner:
             require(len(data_lib.glue_examples(config, self.task, split)) > 0,
                     f"the {self.task} {split} split has no examples", f"data.glue_dir={config.data.glue_dir}",
                     "give the task's dev file with at least one row")
+        self.data_key = glue_fingerprint(config, self.task)     # stored with the checkpoints: resume on the same data
         self.tx, self.schedule = make_optimizer(schedule_section(config, self.total_steps))
         self.init_fn = trainer_lib.init_state_fn(self.model, self.tx, int(config.model.max_len))
         self.step_fn = trainer_lib.make_train_step(make_loss_fn(self.model), self.tx, self.schedule,

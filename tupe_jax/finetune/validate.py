@@ -38,6 +38,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
             "[0, 1)", "--config.train.warmup_ratio", "use e.g. 0.06")
     optim.validate_config(config.train)
     require_seed(config)
+    require(int(config.init_step) >= -1, f"init_step = {config.init_step} is not a step", "--config.init_step",
+            "give a checkpoint step of init_from, or -1 (the default) for its newest")
     sharding.check_batch(config.train, mesh)
     require(config.checkpoint.every > 0 and config.checkpoint.keep > 0, "checkpoint.every and checkpoint.keep must "
             "be positive", "--config.checkpoint.every", "give positive values")
@@ -45,6 +47,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
             f"sweep.learning_rates = {config.sweep.learning_rates} needs positive values",
             "--config.sweep.learning_rates", "write e.g. '(2e-5,3e-5)'")
     require(len(config.sweep.seeds) > 0, "sweep.seeds is empty", "--config.sweep.seeds", "write e.g. '(0,1,2)'")
+    bad = [s for s in config.sweep.seeds if not 0 <= int(s) < 2 ** 63]
+    require(not bad, f"sweep.seeds holds {bad[0] if bad else ''}, outside [0, 2**63)", "--config.sweep.seeds",
+            "give non-negative seeds below 2**63, e.g. '(0,1,2)'")
     for task in sweep_tasks(config):
         require(task in GLUE_TASKS, f"unknown GLUE task {task!r} in sweep.tasks", "--config.sweep.tasks",
                 "use a comma-separated list of " + "|".join(GLUE_TASKS))

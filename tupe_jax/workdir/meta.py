@@ -154,7 +154,8 @@ def read_kept_step(workdir: str, step: Optional[int], read: Callable[[int], T], 
     there: that run's retention (checkpoint.keep) may delete the step between the listing and the end of the read
     (`read` may read several items of it).
     A read that fails for a step no longer listed is retried on the newest step when `follow` (the caller asked
-    for the newest), and is otherwise a UserError naming the steps kept now; any other failure is raised as is.
+    for the newest: `step` is then the newest it saw earlier, which may be gone before this listing), and is
+    otherwise a UserError naming the steps kept now; any other failure is raised as is.
     Several processes read the step process 0 chose and end alike: each attempt makes the same collective calls
     on every process (the listing, the agreement, the gathered outcome; what only some processes ask is read from
     the folder), all return together, or all stop (the failing process with its own error)."""
@@ -175,8 +176,9 @@ def read_kept_step(workdir: str, step: Optional[int], read: Callable[[int], T], 
                 value = read(chosen)
             except Exception as err:  # pylint: disable=broad-except
                 failure = err
-        status = READ if failure is None else DELETED if (
-            chosen in steps and not _step_folder(workdir, chosen)) else FAILED
+        gone = chosen in steps and not _step_folder(workdir, chosen)   # deleted during the read
+        gone = gone or (follow and step is not None and chosen >= 0 and chosen not in steps)   # before the listing
+        status = READ if failure is None else DELETED if gone else FAILED
         statuses = _gathered(status)
         if all(s == READ for s in statuses):
             return chosen, value
