@@ -31,7 +31,7 @@ Ready-to-paste commands:
 Keys beyond pretraining's:
   task            the GLUE task (or `wordorder`);
   init_from       '' = train from scratch (a baseline); else a pretraining workdir or `<workdir>/checkpoints/<step>`;
-  init_step       -1 = the latest checkpoint of `init_from` (ignored when init_from names a step);
+  init_step       -1 = the latest checkpoint of `init_from` (when init_from names a step, leave it or give that step);
   train.epochs    0 = the paper's count (10; 5 for MNLI, QNLI, QQP);
   train.steps     0 = epochs x (train examples // batch_size); > 0 = exactly that many steps (smoke tests);
   train.warmup_ratio  linear warmup over this fraction of the steps, then linear decay to 0 (paper: 0.06);

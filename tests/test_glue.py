@@ -83,6 +83,9 @@ def test_resolve_init_from_forms(env):
     assert ft_init.resolve_init_from(pre) == (pre, None)
     assert ft_init.resolve_init_from(os.path.join(pre, "checkpoints", "10")) == (pre, 10)
     assert ft_init.resolve_init_from(os.path.join(pre, "checkpoints"), 10) == (pre, 10)
+    assert ft_init.resolve_init_from(os.path.join(pre, "checkpoints", "10"), 10) == (pre, 10)
+    with pytest.raises(UserError, match="init_from names step 10 but init_step is 5, --config.init_step"):
+        ft_init.resolve_init_from(os.path.join(pre, "checkpoints", "10"), 5)
     with pytest.raises(UserError, match="not a pretraining run"):
         ft_init.resolve_init_from(str(env["root"] / "nothing"))
 

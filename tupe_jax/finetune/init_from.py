@@ -52,6 +52,9 @@ def resolve_init_from(path: str, init_step: int = -1) -> tuple[str, int | None]:
         workdir = path
     elif name.isdigit() and base.rpartition("/")[2] == "checkpoints" and files.isdir(path):
         workdir, step = base.rpartition("/")[0], int(name)
+        if 0 <= init_step != step:
+            raise UserError(f"init_from names step {step} but init_step is {init_step}", WHERE_STEP,
+                            "give the step once: in init_from (.../checkpoints/STEP) or as init_step")
     elif name == "checkpoints" and files.isdir(path):
         workdir = base
     else:
