@@ -246,3 +246,21 @@ def test_launcher_flags_reach_the_analysis_functions(monkeypatch):
     assert calls["correlations"][1]["layer"] == 1
     assert calls["shuffle-attention"][1]["text"] == "hi there"
     assert launch.main(["extrapolate", "--workdir=a", "--mode=strided"]) == 2
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_only_process_0_uploads_a_bucket_output(tmp_path, monkeypatch, process):
+    """On a pod every host runs the analysis and stages the same files: process 0 alone uploads them (the others'
+    uploads of the same objects at once would race); every process removes its staging folder."""
+    from tupe_jax import files
+    from tupe_jax.analysis import common
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "probe.json").write_text("{}")
+    monkeypatch.setitem(common._STAGED, str(staging), "gs://bucket/analysis")  # pylint: disable=protected-access
+    uploads = []
+    monkeypatch.setattr(files, "upload", lambda local, path: uploads.append(path))
+    monkeypatch.setattr(common.jax, "process_index", lambda: process)
+    assert common.publish(staging) == "gs://bucket/analysis"
+    assert uploads == (["gs://bucket/analysis/probe.json"] if process == 0 else [])
+    assert not staging.exists()

@@ -89,9 +89,9 @@ def test_a_folder_locked_for_process_0_stops_both_processes_with_its_line(tmp_pa
         holder.stdout.close()
 
 
-def two_processes(argv, environment, timeout=300):
+def two_processes(argv, environment, timeout=300, code=0):
     """`python -m launch *argv` as processes 0 and 1 of one jax.distributed job; their (stdout, stderr), each
-    process checked to exit 0."""
+    process checked to exit with `code`."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "launch", *argv, f"--coordinator_address=127.0.0.1:{port}",
                                "--num_processes=2", f"--process_id={i}"],
@@ -104,7 +104,7 @@ def two_processes(argv, environment, timeout=300):
             p.kill()
             p.wait()
     for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+        assert p.returncode == code, err[-3000:]
     return outs
 
 
@@ -152,3 +152,25 @@ def test_two_processes_fine_tune_from_a_run_as_one_process_does_from_a_cold_cach
     losses = [[m["loss"] for m in read_metrics(str(tmp_path / w)) if "loss" in m] for w in ("two", "one")]
     assert len(losses[0]) == len(losses[1]) == 4
     np.testing.assert_allclose(losses[0], losses[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_two_processes_export_a_run_once(tmp_path):
+    """`launch export` on every host of a pod, into one folder: process 0 writes it, the other only reads the
+    checkpoint with it (two writers raced: a rename onto the folder the other made, or uploads of the same objects).
+    The folder equals a one-process export's; a second export into it is refused on both processes alike."""
+    from tests.glue_fixtures import make_pretrained
+    from tupe_jax.interop.export import export
+    make_pretrained(tmp_path / "run", tmp_path / "cache")
+    environment = {**env(2), "TUPE_JAX_CACHE": str(tmp_path / "cache")}
+    outs = two_processes(["export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'two'}"], environment)
+    assert "exported" in outs[0][0] and "is written by process 0" in outs[1][0]
+    export(str(tmp_path / "run"), str(tmp_path / "one"))
+    assert sorted(os.listdir(tmp_path / "two")) == sorted(os.listdir(tmp_path / "one"))
+    for name in os.listdir(tmp_path / "one"):     # byte for byte (README.md names its folder)
+        one = (tmp_path / "one" / name).read_bytes()
+        assert (tmp_path / "two" / name).read_bytes() == (
+            one.replace(b"=one", b"=two").replace(b"runs/one", b"runs/two") if name == "README.md" else one), name
+    again = two_processes(["export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'two'}"], environment,
+                          code=2)
+    assert all(err.strip().splitlines()[-1].startswith(f"error: {tmp_path / 'two'} already exists") for _, err in again)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -86,12 +87,15 @@ def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> Path
 
 
 def publish(directory: Path) -> str:
-    """Where `directory`'s files live now: itself, or (a staging folder) its bucket folder, after uploading them."""
+    """Where `directory`'s files live now: itself, or (a staging folder) its bucket folder, after uploading them.
+    On several processes (a pod: every host runs the analysis and computes the same) process 0 alone uploads: the
+    others' uploads of the same objects at once would race (a bucket limits how often one object changes)."""
     target = _STAGED.pop(str(directory), None)
     if target is None:
         return str(directory)
-    for name in sorted(os.listdir(directory)):
-        files.upload(os.path.join(directory, name), files.join(target, name))
+    if jax.process_index() == 0:
+        for name in sorted(os.listdir(directory)):
+            files.upload(os.path.join(directory, name), files.join(target, name))
     shutil.rmtree(directory, ignore_errors=True)
     return target
 

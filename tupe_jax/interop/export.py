@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
 from tupe_jax import files
@@ -64,15 +65,26 @@ def write_tokenizer(out: str, tokenizer: Any, max_len: int) -> None:
 
 def export(workdir: str, out: str, step: Optional[int] = None) -> str:
     """Export the run `workdir` (checkpoint `step`, default latest) to the new folder `out` (local or in a bucket);
-    returns `out`."""
+    returns `out`. On several processes (a pod, where every host runs the command) all read the checkpoint and
+    process 0 alone writes: two writers of one folder or bucket would race (a rename onto a folder another
+    process made, uploads of the same objects, a failed upload removing another's)."""
     remote = files.is_remote(out)
     out = str(out).rstrip("/") if remote else os.path.abspath(os.path.expanduser(out))
-    if remote:
-        workdir_lib.check_bucket(out, "--out")
-    require(not files.exists(out), f"{out} already exists", "--out", "give a new folder (export never overwrites)")
-    require(remote or os.path.isdir(os.path.dirname(out)), f"the parent folder of {out} does not exist", "--out",
-            "create it first")
+    failure = None
+    try:
+        if remote:
+            workdir_lib.check_bucket(out, "--out")
+        require(not files.exists(out), f"{out} already exists", "--out", "give a new folder (export never overwrites)")
+        require(remote or os.path.isdir(os.path.dirname(out)), f"the parent folder of {out} does not exist", "--out",
+                "create it first")
+    except Exception as err:  # pylint: disable=broad-except  # every process stops with it (`agree`)
+        failure = err
+    workdir_lib.agree(out, failure, "", stage="export checks")
     run = workdir_lib.load_run(workdir, step)
+    if jax.process_index() != 0:
+        print(f"process {jax.process_index()}: the export of {workdir} step {run.step} is written by process 0",
+              flush=True)
+        return out
     cfg = run.model_cfg
     is_bert = run.pe == "bert_a" and not cfg.causal
     name = out.rpartition("/")[2] if remote else os.path.basename(out)
@@ -111,7 +123,7 @@ def write_export(folder: str, run: Any, is_bert: bool, name: str) -> None:
             NATIVE: {"model": model, "step": run.step, "name_map": "param path joined with '.'"}})
         files.write_text(os.path.join(folder, "README.md"), README.format(pe=run.pe, objective=cfg.objective,
                                                                           name=name))
-        metadata = {"format": NATIVE, "pe": run.pe}
+        metadata = {"format": NATIVE}   # one key: safetensors writes several in no fixed order (the scheme: config)
     safetensors_io.write(os.path.join(folder, safetensors_io.WEIGHTS), names_to_numpy(tensors), metadata)
     write_tokenizer(folder, run.tokenizer, cfg.max_len)
 

@@ -2,17 +2,18 @@
 
 In order, before the command computes anything: the folder path is usable (`check_folder`), no other process holds
 it (process 0: `lock.refuse_if_held`, read only, so a live run's pruning of old checkpoints cannot race the gate's
-reads), the processes of a multi-process run agree (`agree`: the same folder, seen alike, and if any process's checks
-failed every process stops with that line), the config passes the gate (`gate.check_config`: nothing written yet),
-every process has passed it (`wait_for_all_processes`: a multi-process run decides from the folder which collective
-reads to make, so it must not change under a late process's checks), the folder's lock is taken (`lock.RunLock`),
-config.json is stored and a provenance row appended (process 0; `provenance.py`; then `agree` again, so a failure
-there stops every process; an unexpected error in the checks or this step is shared as well, as its type and
-first line), and every other process of a run in a local folder sees that config.json (`see_what_process_0_wrote`:
-a folder of each host's own is refused before any compute, even for a fresh run). If the command then fails — a
-UserError or anything unexpected, but not an interrupt — and produced no checkpoint or results, the folder is put
-back as it was (`undo.Before`: what it created is removed, the files the claim rewrote get their text back). A run whose bucket lease was taken over
-(`still_held`, asked before every checkpoint) stops and removes nothing: the folder is the other command's.
+reads), the processes of a multi-process run agree (`agree`: the same folder, seen alike, and if any process's
+checks failed every process stops with that line), the config passes the gate (`gate.check_config`: nothing written
+yet), every process has passed it (`wait_for_all_processes`: a multi-process run decides from the folder which
+collective reads to make, so it must not change under a late process's checks), the folder's lock is taken
+(`lock.RunLock`), config.json is stored and a provenance row appended (process 0; `provenance.py`; then `agree`
+again, so a failure there stops every process; an unexpected error in the checks or this step is shared as well, as
+its type and first line), and every other process of a run in a local folder sees that config.json
+(`see_what_process_0_wrote`: a folder of each host's own is refused before any compute, even for a fresh run). If
+the command then fails — a UserError or anything unexpected, but not an interrupt — and produced no checkpoint or
+results, the folder is put back as it was (`undo.Before`: what it created is removed, the files the claim rewrote
+get their text back). A run whose bucket lease was taken over (`still_held`, asked before every checkpoint) stops
+and removes nothing: the folder is the other command's.
 """
 from __future__ import annotations
 
