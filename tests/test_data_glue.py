@@ -176,6 +176,18 @@ def test_batches_layout_padding_and_processes(tmp_path):
     assert len(tr) == 2 and all(x.example_weight.all() for x in tr)
 
 
+def test_examples_cut_to_max_len_are_counted_aloud(tmp_path, capsys):
+    rows = "".join(f"{i}\tthe cat sat {'the ' * i}.\ta dog ran .\tentailment\n" for i in range(11))
+    write_glue(tmp_path / "glue", {"rte": ("RTE", {"dev": "index\tsentence1\tsentence2\tlabel\n" + rows})})
+    c = make_config(tmp_path, tmp_path / "glue", max_len=12)
+    tok = tiny_tokenizer()
+    longer = sum(3 + len(tok.encode(f"the cat sat {'the ' * i}.")) + len(tok.encode("a dog ran .")) > 12
+                 for i in range(11))
+    assert 0 < longer < 11
+    list(D.glue_batches(c, tok, "rte", "validation", batch_size=4, process_index=0, process_count=1))
+    assert f"data: rte validation: {longer} of 11 examples cut to max_len 12 tokens" in capsys.readouterr().out
+
+
 def test_wordorder_task(tmp_path):
     c = make_config(tmp_path, max_len=64)
     val = D.glue_examples(c, "wordorder", "validation")

@@ -6,6 +6,7 @@ import json
 import math
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -267,3 +268,18 @@ def test_an_archive_or_a_second_import_is_refused_in_one_line(imported, tmp_path
     err = one_line_error(capsys, ["import-fairseq", f"--from={imported['root'] / 'ckpt'}",
                                   f"--workdir={imported['run']}"])
     assert "already exists and is not empty" in err
+
+
+def test_an_export_of_an_imported_run_reads_back_with_its_bpe_tokenizer(imported, tmp_path, capsys):
+    """export of a fairseq-imported run, then import-hf: the same params and the same BPE tokenizer. The export
+    labelled the BPE vocabulary BertTokenizer, so it was read back as WordPiece (other ids for the same text)."""
+    from tupe_jax.data.tokenizer import Tokenizer
+    assert launch.main(["export", f"--workdir={imported['run']}", f"--out={tmp_path / 'export'}"]) == 0
+    assert launch.main(["import-hf", f"--from={tmp_path / 'export'}", f"--workdir={tmp_path / 'back'}"]) == 0
+    capsys.readouterr()
+    text = "The quick brown fox jumps over the lazy dog's back, twice."
+    ours, back = (Tokenizer.from_file(os.path.join(d, "tokenizer", "vocab.txt"))
+                  for d in (imported["run"], str(tmp_path / "back")))
+    assert type(back) is type(ours) and back.encode(text) == ours.encode(text)
+    a, b = (workdir_lib.load_run(d).params for d in (imported["run"], str(tmp_path / "back")))
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))

@@ -87,6 +87,9 @@ def encoded_split(config, tokenizer: Tokenizer, task: str, split: str, max_len: 
         if not examples:
             raise UserError(f"GLUE {task} {split} has no examples", "glue split", "check the GLUE files")
         _CACHE[key] = encode_glue(tokenizer, examples, max_len, task == "stsb")
+        if _CACHE[key].num_truncated:    # the paper's protocol too (max length 512), but say how many
+            print(f"data: {task} {split}: {_CACHE[key].num_truncated} of {len(examples)} examples cut to max_len "
+                  f"{max_len} tokens", flush=True)
         if len(_CACHE) > 16:
             _CACHE.pop(next(iter(_CACHE)))
     return _CACHE[key]

@@ -54,8 +54,12 @@ def bert_config(model: dict, tokenizer: Any) -> dict:
 
 
 def write_tokenizer(out: str, tokenizer: Any, max_len: int) -> None:
-    """vocab.txt, tokenizer_config.json (BertTokenizer, the casing) and special_tokens_map.json."""
+    """vocab.txt, tokenizer_config.json (BertTokenizer, the casing) and special_tokens_map.json; a tokenizer of
+    another kind (an import-fairseq run's BPE: its tokenizer_config.json names it) is saved as it saves itself,
+    which `import-hf` reads back (labelled BertTokenizer, its vocabulary would be read as WordPiece)."""
     tokenizer.save(out)   # vocab.txt (+ the casing when not the default; rewritten below with the HF keys)
+    if tokenizer.casing_config().get("tokenizer_class"):
+        return
     specials = dict(zip(SPECIAL_KEYS, SPECIALS))
     files.write_json(os.path.join(out, CONFIG_NAME), {
         **tokenizer.casing_config(), "tokenizer_class": "BertTokenizer", "model_max_length": max_len,
@@ -74,6 +78,7 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
     try:
         if remote:
             workdir_lib.check_bucket(out, "--out")
+        workdir_lib.refuse_in_checkpoints(out, workdir, "--out")
         require(not files.exists(out), f"{out} already exists", "--out", "give a new folder (export never overwrites)")
         require(remote or os.path.isdir(os.path.dirname(out)), f"the parent folder of {out} does not exist", "--out",
                 "create it first")

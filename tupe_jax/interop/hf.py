@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Any
 
@@ -24,6 +25,7 @@ from tupe_jax.config import unflatten
 from tupe_jax import model as model_lib
 from tupe_jax import optim
 from tupe_jax import workdir as workdir_lib
+from tupe_jax.data.fairseq_bpe import KIND as FAIRSEQ_KIND
 from tupe_jax.data.tokenizer import CONFIG_NAME, SPECIALS, Tokenizer
 from tupe_jax.errors import UserError, require
 from tupe_jax.interop import names, safetensors_io
@@ -41,7 +43,12 @@ BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 1
                  "intermediate_size": 3072, "max_position_embeddings": 512, "layer_norm_eps": 1e-12,
                  "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
                  "position_embedding_type": "absolute", "type_vocab_size": 2}
+LAYER = re.compile(r"(?:bert\.)?encoder\.layer\.(\d+)\.")   # an encoder block's tensors, by layer number
 SPECIAL_KEYS = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIALS))
+# tokenizer_config.json keys whose other values our tokenizer does not reproduce (None: the key left out)
+TOKENIZER_AS_BERTS = {"tokenizer_class": (None, "BertTokenizer", "BertTokenizerFast", FAIRSEQ_KIND),
+                      "tokenize_chinese_chars": (None, True), "do_basic_tokenize": (None, True),
+                      "never_split": (None, [])}
 
 
 # ------------------------------------------------------------------------------------------------ config.json
@@ -72,14 +79,36 @@ def bert_model_keys(hf: dict, where: str = WHERE) -> dict[str, Any]:
     return {**{ours: hf[theirs] for theirs, ours in BERT_KEYS.items()}, "pe": "bert_a", "objective": "mlm"}
 
 
-def build_config(base: ml_collections.ConfigDict, model_keys: dict[str, Any], where: str = WHERE
-                 ) -> ml_collections.ConfigDict:
-    """`base` (a configs/pretrain.py config) with `model_keys` set (cast to the base's types) and validated."""
+def _typed(key: str, value: Any, current: Any, where: str) -> Any:
+    """`value` as the type of the base config's `current`: a bool stays a bool, an int an int (an integral float
+    becomes one), a float takes an int; anything else is refused (a cast would truncate 2.7 layers to 2, or read
+    "false" as True)."""
+    if isinstance(current, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(current, int):
+        ok = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+    elif isinstance(current, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, type(current))
+    require(ok, f"config.json gives {key} = {value!r}, not a{'n' if type(current).__name__[0] in 'aeiou' else ''} "
+            f"{type(current).__name__}", where, "fix that value in config.json")
+    return type(current)(value)
+
+
+def build_config(base: ml_collections.ConfigDict, model_keys: dict[str, Any], where: str = WHERE,
+                 strict: bool = False) -> ml_collections.ConfigDict:
+    """`base` (a configs/pretrain.py config) with `model_keys` set (of the base's types: `_typed`) and validated.
+    `strict`: a key the base does not have is refused (a native export's model section is this project's own)."""
     config = ml_collections.ConfigDict(base.to_dict())
+    unknown = sorted(k for k in model_keys if k not in config.model)
+    require(not (strict and unknown), f"config.json's model section has keys this version does not know: "
+            f"{', '.join(unknown[:4])}", where, "import it with the version of tupe-jax that exported it")
     for key, value in model_keys.items():
         if key in config.model:
             current = config.model[key]
-            config.model[key] = type(current)(value) if isinstance(current, (bool, int, float, str)) else value
+            config.model[key] = _typed(key, value, current, where) if isinstance(current, (bool, int, float, str)) \
+                else value
     config.data.vocab_file = ""
     if config.model.objective == "clm":
         config.model.untie_cls = False
@@ -109,6 +138,10 @@ def read_tokenizer(src: str, where: str = WHERE) -> Tokenizer:
             value = value.get("content") if isinstance(value, dict) else value
             require(value in (None, wanted), f"{cfg_path} names {key} {value!r}, not {wanted!r}", where,
                     f"only the BERT special tokens {' '.join(SPECIALS)} are supported")
+        for key, ok in TOKENIZER_AS_BERTS.items():   # what our WordPiece does; anything else would change the ids
+            require(tok_cfg.get(key) in ok, f"{cfg_path} has {key}={tok_cfg.get(key)!r}", where,
+                    "only BERT's own tokenizer (BertTokenizer: basic tokenization with Chinese characters split, "
+                    "then WordPiece) is supported")
     return Tokenizer.from_file(path)
 
 
@@ -148,6 +181,10 @@ def bert_params(tensors: dict, hf: dict, cfg: ModelConfig, tokenizer: Tokenizer,
                            classifier=bool(classifier_labels), token_types=cfg.type_vocab_size > 0)
     want = names.shapes(abstract_params(cfg, classifier_labels))
     flat, unused = names.params_from_bert(tensors, want, rows, where)
+    deeper = sorted({int(m.group(1)) for m in map(LAYER.match, unused) if m})
+    require(not deeper, f"the weights hold encoder layer {deeper[-1] if deeper else ''} but config.json has "
+            f"num_hidden_layers={cfg.num_layers}", where, "fix num_hidden_layers in config.json (importing would cut "
+            "the model down)")
     notes = [f"ignored {len(unused)} tensor(s) this model has no place for: {', '.join(unused[:4])}"] if unused else []
     if set(flat) != set(want):
         fresh = names.flatten(model_lib.init_params(cfg, jax.random.PRNGKey(0)))
@@ -190,7 +227,7 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, class
         keys = {**ours, **bert_model_keys(hf, where)}
         if "type_vocab_size" in ours:   # this project's bert_a export: 0 stays 0 (export wrote a zero table)
             keys["type_vocab_size"] = ours["type_vocab_size"]
-    config = build_config(base, keys, where)
+    config = build_config(base, keys, where, strict=native)
     tokenizer = read_tokenizer(src, where)
     tensors, _ = safetensors_io.read(src, where)
     cfg = ModelConfig.from_config(config.model)

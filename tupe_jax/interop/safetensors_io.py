@@ -14,7 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
-from tupe_jax.errors import UserError
+from tupe_jax.errors import UserError, require
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -25,17 +25,40 @@ FIX = ("convert it once, where you trust the file, with transformers: "
        "`AutoModelForMaskedLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)`")
 
 
+FLOATS = ("F16", "BF16", "F32", "F64")   # safetensors dtype names read as weights (float32 copies)
+
+
+def _no_repeats(pairs: list) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice (json would keep the last silently)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"{twice[0]!r} is listed twice")
+    return dict(pairs)
+
+
+def weight_map(src: str, where: str) -> dict[str, str]:
+    """{tensor name: shard file} of the folder's index ({} without one)."""
+    path = os.path.join(src, INDEX)
+    if os.path.isfile(os.path.join(src, WEIGHTS)) or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            mapping = json.load(f, object_pairs_hook=_no_repeats)["weight_map"]
+        if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+            raise ValueError("weight_map is not {tensor: file}")
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{path} is not a safetensors index ({err})", where,
+                        "restore the file from the model's source") from None
+    return mapping
+
+
 def weight_files(src: str, where: str) -> list[str]:
     """The safetensors files of folder `src` (one, or the shards of its index); UserError if there are none."""
     if os.path.isfile(os.path.join(src, WEIGHTS)):
         return [os.path.join(src, WEIGHTS)]
     if os.path.isfile(os.path.join(src, INDEX)):
-        try:
-            with open(os.path.join(src, INDEX), encoding="utf-8") as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (ValueError, KeyError) as err:
-            raise UserError(f"{os.path.join(src, INDEX)} is not a safetensors index ({err})", where,
-                            "restore the file from the model's source") from None
+        shards = sorted(set(weight_map(src, where).values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(src, s))]
         if missing:
             raise UserError(f"{src} lacks the shard(s) {', '.join(missing)} listed in {INDEX}", where,
@@ -52,14 +75,24 @@ def read(src: str, where: str) -> tuple[dict[str, np.ndarray], str]:
     """({name: float32 array}, format) of the safetensors in folder `src`; Flax names become PyTorch names."""
     from safetensors import SafetensorError, safe_open
     tensors: dict[str, np.ndarray] = {}
+    found: dict[str, str] = {}      # tensor name -> the file it came from
+    index = weight_map(src, where)
     fmt = ""
     for path in weight_files(src, where):
+        shard = os.path.basename(path)
         try:
             # framework='flax' reads bfloat16 too (NumPy has no bfloat16); float32 copies on the host
             with safe_open(path, framework="flax") as f:
                 fmt = (f.metadata() or {}).get("format", fmt or "pt")
                 for name in f.keys():
-                    tensors[name] = np.asarray(f.get_tensor(name), np.float32)
+                    require(name not in found, f"tensor {name} is in both {found.get(name)} and {shard}", where,
+                            "give the model's own shards (each tensor in one file)")
+                    require(not index or index.get(name) == shard, f"tensor {name} is in {shard} but {INDEX} "
+                            f"puts it in {index.get(name)}", where, "restore the index from the model's source")
+                    dtype = f.get_slice(name).get_dtype()
+                    require(dtype in FLOATS, f"tensor {name} in {shard} holds {dtype}, not floating-point weights",
+                            where, "give a checkpoint of float weights (float16, bfloat16, float32 or float64)")
+                    tensors[name], found[name] = np.asarray(f.get_tensor(name), np.float32), shard
         except (SafetensorError, OSError) as err:
             raise UserError(f"{path} is not a readable safetensors file ({err})", where,
                             "download it again") from None

@@ -25,7 +25,7 @@ A run folder holds:
     profile/             a jax.profiler trace when `train.profile_steps` is set
 Whole-file writes go through `files.write_json` / `files.write_text` (atomic).
 """
-from tupe_jax.workdir.claim import agree, check_bucket, check_folder, claim, still_held
+from tupe_jax.workdir.claim import agree, check_bucket, check_folder, claim, refuse_in_checkpoints, still_held
 from tupe_jax.workdir.gate import check_config, config_path, differing_keys, read_config, tokenizer_path, write_config
 from tupe_jax.workdir.lock import LeaseLost, RunLock, owns_folder, refuse_if_held
 from tupe_jax.workdir.meta import (RESUMABLE, RUN_IDENTITY_SECTIONS, check_compatible, check_tokenizer,
@@ -35,4 +35,5 @@ from tupe_jax.workdir.run import LoadedRun, load_run, load_runs
 __all__ = ["RESUMABLE", "RUN_IDENTITY_SECTIONS", "LeaseLost", "LoadedRun", "RunLock", "agree", "check_compatible",
            "check_bucket", "check_config", "check_folder", "check_tokenizer", "checkpoint_steps", "claim",
            "config_path", "differing_keys", "load_run", "load_runs", "make_meta", "owns_folder", "read_config",
-           "read_kept_step", "read_meta", "refuse_if_held", "still_held", "tokenizer_path", "write_config"]
+           "read_kept_step", "read_meta", "refuse_if_held", "refuse_in_checkpoints", "still_held", "tokenizer_path",
+           "write_config"]

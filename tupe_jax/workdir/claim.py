@@ -80,6 +80,17 @@ def check_folder(workdir: str, writable: bool = True) -> None:
                         "give a workdir on a writable disk") from None
 
 
+def refuse_in_checkpoints(path: str, workdirs: str | list[str], where: str) -> None:
+    """An output folder `path` is not inside a run's checkpoints/ (a folder there named like a step is read as
+    one: every command reading the newest step would then fail on it)."""
+    target = files.absolute(path).rstrip("/") + "/"
+    for workdir in [workdirs] if isinstance(workdirs, (str, os.PathLike)) else workdirs:
+        checkpoints = files.join(files.absolute(str(workdir)).rstrip("/"), "checkpoints") + "/"
+        if target.startswith(checkpoints):
+            raise UserError(f"{path} is inside the checkpoints of {workdir}", where,
+                            "give a folder outside checkpoints/ (e.g. <workdir>/exports/NAME or another folder)")
+
+
 def view(workdir: str) -> str:
     """What this process sees of `workdir` that decides the gate's reads: the folder, config.json, checkpoint steps."""
     if not files.isdir(workdir):

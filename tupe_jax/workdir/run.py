@@ -59,8 +59,8 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
                         "--workdir", "point it at the run given as init_from, or at a `launch pretrain` workdir")
     cfg = ModelConfig.from_config(config.model)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])   # this process's: any process count
-    abstract = jax.eval_shape(lambda: TransformerLM(cfg).init({"params": jax.random.PRNGKey(0)},
-                                                              jnp.zeros((1, 8), jnp.int32))["params"])
+    tokens = jnp.zeros((1, min(cfg.max_len, 8)), jnp.int32)     # a learned table may have fewer than 8 rows
+    abstract = jax.eval_shape(lambda: TransformerLM(cfg).init({"params": jax.random.PRNGKey(0)}, tokens)["params"])
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                                       nn.meta.unbox(abstract))
 
