@@ -179,3 +179,11 @@ def test_a_corpus_copied_back_with_new_times_resumes_and_legacy_stamps_are_recog
         assert rc == 2 and "was written with other settings" in err, err
     finally:
         (corpus / "train.txt").write_text((corpus / "train.txt").read_text().replace("\nan edited corpus\n", ""))
+
+
+def test_broken_links_in_a_corpus_folder_are_named(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus", docs=8)
+    os.symlink(tmp_path / "nowhere.txt", corpus / "gone.txt")
+    found = sources.find_files(str(corpus))
+    assert [f.name for f in found] == ["train.txt", "valid.txt"]
+    assert "warning: data.path: 1 broken link(s) skipped: " in capsys.readouterr().out

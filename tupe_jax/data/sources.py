@@ -64,6 +64,9 @@ def find_files(path: str, pattern: str = "") -> list[Path]:
         else:
             raise UserError(f"no such file or directory {path!r}", "config.data.path",
                             "point data.path at an existing directory, file or glob")
+    broken = sorted(str(f) for f in files if f.is_symlink() and not f.exists())
+    if broken:           # a link to nothing (or a loop) is no text; say so rather than read less
+        print(f"warning: data.path: {len(broken)} broken link(s) skipped: {', '.join(broken[:3])}", flush=True)
     files = sorted(f.resolve() for f in files if f.is_file())
     if not files:
         raise UserError(f"no text files found under {path!r}", "config.data.path",
