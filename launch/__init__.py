@@ -135,7 +135,7 @@ class _Once(argparse.Action):
 
 
 def _step(raw: str) -> int:
-    if not raw.strip().isdigit():   # argparse's error names the flag: "argument --step: ..."
+    if not raw.strip().isdecimal():   # argparse's error names the flag: "argument --step: ..."
         raise argparse.ArgumentTypeError(f"{raw!r} is not a checkpoint step (give a step >= 0, e.g. --step=1000)")
     return int(raw)
 

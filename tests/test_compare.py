@@ -41,7 +41,8 @@ def test_scheme_names_objectives_and_tied_cls():
 
 
 @pytest.mark.parametrize("schemes,needle", [("bert_a,nonsense", "nonsense"), ("bert_a-xyz", "-xyz"), ("rope-fairseq", "sinusoidal"),
-                                            ("alibi-clm-tiedcls", "tiedcls"), ("rope,rope", "twice"), ("", "no")])
+                                            ("alibi-clm-tiedcls", "tiedcls"), ("rope,rope", "twice"), ("", "no"),
+                                            ("alibi-mlm-clm", "twice or both"), ("bert_a-mlm-mlm", "twice or both")])
 def test_bad_schemes_are_one_line_errors(schemes, needle):
     with pytest.raises(UserError, match=needle):
         suite_lib.parse_schemes(load("suite=extrapolation", schemes=schemes))
@@ -55,7 +56,8 @@ def test_seeds_parse_and_set_the_run_seed():
     assert suite_lib.run_name(scheme, 5) == "bert_a-mlm-s5"
 
 
-@pytest.mark.parametrize("seeds,needle", [("0,x", "'x'"), ("1,1", "twice"), ("", "no seeds"), ("-1", "'-1'")])
+@pytest.mark.parametrize("seeds,needle", [("0,x", "'x'"), ("1,1", "twice"), ("", "no seeds"), ("-1", "'-1'"),
+                                          ("0,99999999999999999999", r"\[0, 2\*\*63\)"), ("0,\u00b2", "'\u00b2'")])
 def test_bad_seeds_are_one_line_errors(seeds, needle):
     with pytest.raises(UserError, match=needle):
         suite_lib.parse_seeds(load("suite=tupe", seeds=seeds))
@@ -152,3 +154,18 @@ def test_a_finished_run_is_shared_by_suites_with_and_without_glue(tmp_path):
     with pytest.raises(UserError, match="learning_rate"):
         suite_lib._check_same_run(str(run), suite_lib.scheme_config(
             load("suite=tupe", **{"train.learning_rate": 0.5}), scheme, 0))
+
+
+def test_a_run_in_runs_dir_that_cannot_be_reused_stops_the_suite_before_any_training(tmp_path, monkeypatch):
+    """The second job's foreign run was found only after the first job had trained."""
+    config = load("suite=extrapolation", schemes="alibi,nopos", **{"runs_dir": str(tmp_path / "runs")})
+    nopos = suite_lib.parse_schemes(config)[1]
+    foreign = tmp_path / "runs" / suite_lib.run_name(nopos, 0)
+    foreign.mkdir(parents=True)
+    (foreign / "config.json").write_text(config_lib.to_json(suite_lib.scheme_config(
+        load("suite=extrapolation", **{"model.max_len": 64}), nopos, 0)))
+    trained = []
+    monkeypatch.setattr(suite_lib, "pretrain", lambda sub, path: trained.append(path) or {"step": 0})
+    with pytest.raises(UserError, match=r"was trained with other keys \(model.max_len"):
+        suite_lib.pretrain_all(config, str(tmp_path / "suite"), suite_lib.parse_schemes(config), [0])
+    assert trained == []

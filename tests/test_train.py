@@ -188,5 +188,6 @@ def test_swapped_tokenizer_is_refused(cache_dir, tmp_path):
     with pytest.raises(UserError, match=r"tokenizer at .*vocab\.txt.*not the one the checkpoint"):
         workdir_lib.load_run(str(tmp_path))
     config = tiny_config("pe=nopos,objective=clm", cache_dir, steps=4)
+    config.train.decay_steps = 2                          # the run's schedule (it decayed to 0 at step 2)
     with pytest.raises(UserError, match="not the one the checkpoint"):
         pretrain_loop.pretrain(config, str(tmp_path), devices=jax.devices()[:1])

@@ -109,26 +109,26 @@ def test_a_command_refused_inside_the_claim_leaves_the_run_byte_identical(tmp_pa
     prepared corpus's tokenizer) puts back config.json, config_history.jsonl and provenance.jsonl and removes the
     tensorboard file it opened; one that saved a checkpoint first keeps them all (they describe that step)."""
     wd = str(tmp_path / "run")
-    with workdir_lib.claim(wd, load_config(**{"train.steps": 3})):
-        fake_checkpoint(wd, load_config(**{"train.steps": 3}), 3)
+    with workdir_lib.claim(wd, load_config(**{"train.log_every": 3})):
+        fake_checkpoint(wd, load_config(**{"train.log_every": 3}), 3)
         os.makedirs(os.path.join(wd, "tensorboard"))
         (tmp_path / "run" / "tensorboard" / "events.1").write_text("old")
     before = tree(wd)
     assert "config_history.jsonl" not in before and "provenance.jsonl" in before
     for _ in range(2):       # the first refusal creates config_history.jsonl, the second finds one to append to
         with pytest.raises(UserError, match="belongs to different data settings"):
-            with workdir_lib.claim(wd, load_config(**{"train.steps": 5})):
-                assert workdir_lib.read_config(wd).train.steps == 5
+            with workdir_lib.claim(wd, load_config(**{"train.log_every": 5})):
+                assert workdir_lib.read_config(wd).train.log_every == 5
                 (tmp_path / "run" / "tensorboard" / "events.2").write_text("new")
                 raise UserError("the saved data-iterator state belongs to different data settings")
         assert tree(wd) == before
         (tmp_path / "run" / "config_history.jsonl").write_text('{"changes": {}}\n')
         before = tree(wd)
     with pytest.raises(UserError):
-        with workdir_lib.claim(wd, load_config(**{"train.steps": 5})):
-            fake_checkpoint(wd, load_config(**{"train.steps": 5}), 4)
+        with workdir_lib.claim(wd, load_config(**{"train.log_every": 5})):
+            fake_checkpoint(wd, load_config(**{"train.log_every": 5}), 4)
             raise UserError("a later failure")
-    assert workdir_lib.read_config(wd).train.steps == 5 and os.path.isdir(os.path.join(wd, "checkpoints", "4"))
+    assert workdir_lib.read_config(wd).train.log_every == 5 and os.path.isdir(os.path.join(wd, "checkpoints", "4"))
     assert len(open(os.path.join(wd, "provenance.jsonl")).read().splitlines()) == 2
     assert open(os.path.join(wd, "config_history.jsonl")).read().count("\n") == 2
 
@@ -189,8 +189,9 @@ def test_every_claim_records_its_provenance(tmp_path):
 
 
 @pytest.mark.slow
-def test_profile_steps_write_a_trace_tensorboard_lists(tmp_path):
-    """`train.profile_steps=2,3` leaves an xplane trace where TensorBoard's profile plugin looks for runs."""
+def test_profile_steps_write_a_trace_tensorboard_lists(tmp_path, capsys):
+    """`train.profile_steps=2,3` leaves an xplane trace where TensorBoard's profile plugin looks for runs; a resume
+    at step 4 with 3,6 traces steps 5-6."""
     from tupe_jax.pretrain import loop  # pylint: disable=import-outside-toplevel
     config = load_config(**{"model.hidden_size": 32, "model.num_layers": 1, "model.num_heads": 2, "model.mlp_dim": 64,
                       "model.vocab_size": 512, "model.max_len": 32, "train.steps": 4, "train.batch_size": 8,
@@ -199,6 +200,11 @@ def test_profile_steps_write_a_trace_tensorboard_lists(tmp_path):
     loop.pretrain(config, str(tmp_path / "run"), devices=jax.devices()[:1])
     traces = list((tmp_path / "run" / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
+    # a resume inside the range traces the rest of it (it crashed at the range's end: no trace had started)
+    config.train.update({"steps": 8, "decay_steps": 4, "profile_steps": "3,6"})
+    capsys.readouterr()
+    loop.pretrain(config, str(tmp_path / "run"), devices=jax.devices()[:1])
+    assert "profile: steps 5-6 traced to" in capsys.readouterr().out
     with pytest.raises(UserError, match=r"train.profile_steps = '3,2' is not START,END"):
         from tupe_jax.pretrain.validate import validate  # pylint: disable=import-outside-toplevel
         validate(load_config(**{"train.profile_steps": "3,2"}), 8)
@@ -275,3 +281,23 @@ def test_a_run_whose_position_table_has_fewer_than_8_rows_loads(tmp_path):
     assert run.model_cfg.max_len == 4 and run.step == 10
     for a, b in zip(jax.tree_util.tree_leaves(run.params), jax.tree_util.tree_leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_resume_that_would_change_the_learning_rate_schedule_is_refused(tmp_path):
+    """train.steps sets where the decay reaches 0 (decay_steps=0): a resume with more steps would train its next
+    steps on another schedule, matching neither run. Pinning decay_steps to the run's keeps the schedule."""
+    wd = str(tmp_path / "run")
+    config = load_config(**{"train.steps": 6})
+    workdir_lib.write_config(wd, config)
+    fake_checkpoint(wd, config, 4)
+    before = tree(wd)
+    with pytest.raises(UserError, match=r"train.steps 6 -> 12 would change this run's learning-rate schedule .*, "
+                                        r"--config.train.steps, .*--config.train.decay_steps=6 "):
+        workdir_lib.write_config(wd, load_config(**{"train.steps": 12}))
+    with pytest.raises(UserError, match="train.decay_steps=0 .this command: 9."):   # another schedule: refused
+        workdir_lib.write_config(wd, load_config(**{"train.steps": 12, "train.decay_steps": 9}))
+    assert tree(wd) == before
+    workdir_lib.write_config(wd, load_config(**{"train.steps": 12, "train.decay_steps": 6}))
+    history = [json.loads(line) for line in open(os.path.join(wd, "config_history.jsonl"))]
+    assert history[-1]["changes"] == {"train.decay_steps": [0, 6], "train.steps": [6, 12]}
+    workdir_lib.write_config(wd, load_config(**{"train.steps": 20, "train.decay_steps": 6}))   # schedule unchanged

@@ -49,7 +49,7 @@ def parse_profile_steps(text: str, key: str = "train.profile_steps") -> Optional
     if not str(text).strip():
         return None
     parts = [p.strip() for p in str(text).split(",")]
-    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
+    if len(parts) != 2 or not all(p.isdecimal() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
         raise UserError(f"{key} = {text!r} is not START,END with 1 <= START <= END", f"--config.{key}",
                         "write e.g. --config.train.profile_steps=10,15 (or leave it empty)")
     return int(parts[0]), int(parts[1])
@@ -240,21 +240,20 @@ class Trainer:
                 hooks.log(at, values)
 
         preempted = False
+        traced: Optional[int] = None         # the first step of a trace in progress
         iterator = iter(batches)
         while step < total_steps:
             batch = next(iterator, None)
             if batch is None:
                 break
-            if self.profile and step + 1 == self.profile.first:
-                jax.profiler.start_trace(self.profile.folder)
+            if self.profile and traced is None and self.profile.first <= step + 1 <= self.profile.last:
+                jax.profiler.start_trace(self.profile.folder)       # a resume inside the range traces the rest
+                traced = step + 1
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
                 state, device_metrics = self.step_fn(state, sharding_lib.global_batch(batch, self.mesh))
             step += 1
-            if self.profile and step == self.profile.last:
-                jax.block_until_ready(device_metrics)
-                jax.profiler.stop_trace()
-                where = self.profile.finish()
-                print(f"profile: steps {self.profile.first}-{step} traced to {where}", flush=True)
+            if traced is not None and step == self.profile.last:
+                traced = self._stop_profile(traced, step, device_metrics)
             window["steps"] += 1
             if pending is not None:                      # the previous step is done by now (or nearly)
                 values = self._fetch(*pending)
@@ -281,7 +280,17 @@ class Trainer:
                 why = "interrupted" if interrupt["set"] else "preemption"
                 print(f"{why}: saved step {step} to {self.checkpointer.directory}; exiting", flush=True)
                 break
+        if traced is not None:                 # stopped (preempted) inside the range: keep what was traced
+            self._stop_profile(traced, step, state["step"])
         if pending is not None:
             log(pending[0], self._fetch(*pending))
         self.checkpointer.wait()
         return Outcome(state, step, preempted)
+
+    def _stop_profile(self, first: int, step: int, ready: Any) -> None:
+        """End the trace begun at step `first` once `ready` is computed; say where it went."""
+        jax.block_until_ready(ready)
+        jax.profiler.stop_trace()
+        where = self.profile.finish()
+        print(f"profile: steps {first}-{step} traced to {where}", flush=True)
+        return None

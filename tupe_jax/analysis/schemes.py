@@ -55,6 +55,10 @@ def parse_schemes(config: ml_collections.ConfigDict) -> list[Scheme]:
         require(pe in SCHEMES, f"unknown positional scheme {pe!r} in schemes", where,
                 "use <pe>[-mlm|-clm][-tiedcls|-fairseq] with pe one of " + "|".join(SCHEMES))
         objective, tied, fairseq = default, False, False
+        twice = [x for x in suffixes if suffixes.count(x) > 1] + (["mlm/-clm"] if {"mlm", "clm"} <= set(suffixes)
+                                                                    else [])
+        require(not twice, f"{item!r} gives -{twice[0] if twice else ''} twice or both", where,
+                "give each suffix once: <pe>[-mlm|-clm][-tiedcls|-fairseq]")
         for suffix in suffixes:
             require(suffix in ("mlm", "clm", "tiedcls", "fairseq"), f"unknown scheme suffix -{suffix} in {item!r}",
                     where, "use -mlm, -clm, -tiedcls or -fairseq")
@@ -81,7 +85,8 @@ def parse_seeds(config: ml_collections.ConfigDict) -> list[int]:
     for item in (x.strip() for x in str(config.seeds).split(",")):
         if not item:
             continue
-        require(item.isdigit(), f"seed {item!r} in seeds is not a non-negative integer", where, "write e.g. 0,1,2")
+        require(item.isdecimal() and int(item) < 2 ** 63, f"seed {item!r} in seeds is not an integer in [0, 2**63)",
+                where, "write e.g. 0,1,2")
         require(int(item) not in out, f"seed {item} is listed twice in seeds", where, "list each seed once")
         out.append(int(item))
     require(bool(out), "no seeds given", where, "write e.g. --config.seeds=0,1,2")

@@ -56,6 +56,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     config_lib.require_finite(config)
     require(config.suite in SUITES, f"unknown suite {config.suite!r}", "--config.suite", "use one of " + "|".join(SUITES))
     seeds = parse_seeds(config)
+    runs_dir = str(config.runs_dir)
+    require(not runs_dir or not os.path.exists(runs_dir) or os.path.isdir(runs_dir), f"runs_dir {runs_dir} is a "
+            "file, not a folder", "--config.runs_dir", "give a folder for the suite's runs (or leave it empty)")
     require(int(config.train.seed) == 0, "train.seed is set per run from seeds in a comparison suite",
             "--config.train.seed", "use --config.seeds=<k>[,<k>...] instead")
     for scheme in parse_schemes(config):
@@ -94,6 +97,8 @@ def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
     'seconds', 'reused'}] in scheme order}."""
     root, total, out = runs_root(config, workdir), int(config.train.steps), {}
     jobs = [(seed, scheme) for seed in seeds for scheme in schemes]
+    for seed, scheme in jobs:      # a run in runs_dir that cannot be reused stops the suite before any training
+        _check_same_run(os.path.abspath(os.path.join(root, run_name(scheme, seed))), scheme_config(config, scheme, seed))
     for i, (seed, scheme) in enumerate(jobs, 1):
         path = os.path.abspath(os.path.join(root, run_name(scheme, seed)))   # Orbax wants absolute paths
         sub = scheme_config(config, scheme, seed)

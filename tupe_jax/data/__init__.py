@@ -48,16 +48,19 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir) -> Tokenizer:
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Check the pretraining data keys against the model (`config.data`, `config.model`) before any compute."""
     check_source(config.data)
+    for key in ("prefetch", "num_threads"):
+        require(int(config.data.get(key, 0)) >= 0, f"data.{key} = {config.data.get(key)} is negative",
+                f"--config.data.{key}", "give 0 (none / in the main thread) or more")
     if config.data.get("name", "") == "prepared":
         prepared.open_split(config, "train")   # settings, every shard present and as the manifest says
-    if config.model.objective != "mlm":
-        return
     data = config.data
     require(0.0 < data.mask_prob < 1.0, f"data.mask_prob = {data.mask_prob} is outside (0, 1)", "--config.data.mask_prob",
-            "use e.g. 0.15")
+            "use e.g. 0.15")      # MLM keys are checked in a causal run too: a bad value is a mistake either way
     require(0 <= data.max_predictions <= config.model.max_len,
             f"data.max_predictions = {data.max_predictions} is outside [0, model.max_len]",
             "--config.data.max_predictions", "use 0 (= ceil(mask_prob * max_len)) or e.g. 20 for max_len 128")
+    if config.model.objective != "mlm":
+        return
     # masking picks round(mask_prob * n) of the n <= max_len - 1 text tokens of a sequence ([CLS] is never masked)
     require(data.mask_prob * (config.model.max_len - 1) >= 0.5,
             f"data.mask_prob = {data.mask_prob} with model.max_len = {config.model.max_len} masks no position "

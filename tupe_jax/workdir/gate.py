@@ -2,8 +2,11 @@
 
 `check_config(workdir, config)` compares the new config with the folder's `config.json` and with its
 checkpoints, and writes nothing. Only the `RESUMABLE` keys (meta.py) may differ (how long and how a run proceeds, never
-what it computes); any other difference is refused naming the key and both values. An allowed change is recorded
-in `config_history.jsonl` (time, command line, key: [old, new]) when `write_config` stores the new config.
+what it computes); any other difference is refused naming the key and both values. The length is the exception
+that needs a second look: where `train.steps` also sets the learning-rate schedule (decay_steps=0, or a fine-tune)
+a longer run would train its next steps on another schedule, so that is refused too, unless `train.decay_steps` is
+set to keep the schedule (`_schedule`). An allowed change is recorded in `config_history.jsonl` (time, command
+line, key: [old, new]) when `write_config` stores the new config.
 """
 from __future__ import annotations
 
@@ -52,6 +55,31 @@ def _has_results(workdir: str) -> bool:
                for name in ("results.json", "sweep.json", "report.json", "manifest.json"))
 
 
+def _schedule(flat: dict[str, Any]) -> tuple:
+    """What a run's learning-rate schedule depends on (`optim.learning_rate_fn`; a fine-tune's spans its steps or
+    epochs): the steps where the linear decay reaches 0 and the warmup (cut to that span)."""
+    if "train.warmup_ratio" in flat:      # a fine-tune (finetune/validate.py: schedule_section)
+        return flat.get("train.steps"), flat.get("train.epochs")
+    total = int(flat.get("train.decay_steps") or flat.get("train.steps") or 0)
+    return total, min(int(flat.get("train.warmup_steps") or 0), total)
+
+
+def _refuse_new_schedule(old: dict[str, Any], new: dict[str, Any], finetune: bool) -> None:
+    """A resume whose steps would change the learning-rate schedule of the steps already trained: it would compute
+    neither the run it continues nor a fresh run of the new length."""
+    if finetune:
+        raise UserError(f"train.steps/epochs {old.get('train.steps')}/{old.get('train.epochs')} -> "
+                        f"{new.get('train.steps')}/{new.get('train.epochs')} would change this fine-tune's learning-"
+                        "rate schedule (warmup and decay span its steps) after it started", "--config.train.steps",
+                        "fine-tune into a fresh workdir")
+    total, _ = _schedule(old)
+    raise UserError(f"train.steps {old.get('train.steps')} -> {new.get('train.steps')} would change this run's "
+                    f"learning-rate schedule (it decays to 0 at step {total}: train.decay_steps="
+                    f"{old.get('train.decay_steps')} means train.steps)", "--config.train.steps",
+                    f"train on with the run's schedule by adding --config.train.decay_steps={total} (the rate is 0 "
+                    f"after step {total}), or train a fresh run of the new length")
+
+
 def _shown(key: str, old: Any, new: Any) -> str:
     return f"{key}={old!r} (this command: {new!r})"
 
@@ -83,7 +111,9 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
     flat_old = with_added_defaults(config_lib.flatten(old))      # both sides: a config section without the key
     flat_new = with_added_defaults(config_lib.flatten(new))      # (e.g. prepare's small `model`) reads the same
     changed = [k for k in sorted(set(flat_old) | set(flat_new)) if flat_old.get(k) != flat_new.get(k)]
-    refused = [k for k in changed if not resumable(k)]
+    same_schedule = _schedule(flat_old) == _schedule(flat_new)
+    refused = [k for k in changed if not resumable(k) and not (k == "train.decay_steps" and same_schedule
+                                                                and "task" not in new)]
     if refused:
         more = f" and {len(refused) - 1} more ({', '.join(refused[1:4])})" if len(refused) > 1 else ""
         fresh = step is None and not _has_results(workdir)
@@ -97,6 +127,9 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
     if step is not None and isinstance(steps, int) and 0 < steps < step:
         raise UserError(f"{workdir} is at step {step}; train.steps={steps} would end before it", "--config.train.steps",
                         f"give train.steps >= {step} to continue, or evaluate the run as it is")
+    more = not (isinstance(steps, int) and 0 < steps <= step) if step is not None else False   # steps left to train
+    if more and not same_schedule and any(k in changed for k in ("train.steps", "train.epochs")):
+        _refuse_new_schedule(flat_old, flat_new, "task" in new)
     if step is not None and meta.get("identity") and not same_identity(meta["identity"], new):
         raise UserError(f"{path} does not match its checkpoint step {step} (model/data settings differ: was "
                         "config.json edited by hand?)", "--workdir", "restore the run's config.json or use a fresh "
