@@ -125,6 +125,7 @@ def test_tiny_extrapolation_suite_end_to_end_and_resume(tmp_path, capsys):
     capsys.readouterr()
     assert launch.main(argv) == 0
     assert capsys.readouterr().out.count("reusing it") == 4
+    assert "(4 of 4 pretraining runs reused from an earlier command" in (workdir / "REPORT.md").read_text()
     assert launch.main(argv + ["--config.train.learning_rate=0.5"]) == 2   # the suite folder's gate refuses it
     err = capsys.readouterr().err
     assert "train.learning_rate=" in err and "(this command: 0.5)" in err and "--overwrite_config" not in err

@@ -193,7 +193,8 @@ def test_training_continues_past_a_corrupt_step(two_step_run, tmp_path, caplog):
     wd = tmp_path / "run"
     shutil.copytree(src, wd)
     damaged = _truncate_largest(str(wd / "checkpoints" / "10"))
-    config = tiny_config(config.data.cache_dir, 15, **{"checkpoint.async_save": "false"})
+    config = tiny_config(config.data.cache_dir, 15, **{"checkpoint.async_save": "false",
+                                                       "train.decay_steps": 10})   # the run's schedule
     with caplog.at_level(logging.WARNING):
         pretrain_loop.pretrain(config, str(wd), devices=jax.devices()[:1])
     assert "checkpoint step 10" in caplog.text

@@ -140,7 +140,16 @@ def _setup(report: dict) -> list[str]:
             f"Seeds {seeds}: a seed fixes initialisation, dropout, data order and masking, so every scheme of one "
             "seed saw the same batches (differences are paired by seed).", "",
             *([f"Command: `{report['command']}`", ""] if report.get("command") else []),
-            "Wall time: " + ", ".join(f"{k[:-2]} {v / 60:.1f} min" for k, v in report["timings"].items()) + ".", ""]
+            "Wall time: " + ", ".join(f"{k[:-2]} {v / 60:.1f} min" for k, v in report["timings"].items())
+            + _reused(report) + ".", ""]
+
+
+def _reused(report: dict) -> str:
+    """How many pretraining runs this command reused (their training time is not in its wall time)."""
+    runs = [r for s in report["schemes"] for r in s.get("seeds", {}).values()]
+    reused = sum(bool(r.get("reused")) for r in runs)
+    return (f" ({reused} of {len(runs)} pretraining runs reused from an earlier command: their training time is "
+            "in their own metrics.jsonl)") if reused else ""
 
 
 def _pretraining(report: dict) -> list[str]:
