@@ -67,7 +67,7 @@ def test_windows_score_every_token_once_with_context(n, length, mode, stride):
         assert (cols[later] >= length - stride).all()                        # ≥ L−S tokens of context
 
 
-def test_extrapolation_at_train_length_matches_the_pipeline(corpus):
+def test_extrapolation_at_train_length_matches_the_pipeline(corpus, capsys):
     run = make_run(corpus, "rope", "clm")
     ours = E.evaluate_length(run, MAX_LEN)
     config = run.config
@@ -86,6 +86,10 @@ def test_extrapolation_at_train_length_matches_the_pipeline(corpus):
     assert ours["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
     sliding = E.evaluate_length(run, MAX_LEN, mode="sliding", stride=MAX_LEN)   # S = L is nonoverlapping
     assert sliding["nll"] == pytest.approx(ours["nll"], rel=1e-6) and sliding["tokens"] == ours["tokens"]
+    capsys.readouterr()
+    capped = E.evaluate_length(run, MAX_LEN, mode="sliding", stride=3 * MAX_LEN)  # S > L: capped at L, said aloud
+    assert capped["stride"] == MAX_LEN and capped["nll"] == sliding["nll"]
+    assert f"stride {3 * MAX_LEN} is capped at L" in capsys.readouterr().out
 
 
 @pytest.mark.slow

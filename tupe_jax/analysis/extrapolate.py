@@ -151,6 +151,9 @@ def evaluate_length(run: common.Run, length: int, *, mode: str = "nonoverlapping
     if cfg.causal:
         begin, lo, hi = clm_windows(len(stream), length, mode, stride)
         n_windows = len(begin)
+        if mode == "sliding" and stride is not None and stride > length:   # one --stride serves every length
+            print(f"extrapolate {run.name} L={length}: stride {stride} is capped at L (windows without overlap)",
+                  flush=True)
     else:
         n_windows = -(-len(stream) // (length - 1))
         mask_prob = float(run.config.data.get("mask_prob", 0.15))
