@@ -101,7 +101,7 @@ def test_a_holder_taken_for_dead_stops_its_heartbeat_and_leaves_the_new_lease(gc
         assert json.loads(files.read_text(folder + "/.lock")) == other
     assert json.loads(files.read_text(folder + "/.lock")) == other  # the release left it alone
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "lease was taken over by process 7 on h" in lines[0], lines
+    assert len(lines) == 1 and "was taken over by process 7 on h" in lines[0], lines
 
 
 def test_a_run_whose_lease_was_taken_over_stops_before_its_next_checkpoint(gcs, tmp_path, monkeypatch):
@@ -190,3 +190,23 @@ def test_a_heartbeat_whose_reply_was_lost_keeps_the_lease(gcs, monkeypatch, caps
         raise FileExistsError(path)
     beat_through(monkeypatch, f"gs://{BUCKET}/lost-reply", lands_but_loses_its_reply)
     assert "error:" not in capsys.readouterr().err
+
+
+def test_a_run_whose_lease_object_is_gone_says_so(gcs, tmp_path, monkeypatch):
+    """The lease object deleted under a live run (its folder or bucket deleted): the run stops before its next
+    checkpoint saying the lease is gone, not that another process took it over (there is none)."""
+    from tupe_jax import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+    monkeypatch.chdir(tmp_path)
+    remote = f"gs://{BUCKET}/lease-deleted-mid-run"
+    write = metrics_lib.MetricsWriter.write
+
+    def deleted_after_step_2(self, step, values):
+        write(self, step, values)
+        if step == 2:
+            files.remove(remote + "/.lock")
+    monkeypatch.setattr(metrics_lib.MetricsWriter, "write", deleted_after_step_2)
+    with pytest.raises(workdir_lib.LeaseLost) as caught:
+        pretrain_loop.pretrain(tiny(tmp_path / "cache"), remote, devices=jax.devices()[:1])
+    assert str(caught.value).startswith(f"error: this run's lease object {remote}/.lock is gone (the run folder or "
+                                        "its bucket was deleted")
+    assert "taken over" not in str(caught.value) and "\n" not in str(caught.value)

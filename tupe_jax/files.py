@@ -16,8 +16,10 @@ emulator) is off unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT says otherwise.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import socket
 import urllib.parse
@@ -26,8 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from tupe_jax.errors import UserError, require
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# gcsfs logs each retry of a failing request with its traceback; the failure reaches the caller, who reports it
+# in one line, so those logs would only bury that line (a storage outage printed ~150 lines before it)
+logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 
 
 def is_remote(path: Any) -> bool:
@@ -53,6 +59,35 @@ def stat_bucket(url: str) -> dict:
     import fsspec  # pylint: disable=import-outside-toplevel
     fs, path = fsspec.core.url_to_fs(url)
     return fs.info(path)
+
+
+BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")   # GCS: 3-63 (dotted: 222) lowercase chars
+
+
+def check_bucket(path: str, where: str) -> None:
+    """Before a command reads or writes the bucket path `path`: it is `gs://<bucket>/<folder>` with a valid bucket
+    name, no empty part (`gs://b//x` is another object name on GCS than `gs://b/x`) and no glob, and the bucket
+    exists and its storage answers; a one-line UserError naming `where` otherwise."""
+    text = str(path)
+    scheme, _, rest = text.partition("://")
+    bucket, _, folder = rest.partition("/")
+    require(scheme == "gs", f"{text} is not a gs:// path", where, "give a local path or gs://BUCKET/FOLDER")
+    require(bool(BUCKET_NAME.match(bucket)) and ".." not in bucket, f"{text}: {bucket!r} is not a bucket name",
+            where, "bucket names are 3-63 lowercase letters, digits, '-', '_' or '.', starting and ending with a "
+            "letter or digit")
+    require("//" not in folder.rstrip("/") and not folder.startswith("/"), f"{text} has an empty folder name (//)",
+            where, "write the path with single slashes")
+    require(not any(c in folder for c in "*?["), f"{text} is a pattern; bucket paths name one file or folder",
+            where, "give the folder (every text file in it is read) or one object")
+    try:
+        stat_bucket(f"gs://{bucket}")
+    except FileNotFoundError:
+        raise UserError(f"bucket gs://{bucket} does not exist (or this account cannot list it)", where,
+                        "create the bucket or fix the name / permissions") from None
+    except Exception as err:  # pylint: disable=broad-except  # any transport failure: one line, before compute
+        raise UserError(f"cannot reach the storage of gs://{bucket} ({type(err).__name__}: "
+                        f"{(str(err).splitlines() or [''])[0][:160]})", where,
+                        "check the network / STORAGE_EMULATOR_HOST and the credentials") from None
 
 
 def join(base: Any, *parts: str) -> str:
@@ -139,9 +174,19 @@ def upload_tree(local_dir: Any, path: Any) -> None:
             upload(os.path.join(root, name), target)
 
 
+MIRRORED = ".mirror.json"   # in a mirror's folder: {local path: the object version it holds}
+
+
+def _version(info: dict) -> str:
+    """What changes when an object's content does: its generation or hash, as the storage reports them."""
+    return "/".join(str(info.get(k, "")) for k in ("generation", "md5Hash", "crc32c", "size"))
+
+
 def mirror(url: str, local_root: str) -> str:
-    """A local copy of the bucket file or folder `url` under `local_root` (objects already there with the same size
-    are kept, so a second call costs one listing); returns the local path standing for `url`."""
+    """A local copy of the bucket file or folder `url` under `local_root`, made to follow the bucket: an object is
+    downloaded again when its version (generation / hash) differs from the copy's, and a file whose object is gone
+    from the bucket is removed (a second call with nothing changed costs one listing); returns the local path
+    standing for `url`."""
     import fsspec  # pylint: disable=import-outside-toplevel
     fs, root = fsspec.core.url_to_fs(url)
     root = root.rstrip("/")
@@ -150,13 +195,26 @@ def mirror(url: str, local_root: str) -> str:
         raise FileNotFoundError(url)
     single = list(found) == [root]
     target = os.path.join(local_root, os.path.basename(root)) if single else local_root
+    record = os.path.join(local_root, MIRRORED)
+    try:
+        with open(record, encoding="utf-8") as f:
+            held = json.load(f)
+    except (OSError, ValueError):
+        held = {}
+    now = {}
     for remote, info in found.items():
         local = target if single else os.path.join(local_root, remote[len(root):].lstrip("/"))
-        if os.path.isfile(local) and os.path.getsize(local) == int(info.get("size", -1)):
+        now[local] = _version(info)
+        if os.path.isfile(local) and held.get(local) == now[local]:
             continue
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
         fs.get_file(remote, local + ".part")
         os.replace(local + ".part", local)
+    for local in set(held) - set(now):   # deleted from the bucket: not in the copy either
+        if os.path.isfile(local):
+            os.remove(local)
+    os.makedirs(local_root, exist_ok=True)
+    write_text(record, json.dumps(now, sort_keys=True))
     return target
 
 

@@ -41,9 +41,10 @@ def cache_dir(config) -> Path:
 
 def local_input(config, path: str, where: str) -> str:
     """`path` itself when local; for a bucket path (gs://...), a copy mirrored once into `<cache>/inputs/` (sources
-    such as text files and GLUE TSVs are read locally; the copy is refreshed when an object's size changes)."""
+    such as text files and GLUE TSVs are read locally; the copy follows the bucket: `files.mirror`)."""
     if "://" not in str(path):
         return path
+    files.check_bucket(str(path), where)
     root = cache_dir(config) / "inputs" / hashlib.sha256(str(path).encode()).hexdigest()[:16]
     try:
         with file_lock(root.parent / (root.name + ".lock")):

@@ -281,6 +281,8 @@ def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict,
 def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Prepare `config.data`'s corpus into `workdir` (see the module docstring); returns the manifest."""
     validate(config)
+    require(not files.is_remote(workdir), f"{workdir} is a bucket path; prepare writes a local folder", "--workdir",
+            "prepare into a local folder, then copy it (`gcloud storage cp -r`; docs/tpu.md, section 3)")
     out = Path(workdir)
     splits = splits_of(config)
     for split in splits:   # an empty split is refused before anything is written

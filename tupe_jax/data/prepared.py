@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tupe_jax import files
 from tupe_jax.data.tokenizer import PAD_ID, Tokenizer
 from tupe_jax.errors import UserError, require
 
@@ -26,6 +27,8 @@ def root_of(config) -> Path:
     path = str(config.data.get("path", ""))
     require(bool(path), "data.name=prepared needs data.path", "--config.data.path",
             "give the directory written by `python -m launch prepare`")
+    require("://" not in path, f"{path} is a bucket path; a prepared directory is read from a local folder",
+            "--config.data.path", "copy it to each host first (`gcloud storage cp -r`; docs/tpu.md, section 3)")
     return Path(path).expanduser()
 
 
@@ -81,9 +84,9 @@ def prepared_tokenizer(config, workdir) -> Tokenizer:
     """The run's saved vocab.txt (resume) or the directory's; either must be the one the records were made with."""
     manifest = read_manifest(config)
     root = root_of(config)
-    saved = Path(workdir) / "tokenizer" / "vocab.txt" if workdir else None
-    source = saved if saved is not None and saved.is_file() else root / manifest["tokenizer_file"]
-    require(source.is_file(), f"the tokenizer of the prepared directory {root} is missing", str(source),
+    saved = files.join(str(workdir), "tokenizer", "vocab.txt") if workdir else None   # the run's: local or bucket
+    source = saved if saved is not None and files.isfile(saved) else root / manifest["tokenizer_file"]
+    require(files.isfile(source), f"the tokenizer of the prepared directory {root} is missing", str(source),
             "restore it from a copy of the directory, or prepare the corpus again into a fresh directory")
     tok = Tokenizer.from_file(source)
     require(tok.fingerprint == manifest["settings"]["tokenizer"],
@@ -94,7 +97,7 @@ def prepared_tokenizer(config, workdir) -> Tokenizer:
         require(given.fingerprint == tok.fingerprint, f"data.vocab_file differs from the tokenizer of {root}",
                 "--config.data.vocab_file", "leave data.vocab_file empty with data.name=prepared")
     if saved is not None and source != saved:
-        tok.save(saved.parent)
+        tok.save(files.join(str(workdir), "tokenizer"))
     return tok
 
 

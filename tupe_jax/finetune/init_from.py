@@ -46,6 +46,8 @@ class InitSource:
 def resolve_init_from(path: str, init_step: int = -1) -> tuple[str, int | None]:
     """(pretraining workdir, step or None = latest) from a workdir, its checkpoints dir, or checkpoints/<step>."""
     path = files.absolute(path if files.is_remote(path) else os.path.expanduser(path)).rstrip("/")
+    if files.is_remote(path):      # a transport failure is one line naming it, not "not a pretraining run"
+        files.check_bucket(path, WHERE)
     base, _, name = path.rpartition("/")
     step = None if init_step < 0 else int(init_step)
     if files.isdir(files.join(path, "checkpoints")):

@@ -39,17 +39,8 @@ from tupe_jax.workdir.undo import Before
 
 
 def check_bucket(path: str, where: str = "--workdir") -> None:
-    """The bucket of a `gs://bucket/...` path exists and its storage answers (one line naming `where` otherwise)."""
-    bucket = "/".join(str(path).split("/")[:3])
-    try:
-        files.stat_bucket(bucket)
-    except FileNotFoundError:
-        raise UserError(f"bucket {bucket} does not exist (or this account cannot list it)", where,
-                        "create the bucket or fix the name / permissions") from None
-    except Exception as err:  # pylint: disable=broad-except  # any transport failure: one line, before compute
-        raise UserError(f"cannot reach the storage of {bucket} ({type(err).__name__}: "
-                        f"{(str(err).splitlines() or [''])[0][:160]})", where,
-                        "check the network / STORAGE_EMULATOR_HOST and the credentials") from None
+    """`files.check_bucket` (the path's shape, the bucket's existence, the storage's answer), `--workdir` by default."""
+    files.check_bucket(path, where)
 
 
 def check_folder(workdir: str, writable: bool = True) -> None:

@@ -281,13 +281,20 @@ class _Lease:
                 self.generation = generation
                 return True
             self._lose(now)
-        print(f"error: this run's lease was taken over by {self.lost_to} after {LEASE_SECONDS:.0f} s without"
-              f" a heartbeat, {self.path}, this run stops before its next checkpoint (the folder is that command's"
-              " now; this run no longer renews or removes the lease)", file=sys.stderr, flush=True)
+        print(f"error: {self._lost()}, {self.path}, this run stops before its next checkpoint (it no longer renews "
+              "or removes the lease)", file=sys.stderr, flush=True)
         return False
 
     def _lose(self, text: str) -> None:
-        self.generation, self.lost_to = None, _holder(text)
+        """The lease is no longer this run's: another holder's text, or "" (the object is gone)."""
+        self.generation, self.lost_to = None, _holder(text) if text else ""
+
+    def _lost(self) -> str:
+        if self.lost_to == "":
+            return (f"this run's lease object {self.path} is gone (the run folder or its bucket was deleted, or the "
+                    "lease removed by hand)")
+        return (f"this run's lease on {self.workdir} was taken over by {self.lost_to} (this run went "
+                f"{LEASE_SECONDS:.0f} s without a heartbeat and was taken for dead)")
         self._stop.set()
 
     def confirm(self) -> None:
@@ -305,11 +312,14 @@ class _Lease:
                     return
                 if generation != self.generation:
                     self._lose(now)
+        if self.lost_to == "":
+            raise LeaseLost(f"{self._lost()}, so it stops before its next checkpoint", "--workdir",
+                            "check the bucket and the folder; rerun the command to resume from the newest "
+                            "checkpoint still there")
         if self.lost_to is not None:
-            raise LeaseLost(f"this run's lease on {self.workdir} was taken over by {self.lost_to} (this run went "
-                            f"{LEASE_SECONDS:.0f} s without a heartbeat and was taken for dead), so it stops "
-                            "before its next checkpoint", "--workdir", "the folder is that command's now: let it "
-                            "finish (or stop it) before resuming this run there, or start this run in another folder")
+            raise LeaseLost(f"{self._lost()}, so it stops before its next checkpoint", "--workdir", "the folder is "
+                            "that command's now: let it finish (or stop it) before resuming this run there, or "
+                            "start this run in another folder")
 
     def release(self) -> None:
         self._stop.set()
