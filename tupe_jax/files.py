@@ -32,7 +32,7 @@ from tupe_jax.errors import UserError, require
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 # gcsfs logs each retry of a failing request with its traceback; the failure reaches the caller, who reports it
-# in one line, so those logs would only bury that line (a storage outage printed ~150 lines before it)
+# in one line, so those logs would only bury that line (a storage outage printed screens of them before it)
 logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 
 

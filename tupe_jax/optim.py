@@ -36,12 +36,18 @@ def validate_config(train: Any) -> None:
                 "--config.train.dropout_rng", "use one of " + "|".join(DROPOUT_RNGS))
 
 
+def schedule_span(steps: int, decay_steps: int, warmup_steps: int) -> tuple[int, int]:
+    """(the step where the linear decay reaches 0, the warmup steps) of `learning_rate_fn`: `decay_steps`, 0 meaning
+    `steps`; the warmup cut to that span (short smoke runs). What a resume must keep (workdir/gate.py)."""
+    total = int(decay_steps or steps)
+    return total, min(int(warmup_steps), total)
+
+
 def learning_rate_fn(train: Any) -> optax.Schedule:
     """Linear warmup 0 → `train.learning_rate` over `warmup_steps`, then linear to 0 at `decay_steps`
-    (0 means `train.steps`); 0 afterwards. A warmup longer than the decay span is cut to it (short smoke runs)."""
+    (0 means `train.steps`); 0 afterwards (`schedule_span`)."""
     peak = float(train.learning_rate)
-    total = int(train.decay_steps or train.steps)
-    warmup = min(int(train.warmup_steps), total)
+    total, warmup = schedule_span(train.steps, train.decay_steps, train.warmup_steps)
     decay = optax.linear_schedule(peak, 0.0, max(total - warmup, 1))
     if warmup == 0:
         return decay

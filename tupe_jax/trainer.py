@@ -253,7 +253,8 @@ class Trainer:
                 state, device_metrics = self.step_fn(state, sharding_lib.global_batch(batch, self.mesh))
             step += 1
             if traced is not None and step == self.profile.last:
-                traced = self._stop_profile(traced, step, device_metrics)
+                self._stop_profile(traced, step, device_metrics)
+                traced = None
             window["steps"] += 1
             if pending is not None:                      # the previous step is done by now (or nearly)
                 values = self._fetch(*pending)
@@ -293,4 +294,3 @@ class Trainer:
         jax.profiler.stop_trace()
         where = self.profile.finish()
         print(f"profile: steps {first}-{step} traced to {where}", flush=True)
-        return None

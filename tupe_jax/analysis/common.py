@@ -54,8 +54,7 @@ def check_output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -
         raise UserError("--out is empty", "--out", "give a folder for the analysis outputs, or leave --out out for "
                         "<workdir>/analysis/")
     target = _target(workdirs, out)
-    workdir_lib.refuse_in_checkpoints(target, [str(w) for w in ([workdirs] if isinstance(workdirs, (str, os.PathLike))
-                                                                  else workdirs)], "--out")
+    workdir_lib.refuse_in_checkpoints(target, workdirs, "--out")
     if files.exists(target) and not files.isdir(target):
         raise UserError(f"{target} is a file, not a folder", "--out", "give a folder for the analysis outputs")
     if files.is_remote(target):

@@ -96,13 +96,11 @@ def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
     """Train every (scheme, seed), seed by seed, skipping finished runs; {seed: [{'scheme', 'seed', 'path',
     'seconds', 'reused'}] in scheme order}."""
     root, total, out = runs_root(config, workdir), int(config.train.steps), {}
-    jobs = [(seed, scheme) for seed in seeds for scheme in schemes]
-    for seed, scheme in jobs:      # a run in runs_dir that cannot be reused stops the suite before any training
-        _check_same_run(os.path.abspath(os.path.join(root, run_name(scheme, seed))), scheme_config(config, scheme, seed))
-    for i, (seed, scheme) in enumerate(jobs, 1):
-        path = os.path.abspath(os.path.join(root, run_name(scheme, seed)))   # Orbax wants absolute paths
-        sub = scheme_config(config, scheme, seed)
+    jobs = [(seed, scheme, os.path.abspath(os.path.join(root, run_name(scheme, seed))),   # Orbax: absolute paths
+             scheme_config(config, scheme, seed)) for seed in seeds for scheme in schemes]
+    for _, _, path, sub in jobs:   # a run in runs_dir that cannot be reused stops the suite before any training
         _check_same_run(path, sub)
+    for i, (seed, scheme, path, sub) in enumerate(jobs, 1):
         done = (workdir_lib.checkpoint_steps(path) or [None])[-1]
         head = f"[compare {config.suite}] [{i}/{len(jobs)}] {run_name(scheme, seed)}"
         info = {"scheme": scheme.name, "seed": seed, "path": path, "seconds": None, "reused": True}

@@ -104,8 +104,8 @@ def documents(config, split: str) -> Iterator[str]:
 def source_stamp(config, legacy: bool = False) -> list:
     """What the documents depend on: corpus name and options, and each input file's path under data.path, size and
     sha256 (`builders._file_stamps`: the same files with other times, copied back to a fresh VM, say, are the
-    same corpus, so an interrupted prepare resumes on them; an edited file is another corpus). `legacy`: the stamp of folders
-    prepared before that (absolute path, size and mtime), recognised so that they still resume."""
+    same corpus, so an interrupted prepare resumes on them; an edited file is another corpus). `legacy`: the stamp
+    of folders prepared before that (absolute path, size and mtime), recognised so that they still resume."""
     d = config.data
     stamp = [d.name, d.path, d.file_pattern, d.split_by, int(d.holdout), d.tfds_text_key, d.tfds_data_dir]
     if d.name in ("text_files", "wikitext"):
@@ -114,8 +114,8 @@ def source_stamp(config, legacy: bool = False) -> list:
             stamp.append([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
                           for s in sorted(by_split) for f in by_split[s]])
         else:
-            stamp.append(builders._file_stamps([f for s in sorted(by_split) for f in by_split[s]],  # pylint: disable=protected-access
-                                               os.path.expanduser(d.path)))
+            listed = [f for s in sorted(by_split) for f in by_split[s]]
+            stamp.append(builders._file_stamps(listed, os.path.expanduser(d.path)))  # pylint: disable=protected-access
     elif d.name == "embedded":
         stamp.append(list(sys.version_info[:2]))
     return stamp

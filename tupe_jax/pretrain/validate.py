@@ -26,10 +26,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     require(profile is None or profile[1] <= steps, f"train.profile_steps = {config.train.get('profile_steps')!r} "
             f"ends after the run's last step (train.steps = {steps})", "--config.train.profile_steps",
             f"give a range within 1..{steps}")
-    schedule = int(config.train.decay_steps or steps)
-    if int(config.train.warmup_steps) > schedule:     # learning_rate_fn cuts it: say so (smoke runs do this)
-        print(f"warning: train.warmup_steps = {config.train.warmup_steps} is longer than the schedule's {schedule} "
-              f"steps; the warmup is cut to {schedule} (the rate peaks at the last step)", flush=True)
+    span, warmup = optim.schedule_span(steps, config.train.decay_steps, config.train.warmup_steps)
+    if warmup < int(config.train.warmup_steps):     # learning_rate_fn cuts it: say so (smoke runs do this)
+        print(f"warning: train.warmup_steps = {config.train.warmup_steps} is longer than the schedule's {span} "
+              f"steps; the warmup is cut to {span} (the rate peaks at the last step)", flush=True)
     require_positive(config, ("checkpoint.every", "checkpoint.keep"))
     if "metrics" in config:
         require_positive(config, ("metrics.peak_tflops",), allow_zero=True)   # 0: looked up from the device kind

@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import jax
 import ml_collections
@@ -71,11 +71,11 @@ def check_folder(workdir: str, writable: bool = True) -> None:
                         "give a workdir on a writable disk") from None
 
 
-def refuse_in_checkpoints(path: str, workdirs: str | list[str], where: str) -> None:
+def refuse_in_checkpoints(path: str, workdirs: Any, where: str) -> None:
     """An output folder `path` is not inside a run's checkpoints/ (a folder there named like a step is read as
     one: every command reading the newest step would then fail on it)."""
     target = files.absolute(path).rstrip("/") + "/"
-    for workdir in [workdirs] if isinstance(workdirs, (str, os.PathLike)) else workdirs:
+    for workdir in [workdirs] if isinstance(workdirs, (str, os.PathLike)) else workdirs:   # one run or several
         checkpoints = files.join(files.absolute(str(workdir)).rstrip("/"), "checkpoints") + "/"
         if target.startswith(checkpoints):
             raise UserError(f"{path} is inside the checkpoints of {workdir}", where,

@@ -20,6 +20,7 @@ import ml_collections
 from tupe_jax import config as config_lib
 from tupe_jax import files
 from tupe_jax.errors import UserError, require
+from tupe_jax.optim import schedule_span
 from tupe_jax.workdir.meta import latest_meta, resumable, same_identity, with_added_defaults
 
 HISTORY = "config_history.jsonl"
@@ -48,11 +49,14 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
     return config_lib.lock(ml_collections.ConfigDict(_read_stored(path)))
 
 
+# A fine-tune's, sweep's or suite's results, a prepared corpus's manifest: what a config change would misrepresent
+# and a failed command keeps (undo.py).
+RESULTS = ("results.json", "sweep.json", "report.json", "manifest.json")
+
+
 def _has_results(workdir: str) -> bool:
-    """A fine-tune's, sweep's or suite's results, or a prepared corpus's manifest, are in the folder (a config
-    change would misrepresent them)."""
-    return any(files.exists(files.join(workdir, name))
-               for name in ("results.json", "sweep.json", "report.json", "manifest.json"))
+    """Results (`RESULTS`) are in the folder."""
+    return any(files.exists(files.join(workdir, name)) for name in RESULTS)
 
 
 def _schedule(flat: dict[str, Any]) -> tuple:
@@ -60,8 +64,8 @@ def _schedule(flat: dict[str, Any]) -> tuple:
     epochs): the steps where the linear decay reaches 0 and the warmup (cut to that span)."""
     if "train.warmup_ratio" in flat:      # a fine-tune (finetune/validate.py: schedule_section)
         return flat.get("train.steps"), flat.get("train.epochs")
-    total = int(flat.get("train.decay_steps") or flat.get("train.steps") or 0)
-    return total, min(int(flat.get("train.warmup_steps") or 0), total)
+    return schedule_span(flat.get("train.steps") or 0, flat.get("train.decay_steps") or 0,
+                         flat.get("train.warmup_steps") or 0)
 
 
 def _refuse_new_schedule(old: dict[str, Any], new: dict[str, Any], finetune: bool) -> None:

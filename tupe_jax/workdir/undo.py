@@ -17,13 +17,12 @@ import os
 from typing import Optional
 
 from tupe_jax import files
-from tupe_jax.workdir.gate import HISTORY
+from tupe_jax.workdir.gate import HISTORY, RESULTS
 from tupe_jax.workdir.lock import LOCK_NAME
 from tupe_jax.workdir.provenance import NAME as PROVENANCE
 
 REWRITTEN = ("config.json", HISTORY, PROVENANCE)   # what `claim` writes into a folder that already holds a run
 KEEP = (LOCK_NAME, "logs")
-RESULTS = ("results.json", "sweep.json")
 
 
 def _names(path: str) -> set[str]:
