@@ -207,6 +207,12 @@ def test_correlations_report_and_tupe_figure(corpus, tmp_path):
     names = set(os.listdir(tmp_path))
     assert {"correlations.json", "correlations_tupe_a-mlm.png", "correlations_bert_a-mlm.png",
             "positional_correlation_tupe_a-mlm.png"} <= names
+    first = (tmp_path / "correlations.json").read_bytes()
+    C.run("/unused", out=str(tmp_path), runs=runs, batch=4, layer=1)   # another layer keeps the first's files
+    assert (tmp_path / "correlations.json").read_bytes() == first
+    assert json.loads((tmp_path / "correlations_layer1.json").read_text())["runs"][0]["layer"] == 1
+    assert {"correlations_tupe_a-mlm_layer1.png", "positional_correlation_tupe_a-mlm_layer1.png"} <= set(
+        os.listdir(tmp_path))
     corr = C.positional_correlation(runs[0], MAX_LEN)
     assert corr.shape == (2, MAX_LEN, MAX_LEN)
     with pytest.raises(UserError, match="out of range"):
@@ -227,6 +233,10 @@ def test_shuffle_equivariance_only_for_position_free_bidirectional(corpus, tmp_p
     assert sorted(mlm["permutation"]) == list(range(len(mlm["tokens"])))
     assert "nll_shuffled" in report["runs"][1]
     assert {"shuffle_attention.json", "shuffle_attention.png"} <= set(os.listdir(tmp_path))
+    first = (tmp_path / "shuffle_attention.json").read_bytes()
+    S.run("/unused", text="the quick brown fox jumps over the lazy dog", out=str(tmp_path), runs=runs[:1], layer=1)
+    assert (tmp_path / "shuffle_attention.json").read_bytes() == first
+    assert {"shuffle_attention_layer1.json", "shuffle_attention_layer1.png"} <= set(os.listdir(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------------- launcher

@@ -143,13 +143,30 @@ def main() -> None:
               "runs": {n: {"command": "python " + " ".join(command(n, args.data, args.runs)[1:]),
                            "curve": curve(os.path.join(ROOT, args.runs, n))}
                        for n in RUNS if os.path.isfile(os.path.join(ROOT, args.runs, n, "metrics.jsonl"))}}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "scan.json"), "w") as f:
+    out = os.path.join(ROOT, args.out)     # like --runs and --data: relative to the checkout, not the cwd
+    refuse_to_shrink(result, out, args.runs)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "scan.json"), "w") as f:
         json.dump(result, f, indent=1)
-    plot(result, os.path.join(args.out, "scan.png"))
-    with open(os.path.join(args.out, "REPORT.md"), "w") as f:
+    plot(result, os.path.join(out, "scan.png"))
+    with open(os.path.join(out, "REPORT.md"), "w") as f:
         f.write(markdown(result))
     print(f"wrote {args.out}/scan.json, scan.png and REPORT.md", flush=True)
+
+
+def refuse_to_shrink(result: dict, out: str, runs: str) -> None:
+    """A scan with no runs, or without runs the scan.json in `out` has (a fresh clone has no runs/scan: the
+    committed docs/experiments/scale would be replaced by an empty scan), writes nothing."""
+    if not result["runs"]:
+        sys.exit(f"error: no runs with metrics.jsonl under {runs}, --runs, train them first (drop --report_only) "
+                 "or point --runs at them; nothing was written")
+    path = os.path.join(out, "scan.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            lost = sorted(set(json.load(f).get("runs", {})) - set(result["runs"]))
+        if lost:
+            sys.exit(f"error: {path} has runs that {runs} lacks ({', '.join(lost)}), --runs, point --runs at the "
+                     "scan's runs or give a fresh --out; nothing was written")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,12 @@ def check_output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -
         raise UserError(f"{existing} is not writable", "--out", "give an output folder you can write")
 
 
+def layer_tag(layer: int) -> str:
+    """An analysis's output names' suffix for `layer`: '' for the first (the default), `_layer<L>` past it (another
+    layer's analysis keeps its own files)."""
+    return f"_layer{layer}" if layer else ""
+
+
 def check_layer(runs: Sequence["Run"], layer: int) -> None:
     """Before any output is written: `layer` is a block of every run."""
     for run in runs:

@@ -246,13 +246,14 @@ def plot_correlation(result: dict, corr: np.ndarray, path) -> None:
 
 def correlations(runs: Sequence[common.Run], layer: int = 0, batch: int = 8, seed: int = 0,
                  directory=None) -> dict:
-    """Analyse each run; with `directory`, write its PNGs there (suffixed by run name when several)."""
+    """Analyse each run; with `directory`, write its PNGs there (suffixed by run name when several, and by the layer
+    past the first: `layer_tag`)."""
     report = {"protocol": __doc__.split("\n\n")[0].replace("\n", " "), "runs": []}
     for run in runs:
         out = analyse(run, layer, batch, seed=seed)
         result = out["result"]
         if directory is not None:
-            suffix = f"_{run.name}" if len(runs) > 1 else ""
+            suffix = (f"_{run.name}" if len(runs) > 1 else "") + common.layer_tag(layer)
             plot_terms(result, out["arrays"], directory / f"correlations{suffix}.png")
             result["png"] = [f"correlations{suffix}.png"]
             if "correlation" in out["arrays"]:
@@ -265,17 +266,19 @@ def correlations(runs: Sequence[common.Run], layer: int = 0, batch: int = 8, see
 
 def run(workdir, *, layer: int = 0, out: Optional[str] = None, step: Optional[int] = None, batch: int = 8,
         seed: int = 0, runs: Optional[Sequence[common.Run]] = None) -> dict:
-    """Load the run(s), decompose `layer`, write `correlations.json` + heatmap PNGs to `out`."""
+    """Load the run(s), decompose `layer`, write `correlations.json` (`correlations_layer<L>.json` past the first
+    layer) + heatmap PNGs to `out`."""
     common.check_output_dir(workdir, out)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step)
     common.check_layer(runs, layer)
     directory = common.output_dir(workdir, out)
     report = correlations(runs, layer, batch, seed, directory)
-    common.write_json(directory / "correlations.json", report)
+    name = f"correlations{common.layer_tag(layer)}.json"    # another layer's analysis keeps its own files
+    common.write_json(directory / name, report)
     for r in report["runs"]:
         ratios = ", ".join(f"{k}: {v['variance_vs_word']:.3g}" for k, v in r["terms"].items()
                            if v["variance_vs_word"] is not None)
         print(f"correlations {r['name']} ({r['pe']}, {r['kind']}, layer {r['layer']}): variance vs word term "
               f"[{ratios}]; max |sum - model| = {r['max_abs_error_vs_model']:.2e}")
-    print(f"correlations: wrote correlations.json and heatmaps to {common.publish(directory)}")
+    print(f"correlations: wrote {name} and heatmaps to {common.publish(directory)}")
     return report

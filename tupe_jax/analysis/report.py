@@ -139,9 +139,17 @@ def _setup(report: dict) -> list[str]:
             f"tokens), lr {t['learning_rate']:g} (warmup {t['warmup_steps']}, linear decay), data `{data}`. "
             f"Seeds {seeds}: a seed fixes initialisation, dropout, data order and masking, so every scheme of one "
             "seed saw the same batches (differences are paired by seed).", "",
-            *([f"Command: `{report['command']}`", ""] if report.get("command") else []),
+            *([f"Command: `{report['command']}`" + _older_defaults(m), ""] if report.get("command") else []),
             "Wall time: " + ", ".join(f"{k[:-2]} {v / 60:.1f} min" for k, v in report["timings"].items())
             + _reused(report) + ".", ""]
+
+
+def _older_defaults(model: dict) -> str:
+    """What the command needs today to train what it trained then (a report made before a key existed)."""
+    if "dropout_bits" in model:
+        return ""
+    return (" (made before `model.dropout_bits` existed, with 32-bit dropout masks: today's default is 16, so add "
+            "`--config.model.dropout_bits=32` to train the same runs)")
 
 
 def _reused(report: dict) -> str:

@@ -111,7 +111,8 @@ def shuffle_attention(runs: Sequence[common.Run], text: str = DEFAULT_TEXT, laye
 
 def run(workdir, *, text: Optional[str] = None, layer: int = 0, seed: int = 0, out: Optional[str] = None,
         step: Optional[int] = None, runs: Optional[Sequence[common.Run]] = None) -> dict:
-    """Load the run(s), write `shuffle_attention.json` + `shuffle_attention.png` to `out`."""
+    """Load the run(s), write `shuffle_attention.json` + `shuffle_attention.png` to `out` (`_layer<L>` before the
+    extension past the first layer)."""
     common.check_output_dir(workdir, out)
     if text is not None and not text.strip():
         raise UserError("--text is empty", "--text", "give a sentence, or leave --text out for the built-in one")
@@ -120,13 +121,14 @@ def run(workdir, *, text: Optional[str] = None, layer: int = 0, seed: int = 0, o
     for r in runs:          # a text too short to shuffle is refused before anything is written
         encode(r, text or DEFAULT_TEXT, announce=False)
     directory = common.output_dir(workdir, out)
-    report = shuffle_attention(runs, text or DEFAULT_TEXT, layer, seed, directory / "shuffle_attention.png")
-    common.write_json(directory / "shuffle_attention.json", report)
+    name = f"shuffle_attention{common.layer_tag(layer)}"    # another layer's analysis keeps its own files
+    report = shuffle_attention(runs, text or DEFAULT_TEXT, layer, seed, directory / f"{name}.png")
+    common.write_json(directory / f"{name}.json", report)
     for r in report["runs"]:
         extra = (f"; NLL original {r['nll_original']:.3f} vs shuffled {r['nll_shuffled']:.3f}"
                  if "nll_original" in r else "")
         gaps = ", ".join(f"{g:.2e}" for g in r["equivariance_gap"])
         print(f"shuffle-attention {r['name']} ({r['pe']}, {r['objective']}): equivariance gap per layer [{gaps}]"
               + extra)
-    print(f"shuffle-attention: wrote shuffle_attention.json and shuffle_attention.png to {common.publish(directory)}")
+    print(f"shuffle-attention: wrote {name}.json and {name}.png to {common.publish(directory)}")
     return report
