@@ -5,11 +5,7 @@ JAX if asked, run the command's own validator, claim the workdir (`workdir.claim
 failure) and call the library function (imported lazily). Any `UserError` becomes one line `error: ...` on
 stderr, exit 2; anything unexpected becomes one line pointing at a log file with the traceback, exit 1.
 
-Multi-process runs: run the SAME command on every host. On Cloud TPU pod slices, Slurm and Kubernetes (GKE)
-`--distributed=on` calls `jax.distributed.initialize()` with no arguments and JAX detects the cluster; with the
-default `--distributed=auto` this happens by itself when `TPU_WORKER_HOSTNAMES` lists several hosts. Elsewhere
-(e.g. several GPU machines) give `--coordinator_address=host:port --num_processes=N --process_id=i` or the
-environment variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
+Multi-process flags: `launch/cluster.py`.
 """
 from __future__ import annotations
 
@@ -23,6 +19,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from launch import cluster
 from tupe_jax import xla_options
 from tupe_jax.errors import UserError
 
@@ -31,8 +28,9 @@ from tupe_jax.errors import UserError
 class Command:
     """A launcher command: the library function it calls, how to call it, and (for commands that take --config)
     the validator that checks the config before any compute (`module:function`), and what fills the keys the
-    command line left to the config file's presets from elsewhere first (`adopt`: `module:function`, called with
-    the config, the config-arg keys given and the override keys given; it returns the keys it set, printed)."""
+    command line left to the config file's presets from elsewhere first, or refuses overrides the command would
+    replace (`adopt`: `module:function`, called with the config, the config-arg keys given and the override keys
+    given; it returns the keys it set, printed)."""
     module: str
     function: str
     help: str
@@ -44,10 +42,17 @@ class Command:
     def needs_config(self) -> bool:
         return bool(self.validator)
 
+    def reference(self) -> tuple[Any, str]:
+        """(the config with the keys this command reads, its file): a --config file must have the same keys."""
+        name = _REFERENCE[self.validator]
+        return resolve(f"configs.{name}:get_config")(None), f"configs/{name}.py"
+
 
 _PRETRAIN = "tupe_jax.pretrain.validate:validate"
 _FINETUNE = "tupe_jax.finetune.validate:validate"
 _ADOPT = "tupe_jax.finetune.init_from:adopt_model_keys"   # the model keys of config.init_from's run
+_REFERENCE = {_PRETRAIN: "pretrain", _FINETUNE: "glue", "tupe_jax.data.prepare:validate": "prepare",
+              "tupe_jax.analysis.suite:validate": "compare"}
 COMMANDS: dict[str, Command] = {
     "pretrain": Command("tupe_jax.pretrain.loop", "pretrain", "pretrain a model (MLM or causal LM)",
                         lambda fn, cfg, a: fn(cfg, a.workdir), _PRETRAIN),
@@ -74,7 +79,8 @@ COMMANDS: dict[str, Command] = {
                                  lambda fn, cfg, a: fn(a.workdir, text=a.text, layer=a.layer, out=a.out,
                                                        step=a.step)),
     "compare": Command("tupe_jax.analysis.suite", "run", "run a suite over positional schemes and tabulate",
-                       lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.analysis.suite:validate"),
+                       lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.analysis.suite:validate",
+                       "tupe_jax.analysis.suite:refuse_set_keys"),
     "demo": Command("launch.demo", "demo", "the end-to-end demo on the embedded corpus",
                     lambda fn, cfg, a: fn(a.workdir)),
     "import-hf": Command("launch.interop", "import_hf", "a Hugging Face BERT folder (safetensors) -> a bert_a run",
@@ -87,43 +93,6 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-# Extra flags of the analysis commands; their --workdir may be repeated.
-_OUT = (("--out",), dict(default=None, help="output directory (default: <first workdir>/analysis/)"))
-_LAYER = (("--layer",), dict(type=int, default=0, help="layer to analyse (0 = first block)"))
-ANALYSIS_FLAGS: dict[str, list] = {
-    "extrapolate": [
-        (("--lengths",), dict(default="128,256,512,1024", help="comma-separated evaluation lengths")),
-        (("--mode",), dict(choices=("nonoverlapping", "sliding"), default="nonoverlapping",
-                           help="evaluation windows (sliding: causal LMs only)")),
-        (("--stride",), dict(type=int, default=None, help="sliding-window stride S (default: L; capped at L)")),
-        _OUT],
-    "probe": [(("--probe_steps",), dict(type=int, default=None, help="Adam steps per probe (default 300)")), _OUT],
-    "correlations": [_LAYER, _OUT],
-    "shuffle-attention": [(("--text",), dict(default=None, help="the sentence (default: a built-in one)")),
-                          _LAYER, _OUT],
-    "import-hf": [(("--from",), dict(dest="source", metavar="DIR", default=None,
-                                     help="Hugging Face model folder (config.json, model.safetensors, vocab.txt)"))],
-    "import-fairseq": [(("--from",), dict(dest="source", metavar="DIR", default=None,
-                                          help="the extracted fairseq checkpoint folder (or its .pt)"))],
-    "export": [(("--out",), dict(default=None, metavar="DIR", help="new folder for the exported model"))],
-}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but usage errors are one line `error: ...` and exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(message.replace("\n", " "), "", f"see `{self.prog} --help`")
-
-
-# The commands that read one checkpoint step of a run (`--step`); the others refuse the flag with what to use.
-STEP_COMMANDS = ("evaluate", "extrapolate", "probe", "correlations", "shuffle-attention", "export")
-NO_STEP = {"finetune": "give the pretraining run's step as --config.init_step=N",
-           "glue-sweep": "give the pretraining run's step as --config.init_step=N",
-           "pretrain": "a run resumes from its newest checkpoint; for an earlier one, copy the run and delete the "
-                       "newer steps"}
-
-
 class _Once(argparse.Action):
     """A flag that may be given once: a second value would silently replace the first."""
 
@@ -132,6 +101,57 @@ class _Once(argparse.Action):
             raise UserError(f"{option_string} is given twice", option_string, "give it once")
         setattr(namespace, f"_seen_{self.dest}", True)
         setattr(namespace, self.dest, values)
+
+
+# Extra flags of the analysis commands; their --workdir may be repeated.
+_OUT = (("--out",), dict(default=None, action=_Once, help="output directory (default: <first workdir>/analysis/)"))
+_LAYER = (("--layer",), dict(type=int, default=0, action=_Once, help="layer to analyse (0 = first block)"))
+ANALYSIS_FLAGS: dict[str, list] = {
+    "extrapolate": [
+        (("--lengths",), dict(action=_Once, default="128,256,512,1024",
+                              help="comma-separated evaluation lengths")),
+        (("--mode",), dict(action=_Once, choices=("nonoverlapping", "sliding"), default="nonoverlapping",
+                           help="evaluation windows (sliding: causal LMs only)")),
+        (("--stride",), dict(type=int, action=_Once, default=None,
+                             help="sliding-window stride S (default: L; capped at L)")),
+        _OUT],
+    "probe": [(("--probe_steps",), dict(type=int, action=_Once, default=None,
+                                        help="Adam steps per probe (default 300)")), _OUT],
+    "correlations": [_LAYER, _OUT],
+    "shuffle-attention": [(("--text",), dict(action=_Once, default=None,
+                                             help="the sentence (default: a built-in one)")),
+                          _LAYER, _OUT],
+    "import-hf": [(("--from",), dict(dest="source", action=_Once, metavar="DIR", default=None,
+                                     help="Hugging Face model folder (config.json, model.safetensors, vocab.txt)"))],
+    "import-fairseq": [(("--from",), dict(dest="source", action=_Once, metavar="DIR", default=None,
+                                          help="the extracted fairseq checkpoint folder (or its .pt)"))],
+    "export": [(("--out",), dict(default=None, action=_Once, metavar="DIR",
+                                 help="new folder for the exported model"))],
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line `error: ...` and exit 2, and a flag must be spelled out (`--work`
+    is not taken for `--workdir`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(message.replace("\n", " "), "", f"see `{self.prog} --help`")
+
+
+# What a command without --config takes its settings from, where it is not the run in --workdir.
+NO_CONFIG = {"demo": "'demo' runs its own fixed config (launch/demo.py); for other settings use pretrain",
+             "import-hf": "'import-hf' takes the model's settings from --from",
+             "import-fairseq": "'import-fairseq' takes the model's settings from --from"}
+
+# The commands that read one checkpoint step of a run (`--step`); the others refuse the flag with what to use.
+STEP_COMMANDS = ("evaluate", "extrapolate", "probe", "correlations", "shuffle-attention", "export")
+NO_STEP = {"finetune": "give the pretraining run's step as --config.init_step=N",
+           "glue-sweep": "give the pretraining run's step as --config.init_step=N",
+           "pretrain": "a run resumes from its newest checkpoint; for an earlier one, copy the run and delete the "
+                       "newer steps"}
 
 
 def _step(raw: str) -> int:
@@ -167,28 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--workdir", required=True, action=_Once,
                            help="run directory (config.json, checkpoints, metrics)")
         if cmd.needs_config:
-            p.add_argument("--config", required=True, help="configs/FILE.py[:arg]")
+            p.add_argument("--config", required=True, action=_Once, help="configs/FILE.py[:arg]")
             p.add_argument("--overwrite_config", action="store_true",
                            help="replace a workdir/config.json that holds another run's config")
         p.add_argument("--step", type=_step, default=None, action=_Once, help="checkpoint step (default: latest)"
                        if name in STEP_COMMANDS else argparse.SUPPRESS)
         for flags, kwargs in ANALYSIS_FLAGS.get(name, ()):
             p.add_argument(*flags, **kwargs)
-        p.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
+        p.add_argument("--distributed", choices=("auto", "on", "off"), default="auto", action=_Once,
                        help="call jax.distributed.initialize() (auto: when several processes are configured)")
-        p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
-        p.add_argument("--num_processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
-        p.add_argument("--process_id", type=int, default=_env_int("JAX_PROCESS_ID"))
+        p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"), action=_Once)
+        p.add_argument("--num_processes", type=int, default=cluster.env_int("JAX_NUM_PROCESSES"), action=_Once)
+        p.add_argument("--process_id", type=int, default=cluster.env_int("JAX_PROCESS_ID"), action=_Once)
     return parser
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    if not value.strip().lstrip("-").isdigit():
-        raise UserError(f"environment variable {name}={value!r} is not an int", name, "unset it or give an int")
-    return int(value)
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -207,6 +218,8 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
                 value = argv[i]
             if not key:
                 raise UserError("empty override key", arg, "write --config.section.key=VALUE")
+            if key in overrides:   # the last would silently win
+                raise UserError(f"--config.{key} is given twice", f"--config.{key}", "give it once")
             overrides[key] = value
         else:
             rest.append(arg)
@@ -220,18 +233,14 @@ def resolve(spec: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), function)
 
 
-def maybe_initialize_distributed(args: argparse.Namespace) -> None:
-    """Call `jax.distributed.initialize` when several processes are configured (must precede device use)."""
-    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-    explicit = (args.num_processes or 1) > 1 or bool(args.coordinator_address)
-    if args.distributed == "off" or (args.distributed == "auto" and not explicit and len(hosts) <= 1):
-        return
-    import jax  # pylint: disable=import-outside-toplevel
-    if explicit:
-        jax.distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                                   process_id=args.process_id)
-    else:
-        jax.distributed.initialize()
+def _expand_home(args: argparse.Namespace) -> None:
+    """`~` in a path flag means the home folder for every flag alike (a shell leaves `--workdir=~/x` as it is)."""
+    for name in ("workdir", "out", "source"):
+        value = getattr(args, name, None)
+        if isinstance(value, list):
+            setattr(args, name, [os.path.expanduser(v) for v in value])
+        elif isinstance(value, str):
+            setattr(args, name, os.path.expanduser(value))
 
 
 def run(argv: Sequence[str]) -> int:
@@ -243,6 +252,8 @@ def run(argv: Sequence[str]) -> int:
         parser.print_help()
         return 2
     command = COMMANDS[args.command]
+    _expand_home(args)
+    cluster.check_processes(args)
     if args.step is not None and args.command not in STEP_COMMANDS:
         raise UserError(f"{args.command} takes no --step", "--step",
                         NO_STEP.get(args.command, "drop it (it is read by " + ", ".join(STEP_COMMANDS) + ")"))
@@ -250,7 +261,7 @@ def run(argv: Sequence[str]) -> int:
     config = None
     if command.needs_config:
         from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-        config = config_lib.load_config(args.config)
+        config = config_lib.load_config(args.config, command.reference())
         config_lib.apply_overrides(config, overrides)
         if command.adopt:
             adopted = resolve(command.adopt)(config, config_lib.arg_keys(args.config), frozenset(overrides))
@@ -259,8 +270,9 @@ def run(argv: Sequence[str]) -> int:
     elif overrides:
         first = next(iter(overrides))
         raise UserError(f"--config.{first} given without --config", f"--config.{first}",
-                        f"'{args.command}' reads the run's config from --workdir; drop the override")
-    maybe_initialize_distributed(args)
+                        NO_CONFIG.get(args.command, f"'{args.command}' reads the run's config from --workdir") +
+                        "; drop the override")
+    cluster.maybe_initialize_distributed(args)
     fn = resolve(f"{command.module}:{command.function}")
     if config is None:
         command.call(fn, config, args)

@@ -4,23 +4,14 @@ order.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Callable
 
-from errors_inputs import (Env, OpensAFile, ROOT, base_run, config_only_workdir, copy_run, damaged_cache, damaged_run,
+from errors_cases_cli import CLI_CASES
+from errors_inputs import (Case, OpensAFile, ROOT, base_run, config_only_workdir, copy_run, damaged_cache, damaged_run,
                            dangling_link, fairseq_ckpt, fairseq_no_dict, finetune, finetune_run,
                            finetune_run_with_checkpoints, glue_copy, glue_drop,
                            import_fairseq, learned_table, locked, mismatched_tokenizer_workdir, not_a_checkpoint,
                            other_run_workdir, pretrain, write)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    what: str                              # the bad input, in words (the docs table's first column)
-    argv: Callable[[Env], list[str]]       # the command line
-    needle: str                            # what the message must name (key, file, line or flag)
 
 
 CASES = [
@@ -139,17 +130,7 @@ CASES = [
          lambda e: ["evaluate", f"--workdir={damaged_run(e)}"], "checkpoint step 10"),
     Case("init_from_damaged_checkpoint", "init_from a run whose checkpoint is damaged (its state's metadata)",
          lambda e: finetune(e, "i6", init_from=damaged_run(e)), "--config.init_step"),
-    # ---------------------------------------------------------------- command line
-    Case("unknown_flag", "unknown command-line flag", lambda e: pretrain(e, "c1") + ["--bogus"], "--bogus"),
-    Case("unknown_command", "unknown command", lambda e: ["pretrian", f"--workdir={e.wd('c2')}"], "pretrian"),
-    Case("override_without_config", "override given to a command that reads the workdir's config",
-         lambda e: ["evaluate", f"--workdir={e.run}", "--config.train.steps=3"], "--config.train.steps"),
-    Case("bad_lengths", "extrapolate with malformed --lengths",
-         lambda e: ["extrapolate", f"--workdir={e.run}", "--lengths=128,abc"], "--lengths"),
-    Case("negative_step", "`evaluate --step=-1` (it was read as 'no checkpoint')",
-         lambda e: ["evaluate", f"--workdir={e.run}", "--step=-1"], "--step"),
-    Case("workdir_twice", "--workdir given twice to a one-run command (the last one was used)",
-         lambda e: ["evaluate", f"--workdir={e.run}", f"--workdir={e.wd('w2')}"], "--workdir is given twice"),
+    *CLI_CASES,                    # the command line itself (errors_cases_cli.py)
     # ---------------------------------------------------------------- an existing run is never rewritten
     Case("resume_other_batch", "resume with another batch size (names the key and both values)",
          lambda e: [*pretrain(e, "base", train__batch_size=8)[:2], f"--workdir={base_run(e)}",
@@ -172,7 +153,7 @@ CASES = [
     Case("finetune_into_pretraining_run", "fine-tune with --workdir = the pretraining run itself",
          lambda e: [*finetune(e, "x", "task=wordorder,pe=tupe_r")[:2], f"--workdir={base_run(e)}",
                     *finetune(e, "x", "task=wordorder,pe=tupe_r", init_from=base_run(e), model__max_len=32)[3:]],
-         "holds a pretraining run; this command is a fine-tuning run"),
+         "holds a pretraining run; this command makes a fine-tuning run"),
     Case("workdir_locked", "workdir in use by another live process",
          lambda e: pretrain(e, "x")[:2] + [f"--workdir={locked(e)}"] + pretrain(e, "x")[3:], "is in use by process"),
     Case("workdir_is_file", "workdir that is a file",

@@ -23,6 +23,14 @@ TINY_MODEL = {"model.num_layers": 2, "model.hidden_size": 32, "model.num_heads":
               "model.vocab_size": 512, "model.max_len": 64}
 
 
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    what: str                              # the bad input, in words (the docs table's first column)
+    argv: Callable[["Env"], list[str]]     # the command line
+    needle: str                            # what the message must name (key, file, line or flag)
+
+
 @dataclasses.dataclass
 class Env:
     """Paths the cases build their command lines from (one tmp tree per test module)."""
@@ -248,3 +256,32 @@ def damaged_run(env: Env) -> str:
         shutil.copytree(env.run, root)
         write(os.path.join(root, "checkpoints", "10", "state", "_METADATA"), b"\x00{not json")
     return root
+
+
+CONFIG_FILES = {   # --config files a user wrote, with their own mistakes
+    "syntax": "def get_config(arg=None:\n    pass\n",
+    "raises": "def get_config(arg=None):\n    raise RuntimeError('no such preset')\n",
+    "dict": "def get_config(arg=None):\n    return {'train': {'steps': 3}}\n",
+    "no_metrics": "from configs.pretrain import get_config as preset\n\n\ndef get_config(arg=None):\n"
+                  "    config = preset(arg)\n    config.unlock()\n    del config['metrics']\n    return config\n",
+    "misspelled": "from configs.pretrain import get_config as preset\n\n\ndef get_config(arg=None):\n"
+                  "    config = preset(arg)\n    config.unlock()\n    config.train.stpes = 3\n    return config\n",
+}
+
+
+def config_file(env: Env, name: str) -> str:
+    """`--config=` a user's config file (`CONFIG_FILES[name]`)."""
+    return "--config=" + write(env.data(f"configs/{name}.py"), CONFIG_FILES[name].encode())
+
+
+def suite_with_runs(env: Env) -> str:
+    """A compare folder with its config.json (other eval.max_tokens than the default) and one sub-run's config.json
+    (as a suite leaves it after its first pretraining run started)."""
+    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    wd = env.wd("suite_with_runs")
+    if not os.path.isdir(wd):
+        config = config_lib.load_config(os.path.join(ROOT, "configs", "compare.py"))
+        config_lib.apply_overrides(config, {"eval.max_tokens": "1000"})
+        config_only_workdir(env, "suite_with_runs", config_lib.to_json(config))
+        shutil.copy(os.path.join(env.run, "config.json"), write(os.path.join(wd, "bert_a-clm-s0", "config.json"), b""))
+    return wd

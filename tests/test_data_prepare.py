@@ -30,10 +30,12 @@ def write_corpus(folder, docs=240, seed=0):
 
 
 def prepare_args(corpus, out, *extra, max_len=32, objective="mlm"):
+    """The prepare command line; an override in `extra` replaces the default one (a key may be given once)."""
+    overrides = dict(a.split("=", 1) for a in ("--config.data.name=text_files", f"--config.data.path={corpus}",
+                                               "--config.prepare.shard_mb=0.004", "--config.data.num_threads=2",
+                                               *extra))
     return ["prepare", f"--config=configs/prepare.py:objective={objective},max_len={max_len},vocab_size=200",
-            f"--workdir={out}",
-            "--config.data.name=text_files", f"--config.data.path={corpus}", "--config.prepare.shard_mb=0.004",
-            "--config.data.num_threads=2", *extra]
+            f"--workdir={out}", *(f"{k}={v}" for k, v in overrides.items())]
 
 
 def run_launch(args, capsys):

@@ -169,15 +169,12 @@ def test_export_then_import_hf_gives_bitwise_equal_params(pe, objective, tmp_pat
         b = flat_b[key]
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes(), key
     assert back.tokenizer.vocab == workdir_lib.load_run(str(tmp_path / "run")).tokenizer.vocab
-    if hf_config["model_type"] == "tupe_jax":   # docs/interop.md: loading a native export in plain JAX
-        import safetensors.numpy
-        from tupe_jax.config import unflatten
-        from tupe_jax.model import ModelConfig
-        cfg = ModelConfig.from_config(hf_config["tupe_jax"]["model"])
-        plain = unflatten(safetensors.numpy.load_file(str(tmp_path / "out" / "model.safetensors")))
+    if hf_config["model_type"] == "tupe_jax":   # docs/interop.md's snippet, as written, loads it in plain JAX
         ids = jnp.arange(1, 9, dtype=jnp.int32)[None]
-        np.testing.assert_array_equal(TransformerLM(cfg).apply({"params": plain}, ids)["logits"],
-                                      TransformerLM(cfg).apply({"params": params}, ids)["logits"])
+        scope = {"DIR": str(tmp_path / "out"), "token_ids": ids}
+        exec(_plain_jax_snippet(), scope)  # pylint: disable=exec-used
+        np.testing.assert_array_equal(scope["logits"], TransformerLM(scope["cfg"]).apply({"params": params},
+                                                                                          ids)["logits"])
     elif extra.get("type_vocab_size"):   # transformers reads the exported segment table: pairs give our logits
         import transformers
         assert hf_config["type_vocab_size"] == 2
@@ -188,6 +185,14 @@ def test_export_then_import_hf_gives_bitwise_equal_params(pe, objective, tmp_pat
         ours = TransformerLM(back.model_cfg).apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask),
                                                    segments=jnp.asarray(types))["logits"]
         assert max_diff(theirs, ours) <= TOL
+
+
+def _plain_jax_snippet() -> str:
+    """The python block of docs/interop.md under "In plain JAX, without a run folder"."""
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "interop.md"),
+               encoding="utf-8").read()
+    after = doc.split("In plain JAX, without a run folder:", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_docs_print_the_name_map():

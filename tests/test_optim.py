@@ -55,6 +55,15 @@ def test_schedule_values():
     assert float(lr2(0)) == pytest.approx(1e-3) and float(lr2(100)) == pytest.approx(5e-4)
 
 
+@pytest.mark.parametrize("steps,warmup,decay", [(6, 1, 4), (100, 10, 0), (7, 0, 0), (1000, 100, 0)])
+def test_schedule_is_exactly_zero_after_the_decay_under_jit(steps, warmup, decay):
+    """Under jit XLA rounds 1 - count/span below 0 at the end (about -1e-11 x the peak): never a negative rate."""
+    lr = jax.jit(optim.learning_rate_fn(_train(steps=steps, warmup_steps=warmup, decay_steps=decay)))
+    end = decay or steps
+    values = np.array([float(lr(jnp.int32(c))) for c in range(end - 2, end + 3)])
+    assert values[0] > 0 and (values >= 0).all() and (values[2:] == 0).all()
+
+
 def _loss_fn(params, batch, rng):
     del rng
     pred = batch["x"] @ params["w"] + params["b"]

@@ -33,6 +33,13 @@ def test_allowed_changes_are_recorded_and_an_unchanged_config_is_not_rewritten(t
     assert workdir_lib.read_config(wd).train.steps == 2000                  # config.json: what the run is now
 
 
+def test_a_smaller_checkpoint_keep_says_older_steps_go(tmp_path, capsys):
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config(**{"checkpoint.keep": 3}))
+    workdir_lib.write_config(wd, load_config(**{"checkpoint.keep": 1}))
+    assert "only the newest 1 checkpoints are kept: older steps are deleted" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("key,value", [("train.batch_size", 16), ("train.learning_rate", 0.01), ("train.seed", 3),
                                        ("model.pe", "rope"), ("data.mask_prob", 0.2), ("train.adam_b2", 0.98)])
 def test_every_other_difference_is_refused_naming_the_key_and_both_values(tmp_path, key, value):
@@ -86,7 +93,7 @@ def test_a_truncated_config_and_a_run_of_another_kind(tmp_path):
     glue = config_lib.load_config(os.path.join(ROOT, "configs", "glue.py") + ":task=rte")
     wd2 = str(tmp_path / "pre")
     workdir_lib.write_config(wd2, load_config())
-    with pytest.raises(UserError, match="holds a pretraining run; this command is a fine-tuning run"):
+    with pytest.raises(UserError, match="holds a pretraining run; this command makes a fine-tuning run"):
         workdir_lib.write_config(wd2, glue)
 
 

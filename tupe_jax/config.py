@@ -11,12 +11,14 @@ raise `UserError` naming the key.
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib.util
 import json
 import math
 import os
-from typing import Any, Mapping
+import traceback
+from typing import Any, Iterator, Mapping, Optional
 
 import ml_collections
 
@@ -37,6 +39,7 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     """
     result = ml_collections.ConfigDict(dict(defaults))
     names = list(defaults)
+    given: set[str] = set()
     for i, item in enumerate(p.strip() for p in (arg or "").split(",") if p.strip()):
         key, sep, raw = item.partition("=")
         if not sep:
@@ -51,6 +54,9 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
         if key not in defaults:
             raise UserError(f"unknown config arg {key!r}", "--config=FILE:" + item,
                             "use one of " + ", ".join(names))
+        if key in given:   # the last would silently win
+            raise UserError(f"config arg {key!r} is given twice", "--config=FILE:" + item, "give it once")
+        given.add(key)
         result[key] = parse_value(raw.strip(), defaults[key], f"--config=FILE:{key}")
     return result
 
@@ -142,10 +148,15 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, s
     return config
 
 
-def load_config(spec: str) -> ml_collections.ConfigDict:
-    """Load "path/to/config.py[:arg]" by calling its `get_config(arg)`; the result is locked."""
+def load_config(spec: str, reference: Optional[tuple[ml_collections.ConfigDict, str]] = None
+                ) -> ml_collections.ConfigDict:
+    """Load "path/to/config.py[:arg]" by calling its `get_config(arg)`; the result is locked. `reference`: (a
+    config with the keys the command reads, the file it comes from); a file with other keys (a section missing, a
+    misspelled key that nothing would read) is refused."""
     path, _, arg = spec.partition(":")
     require(bool(path), "no config file given", "--config", "pass --config=configs/pretrain.py:pe=tupe_r,size=tiny")
+    require(not os.path.isdir(path), f"config file {path!r} is a folder", "--config",
+            "give a Python file like configs/pretrain.py")
     require(os.path.isfile(path), f"config file {path!r} does not exist", "--config",
             "give a path like configs/pretrain.py (relative to the current directory)")
     module_name = "tupe_config_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:10]
@@ -153,11 +164,48 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
     require(spec_obj is not None and spec_obj.loader is not None, f"cannot import {path!r}", "--config",
             "give a Python file with get_config(arg)")
     module = importlib.util.module_from_spec(spec_obj)
-    spec_obj.loader.exec_module(module)  # type: ignore[union-attr]
+    with _config_file_errors(path, "loading"):
+        spec_obj.loader.exec_module(module)  # type: ignore[union-attr]
     require(hasattr(module, "get_config"), f"{path} has no get_config(arg)", "--config", "define get_config(arg)")
-    config = module.get_config(arg or None)
+    with _config_file_errors(path, "get_config"):
+        config = module.get_config(arg or None)
+    require(isinstance(config, ml_collections.ConfigDict), f"{path}: get_config returned a {type(config).__name__}",
+            "--config", "return an ml_collections.ConfigDict")
+    if reference is not None:
+        _same_keys(config, *reference, path)
     config.lock()
     return config
+
+
+@contextlib.contextmanager
+def _config_file_errors(path: str, stage: str) -> Iterator[None]:
+    """A config file's own error (a syntax error, an exception in get_config) as one line naming its line."""
+    try:
+        yield
+    except UserError:
+        raise
+    except SyntaxError as err:
+        raise UserError(f"{path} line {err.lineno}: {err.msg}", "--config", "fix the config file") from None
+    except Exception as err:  # pylint: disable=broad-except  # the user's code: any error is theirs to fix
+        lines = [f.lineno for f in traceback.extract_tb(err.__traceback__)
+                 if os.path.abspath(f.filename) == os.path.abspath(path)]
+        where = f" line {lines[-1]}" if lines else ""
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{path}{where}: {stage} raised {type(err).__name__}: {first}", "--config",
+                        "fix the config file") from None
+
+
+def _same_keys(config: ml_collections.ConfigDict, reference: ml_collections.ConfigDict, source: str,
+               path: str) -> None:
+    ours, theirs = set(flatten(config.to_dict())), set(flatten(reference.to_dict()))
+    sections = sorted({k.split(".")[0] for k in theirs} - {k.split(".")[0] for k in ours})   # missing whole
+    missing = [f"section {k}" for k in sections] + sorted(k for k in theirs - ours if k.split(".")[0] not in sections)
+    extra = sorted(ours - theirs)
+    if missing or extra:
+        said = ", ".join([f"lacks {k}" for k in missing[:3]] + [f"has unknown key {k}" for k in extra[:3]])
+        more = len(missing) + len(extra) - min(len(missing), 3) - min(len(extra), 3)
+        raise UserError(f"{path} {said}" + (f" and {more} more" if more else ""), "--config",
+                        f"start from {source}, which has every key this command reads")
 
 
 def require_positive(config: ml_collections.ConfigDict, keys: tuple[str, ...], allow_zero: bool = False) -> None:

@@ -115,11 +115,16 @@ def validate_config(model: Any) -> None:
 
 
 def validate_training(config: Any, platform: str, lengths: Sequence[int]) -> None:
-    """Check what only training meets, before any compute: on a GPU (`platform`, `jax.default_backend()`), the pallas
-    kernel would train with attention dropout hashed in the kernel (`attention.PALLAS_DROPOUT_MASK = "in_kernel"`,
-    16-bit masks, threefry keys, one of the sequence `lengths` the loop trains at that it tiles) through a backward
-    whose compile does not finish there (`attention.PALLAS_IN_KERNEL_DROPOUT_COMPILES_ON_GPU`)."""
+    """Check what only training meets, before any compute (`platform`: `jax.default_backend()`): the cudnn backend
+    needs a GPU; on a GPU the pallas kernel would train with attention dropout hashed in the kernel
+    (`attention.PALLAS_DROPOUT_MASK = "in_kernel"`, 16-bit masks, threefry keys, one of the sequence `lengths` the
+    loop trains at that it tiles) through a backward whose compile does not finish there
+    (`attention.PALLAS_IN_KERNEL_DROPOUT_COMPILES_ON_GPU`). Readers of a run (`workdir.run.load_run`) read a cudnn
+    run off a GPU with xla instead, and say so."""
     m = config.model
+    require(not (m.attention_backend == "cudnn" and platform != "gpu"),
+            f"model.attention_backend=cudnn needs a GPU, and this machine's JAX backend is {platform}",
+            "--config.model.attention_backend", "use xla (the same maths, any machine) or einsum here")
     stalls = (platform == "gpu" and m.attention_backend == "pallas" and m.attention_dropout_rate > 0
               and m.dropout_bits == 16 and config.train.get("dropout_rng", "threefry2x32") == "threefry2x32"
               and attention_lib.PALLAS_DROPOUT_MASK != "precomputed"

@@ -49,9 +49,10 @@ def learning_rate_fn(train: Any) -> optax.Schedule:
     peak = float(train.learning_rate)
     total, warmup = schedule_span(train.steps, train.decay_steps, train.warmup_steps)
     decay = optax.linear_schedule(peak, 0.0, max(total - warmup, 1))
-    if warmup == 0:
-        return decay
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+    if warmup:
+        decay = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+    # Under jit XLA's 1 - count/span rounds to about -1e-11 x peak at and after the end: 0 there, as documented.
+    return lambda count: jnp.maximum(decay(count), 0.0)
 
 
 def _key_name(entry: Any) -> str | None:

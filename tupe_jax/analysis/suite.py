@@ -38,6 +38,7 @@ from tupe_jax.analysis.schemes import Scheme, parse_schemes, parse_seeds, run_na
 from tupe_jax.data.glue_tsv import available_splits
 from tupe_jax.errors import UserError, require
 from tupe_jax.finetune.loop import finetune
+from tupe_jax.finetune.validate import validate as validate_finetune
 from tupe_jax.metrics import read_metrics
 from tupe_jax.pretrain.loop import pretrain
 from tupe_jax.pretrain.validate import validate as validate_pretrain
@@ -65,13 +66,60 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
         validate_pretrain(scheme_config(config, scheme, seeds[0]), num_devices)
     require(len(config.eval.lengths) > 0 and min(config.eval.lengths) >= 2, f"eval.lengths = {config.eval.lengths} "
             "needs lengths of at least 2", "--config.eval.lengths", "write e.g. '(128,256,512,1024)'")
-    for key in ("steps", "train_tokens", "eval_tokens"):
+    require(str(config.eval.mode) in extrapolate.MODES, f"unknown eval.mode {config.eval.mode!r}",
+            "--config.eval.mode", "use one of " + "|".join(extrapolate.MODES))
+    require(int(config.eval.max_tokens) >= 0, f"eval.max_tokens = {config.eval.max_tokens} is negative",
+            "--config.eval.max_tokens", "give a token count, or 0 for the whole validation split")
+    for key in ("steps", "train_tokens", "eval_tokens", "learning_rate"):
         require(config.probe[key] > 0, f"probe.{key} must be positive", f"--config.probe.{key}", "give a positive value")
-    for key in ("epochs", "batch_size"):
+    for key in ("epochs", "batch_size", "learning_rate"):
         require(config.glue[key] > 0, f"glue.{key} must be positive", f"--config.glue.{key}", "give a positive value")
     require(config.glue.max_steps >= 0, "glue.max_steps must be >= 0", "--config.glue.max_steps", "0 = no cap")
     if config.suite == "tupe":
-        glue_tasks(config)                        # unknown tasks / a missing glue_dir fail before any training
+        _validate_finetunes(config, seeds[0], num_devices)
+
+
+# The fine-tunes' keys a suite sets itself (`glue_config`) -> what to do instead; an override of one is refused
+# (`refuse_set_keys`, the launcher's hook) rather than silently replaced.
+SET_PER_RUN = {"finetune.task": "use --config.glue.tasks",
+               "finetune.init_from": "drop it: each scheme's own run is fine-tuned",
+               "finetune.init_step": "drop it: each scheme's run is fine-tuned from its final step",
+               "finetune.train.learning_rate": "use --config.glue.learning_rate",
+               "finetune.train.batch_size": "use --config.glue.batch_size",
+               "finetune.train.epochs": "use --config.glue.epochs",
+               "finetune.train.steps": "use --config.glue.max_steps (a cap on epochs x examples // batch)",
+               "finetune.train.seed": "use --config.seeds",
+               "finetune.train.predict_test": "drop it: a suite predicts no test split",
+               "finetune.train.log_every": "drop it: a suite's fine-tunes log every 50 steps",
+               "finetune.checkpoint.every": "drop it: a suite saves each fine-tune's last step",
+               "finetune.sweep": "drop it, and run `launch glue-sweep` on a scheme's run for a sweep"}
+
+
+def refuse_set_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset) -> list:
+    """Refuse overrides of keys the suite sets per run (`SET_PER_RUN`); nothing is adopted."""
+    del config, arg_keys
+    for key in sorted(override_keys):
+        hit = next((k for k in SET_PER_RUN if key == k or key.startswith(k + ".")), None)
+        require(hit is None, f"{key} is set by the suite for each fine-tune", f"--config.{key}",
+                SET_PER_RUN.get(hit or "", ""))
+    return []
+
+
+def _validate_finetunes(config: ml_collections.ConfigDict, seed: int, num_devices: int) -> None:
+    """The fine-tunes' own checks (e.g. finetune.train.warmup_ratio) on the first one's config, before any
+    pretraining; a key is named as the suite's (`--config.finetune.train.x`, `--config.glue.x`)."""
+    tasks = glue_tasks(config)                    # unknown tasks / a missing glue_dir fail before any training
+    if not tasks:
+        return
+    try:
+        validate_finetune(_glue_base(config, parse_schemes(config)[0], seed, "", tasks[0]), num_devices)
+    except UserError as err:
+        where = err.where
+        if where.startswith("--config.") and not where.startswith(("--config.model.", "--config.data.",
+                                                                   "--config.mesh.")):
+            where = "--config.finetune." + where[len("--config."):]
+        raise UserError(err.what.replace("train.", "finetune.train.", 1) if where != err.where else err.what,
+                        where, err.fix) from None
 
 
 # ================================================================================================ pretraining
@@ -166,6 +214,17 @@ def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, seed: int, pr
                 ) -> ml_collections.ConfigDict:
     """The fine-tuning config of (scheme, seed, task): `config.finetune` (configs/glue.py's sections) with the
     scheme's model/data/mesh, the suite's glue.* settings and the seed."""
+    g = _glue_base(config, scheme, seed, pretrain_path, task)
+    gl = config.glue
+    n_train = len(data_lib.glue_examples(g, task, "train"))
+    steps = int(gl.epochs) * max(n_train // int(gl.batch_size), 1)
+    g.train.steps = min(steps, int(gl.max_steps)) if int(gl.max_steps) > 0 else steps
+    return config_lib.lock(g)
+
+
+def _glue_base(config: ml_collections.ConfigDict, scheme: Scheme, seed: int, pretrain_path: str, task: str
+               ) -> ml_collections.ConfigDict:
+    """`glue_config` but for train.steps (which reads the task's examples): every key `SET_PER_RUN` names."""
     sub = scheme_config(config, scheme, seed)
     g = ml_collections.ConfigDict({**config.finetune.to_dict(), "model": sub.model.to_dict(),
                                    "data": sub.data.to_dict(), "mesh": sub.mesh.to_dict()})
@@ -174,10 +233,7 @@ def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, seed: int, pr
     g.train.batch_size, g.train.learning_rate, g.train.seed = int(gl.batch_size), float(gl.learning_rate), int(seed)
     g.train.epochs, g.train.predict_test, g.train.log_every = int(gl.epochs), False, 50
     g.checkpoint.every = 100_000
-    n_train = len(data_lib.glue_examples(g, task, "train"))
-    steps = int(gl.epochs) * max(n_train // int(gl.batch_size), 1)
-    g.train.steps = min(steps, int(gl.max_steps)) if int(gl.max_steps) > 0 else steps
-    return config_lib.lock(g)
+    return g
 
 
 def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from tupe_jax.config import require_one_of
 from tupe_jax.errors import require
 
 from tupe_jax.data.builders import glue_examples, load_documents
@@ -32,7 +33,7 @@ from tupe_jax.data.glue_tsv import num_labels
 from tupe_jax.data.pipeline import PretrainIterator, pretrain_iterator
 from tupe_jax.data import prepared
 from tupe_jax.data.sources import check_source
-from tupe_jax.data.tokenizer import Tokenizer
+from tupe_jax.data.tokenizer import Tokenizer, check_learned_vocab_size
 from tupe_jax.data.tokenizer import get_tokenizer as _corpus_tokenizer
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli", "wordorder")
@@ -48,6 +49,9 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir) -> Tokenizer:
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Check the pretraining data keys against the model (`config.data`, `config.model`) before any compute."""
     check_source(config.data)
+    require_one_of(config.data.get("split_by", "blank_line"), ("blank_line", "file"), "data.split_by")
+    if config.data.get("name", "") != "prepared" and not config.data.get("vocab_file", ""):
+        check_learned_vocab_size(config.model.vocab_size)
     for key in ("prefetch", "num_threads"):
         require(int(config.data.get(key, 0)) >= 0, f"data.{key} = {config.data.get(key)} is negative",
                 f"--config.data.{key}", "give 0 (none / in the main thread) or more")
@@ -86,7 +90,7 @@ def default_data_config() -> ml_collections.ConfigDict:
                     [SEP] between documents) or 'contiguous' (cut every max_len-1 tokens). CLM is contiguous.
     vocab_file      '' = train a WordPiece vocab of config.model.vocab_size on the train split; else a vocab.txt
                     holding [PAD] [UNK] [CLS] [SEP] [MASK] (anywhere: BERT's layout works; casing from a
-                    tokenizer_config.json next to it). Pretraining batches assume our own layout (ids 0..4).
+                    tokenizer_config.json next to it). Pretraining batches take the special ids from it.
     mask_prob       MLM: fraction of candidate tokens masked (80% [MASK], 10% random, 10% kept).
     max_predictions MLM: P, the width of mlm_positions/labels/weights; 0 = ceil(mask_prob · max_len) (20 for 128).
                     A sequence never gets more than P masked positions.

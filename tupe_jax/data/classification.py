@@ -98,6 +98,10 @@ def encoded_split(config, tokenizer: Tokenizer, task: str, split: str, max_len: 
 def batch_widths(config, max_len: int) -> tuple[int, ...]:
     """Every padded width a GLUE batch can take: the `data.glue_buckets` up to max_len, and max_len itself."""
     buckets = tuple(config.data.get("glue_buckets", DEFAULT_BUCKETS)) or (max_len,)
+    bad = [b for b in buckets if int(b) < 3]
+    if bad:   # [CLS] x [SEP] needs 3 positions; a smaller width would cut every example
+        raise UserError(f"data.glue_buckets = {tuple(buckets)} holds {bad[0]}, below 3", "--config.data.glue_buckets",
+                        "give padded widths of at least 3, e.g. '(32,64,128)', or '()' for max_len only")
     return tuple(sorted({int(b) for b in buckets if int(b) <= max_len} | {max_len}))
 
 

@@ -41,7 +41,7 @@ from tupe_jax import files
 from tupe_jax.config import require_finite, require_one_of, require_positive
 from tupe_jax.data import builders, pipeline, pool, sources
 from tupe_jax.data.prepared import MANIFEST, load_manifest
-from tupe_jax.data.tokenizer import Tokenizer
+from tupe_jax.data.tokenizer import Tokenizer, check_learned_vocab_size
 from tupe_jax.errors import require
 
 FORMAT = 1
@@ -58,6 +58,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int = 1) -> None:
     require_positive(config, ("data.num_threads",), allow_zero=True)
     sources.check_source(config.data)
     require_one_of(config.data.packing, ("full_sentences", "contiguous"), "data.packing")
+    if not config.data.vocab_file:
+        check_learned_vocab_size(config.model.vocab_size)
+    asked = [s.strip() for s in config.prepare.splits.split(",") if s.strip()]
+    require(len(set(asked)) == len(asked), f"prepare.splits = {config.prepare.splits!r} names a split twice",
+            "--config.prepare.splits", "give each split once")
     require(not config.data.name == "prepared", "data.name=prepared is a prepared directory already",
             "--config.data.name", "give the raw corpus: embedded, text_files, wikitext or tfds:<name>")
 

@@ -24,11 +24,19 @@ from typing import Callable, Iterable, Sequence
 
 from tupe_jax import files
 from tupe_jax.data.cache import cache_dir
-from tupe_jax.errors import UserError
+from tupe_jax.errors import UserError, require
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)   # in a vocabulary trained here
 NUM_SPECIALS = len(SPECIALS)
+MIN_LEARNED_VOCAB = NUM_SPECIALS + 31   # the specials and room for the characters of a tiny corpus
+
+
+def check_learned_vocab_size(vocab_size: int) -> None:
+    """A vocabulary learned here (no data.vocab_file) needs `MIN_LEARNED_VOCAB` tokens (checked before compute)."""
+    require(int(vocab_size) >= MIN_LEARNED_VOCAB, f"model.vocab_size = {vocab_size} is too small to learn a "
+            "vocabulary", "--config.model.vocab_size", f"use at least {MIN_LEARNED_VOCAB} (e.g. 8192), or give "
+            "--config.data.vocab_file")
 CONFIG_NAME = "tokenizer_config.json"   # HF's name; the keys read are do_lower_case and strip_accents
 
 log = logging.getLogger(__name__)
@@ -129,8 +137,7 @@ class Tokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
         """Train lower-cased WordPiece on `texts`; the result depends only on the text (see `learn_wordpiece`)."""
-        if vocab_size <= NUM_SPECIALS + 30:
-            raise UserError(f"vocab_size {vocab_size} is too small", "config.model.vocab_size", "use at least 100")
+        check_learned_vocab_size(vocab_size)
         tok = _build(None)
         counts: Counter = Counter()
         for text in texts:

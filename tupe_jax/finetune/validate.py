@@ -40,6 +40,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     require_seed(config)
     require(int(config.init_step) >= -1, f"init_step = {config.init_step} is not a step", "--config.init_step",
             "give a checkpoint step of init_from, or -1 (the default) for its newest")
+    require(int(config.init_step) == -1 or str(config.init_from), f"init_step = {config.init_step} without "
+            "init_from (a run from scratch reads no checkpoint)", "--config.init_step",
+            "give --config.init_from=RUN too, or drop init_step")
     sharding.check_batch(config.train, mesh)
     require(config.checkpoint.every > 0 and config.checkpoint.keep > 0, "checkpoint.every and checkpoint.keep must "
             "be positive", "--config.checkpoint.every", "give positive values")
@@ -53,7 +56,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     for task in sweep_tasks(config):
         require(task in GLUE_TASKS, f"unknown GLUE task {task!r} in sweep.tasks", "--config.sweep.tasks",
                 "use a comma-separated list of " + "|".join(GLUE_TASKS))
+    _distinct("sweep.learning_rates", [(f"lr={float(x):g}", x) for x in config.sweep.learning_rates],
+              "give values that differ in their first 6 significant digits")
+    _distinct("sweep.seeds", [(f"seed={int(x)}", x) for x in config.sweep.seeds], "give each seed once")
+    _distinct("sweep.tasks", [(t, t) for t in sweep_tasks(config)], "give each task once")
     return mesh
+
+
+def _distinct(key: str, named: list[tuple[str, object]], fix: str) -> None:
+    """Each sweep value has its own sub-run folder (`sweep.run_dir`): two values naming one folder would train once
+    and report the first run's scores for both."""
+    seen: dict[str, object] = {}
+    for folder, value in named:
+        require(folder not in seen, f"{key} holds {seen.get(folder)!r} and {value!r}, which name the same sub-run "
+                f"folder {folder}", f"--config.{key}", fix)
+        seen[folder] = value
 
 
 def sweep_tasks(config: ml_collections.ConfigDict) -> list[str]:

@@ -33,7 +33,7 @@ There is no `transformers` class for this positional scheme. `model.safetensors`
 parameter paths (`encoder.blocks_0.attention.qkv.kernel`, ...), arrays exactly as in `tupe_jax.model`; the
 `tupe_jax.model` section of `config.json` is the model config. Load it into a run of this project with
 
-    python -m launch import-hf --from={name} --workdir=runs/{name}
+    python -m launch import-hf --from={source} --workdir=runs/{name}
 
 (see docs/interop.md in tupe-jax for the name map and for loading it in plain JAX).
 """
@@ -80,8 +80,11 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
             workdir_lib.check_bucket(out, "--out")
         workdir_lib.refuse_in_checkpoints(out, workdir, "--out")
         require(not files.exists(out), f"{out} already exists", "--out", "give a new folder (export never overwrites)")
-        require(remote or os.path.isdir(os.path.dirname(out)), f"the parent folder of {out} does not exist", "--out",
-                "create it first")
+        if not remote:   # the nearest existing ancestor must be a folder (the rest is made as `mkdir -p`)
+            ancestor = os.path.dirname(out)
+            while not os.path.exists(ancestor):
+                ancestor = os.path.dirname(ancestor)
+            require(os.path.isdir(ancestor), f"{ancestor} is not a folder", "--out", "give a path inside a folder")
     except Exception as err:  # pylint: disable=broad-except  # every process stops with it (`agree`)
         failure = err
     workdir_lib.agree(out, failure, "", stage="export checks")
@@ -95,12 +98,13 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
     name = out.rpartition("/")[2] if remote else os.path.basename(out)
     if remote:
         tmp = tempfile.mkdtemp(prefix=f".{name}.")
-    else:
+    else:   # the parent is made as `mkdir -p` would (exports/x in a fresh checkout)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
         tmp = os.path.join(os.path.dirname(out), f".{name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     try:
-        write_export(tmp, run, is_bert, name)
+        write_export(tmp, run, is_bert, name, name if remote else out)   # import-hf reads local folders
         if remote:
             upload(tmp, out)
         else:
@@ -112,8 +116,9 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
     return out
 
 
-def write_export(folder: str, run: Any, is_bert: bool, name: str) -> None:
-    """The export's files in the local `folder` (module docstring); `name` is the export's folder name."""
+def write_export(folder: str, run: Any, is_bert: bool, name: str, source: str = "") -> None:
+    """The export's files in the local `folder` (module docstring); `name` is the export's folder name, `source`
+    where `import-hf --from` finds it (its README's command; default `name`)."""
     cfg, model = run.model_cfg, run.config.model.to_dict()
     if is_bert:
         tensors = names.bert_from_params(run.params, names.bert_rows(cfg.num_layers,
@@ -127,7 +132,7 @@ def write_export(folder: str, run: Any, is_bert: bool, name: str) -> None:
             "architectures": [arch], "model_type": NATIVE, "vocab_size": cfg.vocab_size,
             NATIVE: {"model": model, "step": run.step, "name_map": "param path joined with '.'"}})
         files.write_text(os.path.join(folder, "README.md"), README.format(pe=run.pe, objective=cfg.objective,
-                                                                          name=name))
+                                                                          name=name, source=source or name))
         metadata = {"format": NATIVE}   # one key: safetensors writes several in no fixed order (the scheme: config)
     safetensors_io.write(os.path.join(folder, safetensors_io.WEIGHTS), names_to_numpy(tensors), metadata)
     write_tokenizer(folder, run.tokenizer, cfg.max_len)

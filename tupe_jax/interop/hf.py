@@ -25,6 +25,7 @@ from tupe_jax.config import unflatten
 from tupe_jax import model as model_lib
 from tupe_jax import optim
 from tupe_jax import workdir as workdir_lib
+from tupe_jax.workdir import provenance
 from tupe_jax.data.fairseq_bpe import KIND as FAIRSEQ_KIND
 from tupe_jax.data.tokenizer import CONFIG_NAME, SPECIALS, Tokenizer
 from tupe_jax.errors import UserError, require
@@ -263,6 +264,7 @@ def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert
     existed = os.path.isdir(workdir)
     try:
         write_run(workdir, config, params, tokenizer)
+        provenance.record(workdir)   # as every command that makes a run folder
     except BaseException:   # leave no half-written run behind (the folder was new or empty)
         for name in (os.listdir(workdir) if os.path.isdir(workdir) else []):
             path = os.path.join(workdir, name)

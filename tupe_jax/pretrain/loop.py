@@ -78,6 +78,11 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
                                             seed=int(config.train.seed))
     state, data_state = trainer.restore_or_init()
     start_step = int(state["step"])
+    if start_step >= total_steps:   # a finished run: nothing to train, so nothing is written (no event, no TB file)
+        print(f"{workdir} is at step {start_step} (train.steps = {total_steps}): nothing to train; evaluate it with "
+              f"`python -m launch evaluate --workdir={workdir}`, or give a larger train.steps", flush=True)
+        checkpointer.close()
+        return {"step": start_step}
     writer = metrics_lib.MetricsWriter(workdir, owns_folder=lambda: workdir_lib.owns_folder(workdir))
     if data_state is not None:
         workdir_lib.check_tokenizer(checkpointer.restore_meta(start_step), tokenizer.fingerprint,

@@ -9,6 +9,15 @@ from tupe_jax.config import require_finite, require_positive, require_seed
 from tupe_jax.errors import require
 
 
+_WARNED: set[str] = set()   # the launcher, the loop and a suite validate the same config: one warning each
+
+
+def _warn_once(line: str) -> None:
+    if line not in _WARNED:
+        _WARNED.add(line)
+        print(line, flush=True)
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
     """Check a pretraining config against `num_devices` before any compute; return the mesh (data, fsdp, tensor)."""
     require_finite(config)
@@ -28,8 +37,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
             f"give a range within 1..{steps}")
     span, warmup = optim.schedule_span(steps, config.train.decay_steps, config.train.warmup_steps)
     if warmup < int(config.train.warmup_steps):     # learning_rate_fn cuts it: say so (smoke runs do this)
-        print(f"warning: train.warmup_steps = {config.train.warmup_steps} is longer than the schedule's {span} "
-              f"steps; the warmup is cut to {span} (the rate peaks at the last step)", flush=True)
+        _warn_once(f"warning: train.warmup_steps = {config.train.warmup_steps} is longer than the schedule's {span} "
+                   f"steps; the warmup is cut to {span} (the rate peaks at the last step)")
     require_positive(config, ("checkpoint.every", "checkpoint.keep"))
     if "metrics" in config:
         require_positive(config, ("metrics.peak_tflops",), allow_zero=True)   # 0: looked up from the device kind

@@ -59,6 +59,23 @@ def _has_results(workdir: str) -> bool:
     return any(files.exists(files.join(workdir, name)) for name in RESULTS)
 
 
+def _holds_runs(workdir: str) -> bool:
+    """A run's config.json is in a sub-folder up to three levels down (a suite's, a sweep's sub-runs)."""
+    root = files._epath(workdir)  # pylint: disable=protected-access
+    return any(next(iter(root.glob("/".join(["*"] * depth) + "/config.json")), None) is not None
+               for depth in (1, 2, 3))
+
+
+# What the top-level keys of a config.json say the folder holds (a pretraining run: none of these).
+KINDS = (("suite", "a compare suite (`launch compare`)"), ("prepare", "a prepared corpus (`launch prepare`)"),
+         ("task", "a fine-tuning run"))
+
+
+def folder_kind(config: Any) -> str:
+    """"a fine-tuning run", "a compare suite (...)", ..., or "a pretraining run", from a config's top-level keys."""
+    return next((name for key, name in KINDS if key in config), "a pretraining run")
+
+
 def _schedule(flat: dict[str, Any]) -> tuple:
     """What a run's learning-rate schedule depends on (`optim.learning_rate_fn`; a fine-tune's spans its steps or
     epochs): the steps where the linear decay reaches 0 and the warmup (cut to that span)."""
@@ -102,13 +119,12 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
                 "no config.json", "--workdir", "use a fresh workdir")
         return []
     old = _read_stored(path)
-    if ("task" in old) != ("task" in new):
-        kinds = ("a fine-tuning run", "a pretraining run")
-        raise UserError(f"{workdir} holds {kinds[0] if 'task' in old else kinds[1]}; this command is "
-                        f"{kinds[0] if 'task' in new else kinds[1]}", "--workdir",
-                        "give each run its own workdir (init_from reads the pretraining run, it is not written)")
+    if folder_kind(old) != folder_kind(new):
+        raise UserError(f"{workdir} holds {folder_kind(old)}; this command makes {folder_kind(new)}", "--workdir",
+                        "give each command its own workdir" + (" (init_from reads the pretraining run, it is not "
+                                                               "written)" if "task" in new else ""))
     if overwrite:
-        require(step is None and not _has_results(workdir),
+        require(step is None and not _has_results(workdir) and not _holds_runs(workdir),
                 f"--overwrite_config would misrepresent {workdir}: its checkpoints/results were made with the "
                 "stored config.json", "--overwrite_config", "use a fresh workdir")
         return []
@@ -120,7 +136,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
                                                                 and "task" not in new)]
     if refused:
         more = f" and {len(refused) - 1} more ({', '.join(refused[1:4])})" if len(refused) > 1 else ""
-        fresh = step is None and not _has_results(workdir)
+        fresh = step is None and not _has_results(workdir) and not _holds_runs(workdir)
         first = _shown(refused[0], flat_old.get(refused[0]), flat_new.get(refused[0]))
         raise UserError(f"{path} holds a run with {first}{more}", "--workdir",
                         "resume with the run's settings (only steps, logging, checkpointing, mesh and data-loading "
@@ -160,8 +176,12 @@ def store_config(workdir: str, config: ml_collections.ConfigDict, changes: list[
         row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(sys.argv), "changes": {k: [a, b] for k, a, b in changes}}
         files.append_text(files.join(workdir, HISTORY), files.to_json(row, indent=None) + "\n")
+        fewer = [b for k, a, b in changes if k == "checkpoint.keep" and isinstance(a, int) and isinstance(b, int)
+                 and b < a]
         print(f"{workdir}: config changed (recorded in {HISTORY}): "
-              + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes), flush=True)
+              + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
+              + (f" (only the newest {fewer[0]} checkpoints are kept: older steps are deleted at the next save)"
+                 if fewer else ""), flush=True)
     files.write_text(path, text)
 
 

@@ -14,7 +14,7 @@ from tupe_jax.data.tokenizer import get_tokenizer
 from tupe_jax.errors import UserError
 from tupe_jax.model import ModelConfig, TransformerLM
 from tupe_jax.positional import TABLE_SCHEMES, canonical_name
-from tupe_jax.workdir.gate import read_config, tokenizer_path
+from tupe_jax.workdir.gate import folder_kind, read_config, tokenizer_path
 from tupe_jax.workdir.meta import check_tokenizer, read_kept_step, read_meta
 
 
@@ -57,7 +57,14 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
     if "task" in config:
         raise UserError(f"{workdir} is a fine-tuning run ({config.task}); this command reads a pretraining run",
                         "--workdir", "point it at the run given as init_from, or at a `launch pretrain` workdir")
+    if folder_kind(config) != "a pretraining run":
+        raise UserError(f"{workdir} holds {folder_kind(config)}; this command reads a pretraining run", "--workdir",
+                        "point it at one of the suite's runs (<runs_dir>/<scheme>-s<seed>/)" if "suite" in config
+                        else "point it at a `launch pretrain` workdir")
     cfg = ModelConfig.from_config(config.model)
+    if cfg.attention_backend == "cudnn" and jax.default_backend() != "gpu":   # trained on a GPU, read elsewhere
+        print(f"{workdir}: attention_backend=cudnn needs a GPU; reading it with xla (the same maths)", flush=True)
+        cfg = dataclasses.replace(cfg, attention_backend="xla")
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])   # this process's: any process count
     tokens = jnp.zeros((1, min(cfg.max_len, 8)), jnp.int32)     # a learned table may have fewer than 8 rows
     abstract = jax.eval_shape(lambda: TransformerLM(cfg).init({"params": jax.random.PRNGKey(0)}, tokens)["params"])

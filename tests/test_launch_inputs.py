@@ -1,0 +1,107 @@
+"""The launcher's inputs beyond the one-line errors of the catalogue: `~` in path flags, the multi-process flags JAX
+would refuse late, a warning printed once, a finished run left as it is, a cudnn run read off a GPU, and an export
+into a folder that does not exist yet."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import launch
+from glue_fixtures import make_pretrained
+from tests import xla_flags
+from tupe_jax import workdir as workdir_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN = "--config=" + os.path.join(ROOT, "configs", "pretrain.py") + ":pe=tupe_r,size=tiny"
+TINY = ["--config.model.num_layers=2", "--config.model.hidden_size=32", "--config.model.num_heads=2",
+        "--config.model.mlp_dim=64", "--config.model.vocab_size=512", "--config.model.max_len=32",
+        "--config.train.batch_size=16", "--config.checkpoint.async_save=false"]
+
+
+def _tree(path) -> dict:
+    return {os.path.relpath(os.path.join(r, n), path): hashlib.sha1(open(os.path.join(r, n), "rb").read()).hexdigest()
+            for r, _, names in os.walk(path) for n in names}
+
+
+def test_a_tilde_in_workdir_is_the_home_folder(tmp_path, monkeypatch, capsys):
+    """bash leaves `--workdir=~/x` as it is: the launcher expands it as it does for --out, --from and data paths
+    (before, a pretraining run went to a folder named `~` in the current directory)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert launch.main(["evaluate", "--workdir=~/nothing"]) == 2
+    assert f"{tmp_path}/home/nothing/config.json does not exist" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "~")
+
+
+def test_num_processes_without_a_coordinator_is_one_line_before_the_folder_is_touched(tmp_path):
+    """jax.distributed.initialize's own ValueError (no cluster to detect) was an 'unexpected' crash with a log
+    written into the workdir; in a fresh process (JAX not started) it is one line and the folder is unchanged."""
+    (tmp_path / "run").mkdir()
+    env = dict(os.environ, XLA_FLAGS=xla_flags.devices(8), JAX_PLATFORMS="cpu")
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TPU_WORKER_HOSTNAMES"):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, "-m", "launch", "pretrain", PRETRAIN, f"--workdir={tmp_path / 'run'}",
+                             "--num_processes=2", "--process_id=0"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: jax.distributed.initialize:") and "--coordinator_address" in lines[-1]
+    assert os.listdir(tmp_path / "run") == []
+
+
+def test_the_warmup_warning_is_printed_once_per_process(capsys):
+    """The launcher, the loop and a suite each validate the same config: one warning, not two or three."""
+    from configs import pretrain as pretrain_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain.validate import validate  # pylint: disable=import-outside-toplevel
+    config = pretrain_config.get_config("pe=tupe_r,size=tiny")
+    config.train.steps, config.train.warmup_steps = 7, 123   # a warning no other test prints first
+    for _ in range(3):
+        validate(config, 8)
+    assert capsys.readouterr().out.count("train.warmup_steps = 123 is longer") == 1
+
+
+def test_rerunning_a_finished_run_writes_nothing(tmp_path, capsys):
+    """It said 'resumed', appended a 'resumed' row to metrics.jsonl and made a new TensorBoard file; now it says
+    there is nothing to train and leaves every file but the provenance log as it was."""
+    argv = ["pretrain", PRETRAIN, f"--workdir={tmp_path / 'run'}", "--config.train.steps=2",
+            f"--config.data.cache_dir={tmp_path / 'cache'}", *TINY]
+    assert launch.main(argv) == 0
+    before = _tree(tmp_path / "run")
+    capsys.readouterr()
+    assert launch.main(argv) == 0
+    assert "is at step 2 (train.steps = 2): nothing to train" in capsys.readouterr().out
+    after = _tree(tmp_path / "run")
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert changed == ["provenance.jsonl"], changed
+
+
+def test_a_cudnn_run_is_read_with_xla_off_a_gpu(tmp_path, capsys):
+    """A run trained with attention_backend=cudnn on a GPU: evaluate/export/the analyses elsewhere read it with the
+    xla implementation (the same maths) and say so, instead of failing in jax ('cuDNN is not detected')."""
+    make_pretrained(tmp_path / "run", tmp_path / "cache", pe="alibi")
+    path = tmp_path / "run" / "config.json"
+    config = json.loads(path.read_text())
+    config["model"]["attention_backend"] = "cudnn"
+    path.write_text(json.dumps(config, indent=2))
+    run = workdir_lib.load_run(str(tmp_path / "run"))
+    assert run.model_cfg.attention_backend == "xla"
+    assert "attention_backend=cudnn needs a GPU; reading it with xla" in capsys.readouterr().out
+    assert launch.main(["evaluate", f"--workdir={tmp_path / 'run'}"]) == 0
+
+
+def test_export_makes_the_parent_folder_and_its_readme_names_the_export(tmp_path):
+    """README's `export --out=exports/x` failed in a checkout without exports/; the export's README told
+    import-hf the folder's name, not where it is."""
+    make_pretrained(tmp_path / "run", tmp_path / "cache", pe="tupe_r")
+    out = tmp_path / "exports" / "deeper" / "x"
+    assert launch.main(["export", f"--workdir={tmp_path / 'run'}", f"--out={out}"]) == 0
+    assert f"import-hf --from={out} --workdir=runs/x" in (out / "README.md").read_text()
+    assert launch.main(["import-hf", f"--from={out}", f"--workdir={tmp_path / 'back'}"]) == 0
+    rows = [json.loads(r) for r in (tmp_path / "back" / "provenance.jsonl").read_text().splitlines()]
+    assert len(rows) == 1   # the import is recorded as every command that makes a run folder
+    shutil.rmtree(tmp_path / "exports")
+    (tmp_path / "exports").write_text("a file")   # where a parent folder would go: one line, nothing written
+    assert launch.main(["export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'exports' / 'a' / 'x'}"]) == 2
+    assert (tmp_path / "exports").read_text() == "a file"
