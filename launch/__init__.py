@@ -80,7 +80,7 @@ COMMANDS: dict[str, Command] = {
                                                        step=a.step)),
     "compare": Command("tupe_jax.analysis.suite", "run", "run a suite over positional schemes and tabulate",
                        lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.analysis.suite:validate",
-                       "tupe_jax.analysis.suite:refuse_set_keys"),
+                       "tupe_jax.analysis.suite_glue:refuse_set_keys"),
     "demo": Command("launch.demo", "demo", "the end-to-end demo on the embedded corpus",
                     lambda fn, cfg, a: fn(a.workdir)),
     "import-hf": Command("launch.interop", "import_hf", "a Hugging Face BERT folder (safetensors) -> a bert_a run",
@@ -320,8 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(err), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted, --workdir, rerun the same command to continue from the last checkpoint",
-              file=sys.stderr)
+        print("error: interrupted, --workdir, rerun the same command to continue (a training run from its last "
+              "checkpoint)", file=sys.stderr)
         return 130
     except Exception as err:  # pylint: disable=broad-except  # the last resort: never a bare traceback
         log = crash_log(_first_workdir(argv), traceback.format_exc())

@@ -1,5 +1,6 @@
 """`python -m launch ...`: see `launch/__init__.py`."""
 import logging
+import os
 import sys
 
 from tupe_jax import allocator
@@ -19,4 +20,9 @@ for _name in ("google.auth", "google.auth._default", "gcsfs"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    if _code == 130:   # interrupted: an interrupt that came while XLA was starting up can crash the interpreter's
+        sys.stdout.flush()   # teardown (SIGSEGV instead of 130); the run's files are closed or saved by now
+        sys.stderr.flush()
+        os._exit(130)  # pylint: disable=protected-access
+    sys.exit(_code)

@@ -70,10 +70,12 @@ def render_errors_doc() -> str:
               "`<step>.bad-<time>`); `evaluate`, `export`, the analyses and `init_from` read only the step asked for "
               "(default: the newest): `error: checkpoint step N ... failed to restore (...)` naming the other steps |",
               "| kill -9 (also during an asynchronous save) | the unfinished `<step>.orbax-checkpoint-tmp` is never "
-              "restored; the restart resumes bitwise-exactly from the last committed step |",
+              "restored (the restart removes it); the restart resumes bitwise-exactly from the last committed step, "
+              "and a run killed after its last checkpoint writes its final evaluation then |",
               "| SIGTERM | the current step is checkpointed and committed, exit 0 |",
               "| Ctrl-C (SIGINT) while training in one process | the current step is checkpointed and committed, then "
-              "`error: interrupted, ...`, exit 130; a second Ctrl-C stops at once (a save in flight still commits) |",
+              "`error: interrupted, ...`, exit 130; a second Ctrl-C stops at once, except while that step's save is "
+              "being committed (it says so and finishes) |",
               "| a second process on a workdir in use | `error: <workdir> is in use by process PID on HOST ...`, exit 2, "
               "before it reads the run's checkpoints, nothing written; the lock of a killed run dies with it and the "
               "next command takes it over |",

@@ -92,12 +92,12 @@ def test_a_cudnn_run_is_read_with_xla_off_a_gpu(tmp_path, capsys):
 
 
 def test_export_makes_the_parent_folder_and_its_readme_names_the_export(tmp_path):
-    """README's `export --out=exports/x` failed in a checkout without exports/; the export's README told
-    import-hf the folder's name, not where it is."""
+    """README's `export --out=exports/x` failed in a checkout without exports/; the export's README gave import-hf
+    the folder's name as if it were its path."""
     make_pretrained(tmp_path / "run", tmp_path / "cache", pe="tupe_r")
     out = tmp_path / "exports" / "deeper" / "x"
     assert launch.main(["export", f"--workdir={tmp_path / 'run'}", f"--out={out}"]) == 0
-    assert f"import-hf --from={out} --workdir=runs/x" in (out / "README.md").read_text()
+    assert "import-hf --from=DIR --workdir=runs/x     # DIR: this folder" in (out / "README.md").read_text()
     assert launch.main(["import-hf", f"--from={out}", f"--workdir={tmp_path / 'back'}"]) == 0
     rows = [json.loads(r) for r in (tmp_path / "back" / "provenance.jsonl").read_text().splitlines()]
     assert len(rows) == 1   # the import is recorded as every command that makes a run folder

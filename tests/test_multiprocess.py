@@ -30,9 +30,11 @@ def free_port():
 
 
 def command(workdir, cache_dir, extra=()):
+    """The pretrain command line; an override in `extra` replaces the default one (a key may be given once)."""
+    given = {a.split("=", 1)[0] for a in extra}
     return [sys.executable, "-m", "launch", "pretrain", "--config=configs/pretrain.py:pe=tupe_r",
             f"--workdir={workdir}", f"--config.data.cache_dir={cache_dir}"] + \
-        [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + list(extra)
+        [f"--config.{k}={v}" for k, v in OVERRIDES.items() if f"--config.{k}" not in given] + list(extra)
 
 
 def env(devices):

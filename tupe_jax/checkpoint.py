@@ -10,7 +10,7 @@ Each step holds three items:
   in a bucket (`gs://`: Orbax + tensorstore write there directly).
 
 Orbax writes each step into a temporary directory and renames it when complete, so unfinished saves are never
-listed. If the newest step fails to restore (corrupt files), `restore` warns naming it and falls back to the
+listed; a writer removes those a stopped run left (`Checkpointer._remove_unfinished`). If the newest step fails to restore (corrupt files), `restore` warns naming it and falls back to the
 previous step; nothing is deleted. The read-only paths (`restore_params`, `restore_meta`: evaluate, export, the
 analyses, init_from) never fall back by themselves: a step that does not read is a one-line error naming the other
 steps, and what a failed read leaves in flight is kept off stderr (`failed_reads`). Preemption:
@@ -19,10 +19,8 @@ flag, or Orbax/JAX's multi-host preemption sync point), then saves with `force=T
 """
 from __future__ import annotations
 
-import errno
 import logging
 import signal
-import os
 import time
 from typing import Any, Mapping
 
@@ -31,7 +29,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tupe_jax import files
+from tupe_jax import failed_writes, files
 from tupe_jax.errors import UserError
 from tupe_jax.failed_reads import describe, quiet_leftovers
 
@@ -82,48 +80,6 @@ def param_shapes(params: Any) -> dict[str, list[int]]:
     return {jax.tree_util.keystr(p): [int(d) for d in np.shape(x)] for p, x in leaves}
 
 
-# Write failures that mean "the disk (or quota, or file-size limit) is full". Tensorstore reports them as
-# ValueError text carrying the OS error code, Python writes as OSError.
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_FULL_TEXT = ("no space left on device", "disk quota exceeded", "file too large") + tuple(
-    f"os_error_code='{code}'" for code in _FULL_ERRNOS)
-
-
-def is_disk_full(err: BaseException) -> bool:
-    """True if `err` (or an exception it wraps) is a write that failed for lack of space."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in _FULL_ERRNOS:
-            return True
-        if any(t in str(err).lower() for t in _FULL_TEXT):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def _snapshot(path: str) -> list:
-    """What is under `path` now (names and sizes; [] for a bucket path or nothing)."""
-    if files.is_remote(path) or not os.path.isdir(path):
-        return []
-    return sorted((os.path.join(root, n), os.path.getsize(os.path.join(root, n)))
-                  for root, _, names in os.walk(path) for n in names if os.path.exists(os.path.join(root, n)))
-
-
-def remove_when_quiet(path: str, settle: float = 0.5, limit: float = 30.0) -> None:
-    """Remove the unfinished step folder `path` once nothing has written to it for `settle` seconds: after a
-    failed save, tensorstore's array writers may still be landing (and would recreate a folder removed earlier)."""
-    deadline, last = time.time() + limit, None
-    while time.time() < deadline:
-        now = _snapshot(path)
-        if now == last:
-            break
-        last = now
-        time.sleep(settle)
-    if files.isdir(path):
-        files.rmtree(path)
-
-
 class Checkpointer:
     """Save / restore train state + data-iterator state + meta under `workdir/checkpoints/`."""
 
@@ -139,10 +95,21 @@ class Checkpointer:
             enable_async_checkpointing=async_)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "data", "meta"))
+        if not read_only and jax.process_index() == 0:
+            self._remove_unfinished()
         self._async = bool(async_)
         self._pending: int | None = None   # the step of the save in flight (for error messages)
         self._reported_full = False
         self._failed_tmp: str | None = None
+
+    def _remove_unfinished(self) -> None:
+        """Orbax's unfinished saves (`<step>.orbax-checkpoint-tmp*`, left by a kill during a save) are never read;
+        one at a step the run saves again is replaced, any other would stay for good. A writer holds the run's lock
+        (`workdir.claim`), so no save of another process is in flight here."""
+        for name in files.listdir(self.directory) if files.isdir(self.directory) else []:
+            if ".orbax-checkpoint-tmp" in name:
+                files.rmtree(files.join(self.directory, name))
+                print(f"{self.directory}: removed {name}, a save that a stopped run did not finish", flush=True)
 
     def save(self, step: int, state: Any, data_state: Mapping[str, Any] | None = None,
              meta: Mapping[str, Any] | None = None, force: bool = False) -> bool:
@@ -181,7 +148,7 @@ class Checkpointer:
                 return self
 
             def __exit__(self, kind, err, tb):
-                if err is None or isinstance(err, UserError) or not is_disk_full(err):
+                if err is None or isinstance(err, UserError) or not failed_writes.is_disk_full(err):
                     return False
                 if checkpointer._reported_full:   # Orbax re-raises a stored failure on every wait: said once
                     return True
@@ -195,13 +162,13 @@ class Checkpointer:
                 tmp = files.join(checkpointer.directory, f"{step}.orbax-checkpoint-tmp")
                 checkpointer._failed_tmp = tmp if step is not None else None
                 if step is not None:   # the unfinished write, never a committed step
-                    remove_when_quiet(tmp)
+                    failed_writes.remove_when_quiet(tmp)
                 try:
                     checkpointer._manager.reload()
                     kept = checkpointer.all_steps()
                 except Exception:  # pylint: disable=broad-except
                     kept = []
-                reason = next((t for t in _FULL_TEXT if t in str(err).lower()), "disk full")
+                reason = failed_writes.full_reason(err)
                 raise UserError(f"disk full: could not write checkpoint step {step} ({reason})",
                                 checkpointer.directory, "free space (or raise the quota) and rerun the same command "
                                 f"to resume; the committed checkpoints {kept} are intact") from None
@@ -292,7 +259,7 @@ class Checkpointer:
             with self._write_errors():
                 self._manager.close()
             if self._failed_tmp:   # written to after the failure was seen
-                remove_when_quiet(self._failed_tmp)
+                failed_writes.remove_when_quiet(self._failed_tmp)
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -21,3 +21,13 @@ def require(condition: bool, what: str, where: str = "", fix: str = "") -> None:
     """Raise `UserError(what, where, fix)` unless `condition` holds."""
     if not condition:
         raise UserError(what, where, fix)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(line: str) -> None:
+    """Print `line` (a `warning: ...`) once per process: the launcher, a loop and a suite validate the same config."""
+    if line not in _WARNED:
+        _WARNED.add(line)
+        print(line, flush=True)

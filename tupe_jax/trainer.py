@@ -115,7 +115,8 @@ class Outcome:
 @contextlib.contextmanager
 def ctrl_c_saves():
     """While a one-process run trains: the first Ctrl-C (SIGINT) sets `flag['set']`, and the loop checkpoints that
-    step and stops, as on preemption; a second raises KeyboardInterrupt at once. Python's own handler raises wherever
+    step and stops, as on preemption; a second raises KeyboardInterrupt at once, unless that save has begun
+    (`flag['saving']`: it commits first). Python's own handler raises wherever
     the main thread is, and inside a callback (JAX's garbage-collection hook) the interrupt is printed and dropped:
     the run went on. Several processes keep Python's handler (a save is collective; one host's Ctrl-C is not the
     others'), and so does a process that ignores SIGINT (a background job)."""
@@ -127,6 +128,9 @@ def ctrl_c_saves():
         return
 
     def handler(signum: int, frame: Any) -> None:  # pylint: disable=unused-argument
+        if flag.get("saving"):   # stopping it now would leave an unfinished step folder and Orbax's tracebacks
+            print("interrupt: the save of this step is being committed; it stops in a moment", flush=True)
+            return
         if flag["set"]:
             raise KeyboardInterrupt
         flag["set"] = True
@@ -276,9 +280,11 @@ class Trainer:
                 if not bool(self._all_finite(state["params"])):   # finite loss, but the update overflowed
                     self._diverged(step, "non-finite parameters after the update")
                 workdir_lib.still_held(self.checkpointer.workdir)   # a bucket lease taken over: stop, write nothing
+                interrupt["saving"] = preempted
                 self.checkpointer.save(step, state, hooks.payload() if hooks.payload else {}, meta, force=True)
             if preempted:
                 why = "interrupted" if interrupt["set"] else "preemption"
+                self.checkpointer.wait()             # "saved" once it is committed, not while it is in flight
                 print(f"{why}: saved step {step} to {self.checkpointer.directory}; exiting", flush=True)
                 break
         if traced is not None:                 # stopped (preempted) inside the range: keep what was traced

@@ -5,7 +5,8 @@ the seed statistics and verdicts (`analysis.findings`), then `REPORT.md` + PNGs 
     run(config, workdir) -> dict          the whole suite (resumable: finished pretraining / fine-tuning runs are
                                           reused, so rerunning the command only does what is missing)
     parse_schemes / parse_seeds / scheme_config   the (scheme, seed) grid (analysis/schemes.py)
-    glue_tasks(config) -> [str]           `config.glue.tasks` resolved ('auto': what data.glue_dir holds)
+    glue_tasks(config) -> [str]           `config.glue.tasks` resolved ('auto': what data.glue_dir holds;
+                                          the fine-tunes: analysis/suite_glue.py)
 
 Layout of a compare workdir:
     DIR/config.json, DIR/REPORT.md, DIR/report.json, DIR/*.png
@@ -30,21 +31,17 @@ import jax
 import ml_collections
 
 from tupe_jax import config as config_lib
-from tupe_jax import data as data_lib
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.analysis import extrapolate, findings, probe, report
 from tupe_jax.analysis.schemes import Scheme, parse_schemes, parse_seeds, run_name, scheme_config
-from tupe_jax.data.glue_tsv import available_splits
-from tupe_jax.errors import UserError, require
-from tupe_jax.finetune.loop import finetune
-from tupe_jax.finetune.validate import validate as validate_finetune
+from tupe_jax.analysis.suite_glue import (Preempted, finetune_all, glue_tasks, refuse_other_config,
+                                          validate_finetunes)
+from tupe_jax.errors import require
 from tupe_jax.metrics import read_metrics
 from tupe_jax.pretrain.loop import pretrain
 from tupe_jax.pretrain.validate import validate as validate_pretrain
 
-# 'auto' fine-tunes on every GLUE task with data, bar WNLI (as the TUPE paper) and the built-in word order.
-GLUE_CANDIDATES = tuple(t for t in data_lib.GLUE_TASKS if t not in ("wnli", "wordorder"))
 SUITES = ("extrapolation", "tupe", "probe")
 
 
@@ -76,64 +73,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
         require(config.glue[key] > 0, f"glue.{key} must be positive", f"--config.glue.{key}", "give a positive value")
     require(config.glue.max_steps >= 0, "glue.max_steps must be >= 0", "--config.glue.max_steps", "0 = no cap")
     if config.suite == "tupe":
-        _validate_finetunes(config, seeds[0], num_devices)
-
-
-# The fine-tunes' keys a suite sets itself (`glue_config`) -> what to do instead; an override of one is refused
-# (`refuse_set_keys`, the launcher's hook) rather than silently replaced.
-SET_PER_RUN = {"finetune.task": "use --config.glue.tasks",
-               "finetune.init_from": "drop it: each scheme's own run is fine-tuned",
-               "finetune.init_step": "drop it: each scheme's run is fine-tuned from its final step",
-               "finetune.train.learning_rate": "use --config.glue.learning_rate",
-               "finetune.train.batch_size": "use --config.glue.batch_size",
-               "finetune.train.epochs": "use --config.glue.epochs",
-               "finetune.train.steps": "use --config.glue.max_steps (a cap on epochs x examples // batch)",
-               "finetune.train.seed": "use --config.seeds",
-               "finetune.train.predict_test": "drop it: a suite predicts no test split",
-               "finetune.train.log_every": "drop it: a suite's fine-tunes log every 50 steps",
-               "finetune.checkpoint.every": "drop it: a suite saves each fine-tune's last step",
-               "finetune.sweep": "drop it, and run `launch glue-sweep` on a scheme's run for a sweep"}
-
-
-def refuse_set_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset) -> list:
-    """Refuse overrides of keys the suite sets per run (`SET_PER_RUN`); nothing is adopted."""
-    del config, arg_keys
-    for key in sorted(override_keys):
-        hit = next((k for k in SET_PER_RUN if key == k or key.startswith(k + ".")), None)
-        require(hit is None, f"{key} is set by the suite for each fine-tune", f"--config.{key}",
-                SET_PER_RUN.get(hit or "", ""))
-    return []
-
-
-def _validate_finetunes(config: ml_collections.ConfigDict, seed: int, num_devices: int) -> None:
-    """The fine-tunes' own checks (e.g. finetune.train.warmup_ratio) on the first one's config, before any
-    pretraining; a key is named as the suite's (`--config.finetune.train.x`, `--config.glue.x`)."""
-    tasks = glue_tasks(config)                    # unknown tasks / a missing glue_dir fail before any training
-    if not tasks:
-        return
-    try:
-        validate_finetune(_glue_base(config, parse_schemes(config)[0], seed, "", tasks[0]), num_devices)
-    except UserError as err:
-        where = err.where
-        if where.startswith("--config.") and not where.startswith(("--config.model.", "--config.data.",
-                                                                   "--config.mesh.")):
-            where = "--config.finetune." + where[len("--config."):]
-        raise UserError(err.what.replace("train.", "finetune.train.", 1) if where != err.where else err.what,
-                        where, err.fix) from None
+        validate_finetunes(config, seeds[0], num_devices)
 
 
 # ================================================================================================ pretraining
-def _refuse_other_config(path: str, new: ml_collections.ConfigDict, sections: tuple[str, ...],
-                         ignore: tuple[str, ...], what: str, where: str, fix: str) -> None:
-    """Refuse to reuse the run at `path` if its config.json differs from `new` in `sections` (bar `ignore`)."""
-    diffs = workdir_lib.differing_keys(path, new, sections, ignore)
-    require(not diffs, f"{path} was {what} with other keys ({'; '.join(diffs[:3])})", where, fix)
-
-
 def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
     """Refuse to reuse a run trained with other model/data/train keys (not identical compute; data.glue_dir is read
     only by fine-tuning, so suites with and without GLUE share pretraining runs)."""
-    _refuse_other_config(path, sub, ("model", "data", "train"),
+    refuse_other_config(path, sub, ("model", "data", "train"),
                          ("train.log_every", "train.eval_every", "train.eval_steps", "data.glue_dir"), "trained",
                          "--config.runs_dir",
                          "use a fresh workdir/runs_dir, or the same config as that run")
@@ -160,9 +107,7 @@ def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
             final = pretrain(sub, path)
             info.update(seconds=time.time() - start, reused=False)
             if int(final.get("step", total)) < total:   # preempted (SIGTERM): stop here, the run resumes next time
-                raise UserError(f"pretraining {run_name(scheme, seed)} stopped at step {final.get('step')} of "
-                                f"{total} (preempted)", path, "rerun the same command to continue; finished runs "
-                                "are reused")
+                raise Preempted(f"pretraining {run_name(scheme, seed)} stopped at step {final.get('step')} of {total}")
             print(f"{head}: done in {info['seconds'] / 60:.1f} min", flush=True)
         out.setdefault(seed, []).append(info)
     return out
@@ -188,92 +133,6 @@ def pretrain_summary(path: str) -> dict:
             "final_eval": evals[-1] if evals else {},
             "median_tokens_per_sec": sorted(tps)[len(tps) // 2] if tps else None,
             "train_seconds": seconds}
-
-
-# ================================================================================================ GLUE
-def glue_tasks(config: ml_collections.ConfigDict) -> list[str]:
-    """`glue.tasks` as a list; 'auto' = wordorder + each GLUE task with train and dev TSVs in data.glue_dir."""
-    raw = str(config.glue.tasks).strip()
-    if raw == "auto":
-        tasks = ["wordorder"]
-        if config.data.glue_dir:
-            tasks += [t for t in GLUE_CANDIDATES
-                      if {"train", "validation"} <= set(available_splits(config.data.glue_dir, t))
-                      or {"train", "validation_matched"} <= set(available_splits(config.data.glue_dir, t))]
-        return tasks
-    tasks = [t.strip() for t in raw.split(",") if t.strip()]
-    for task in tasks:
-        require(task in data_lib.GLUE_TASKS, f"unknown GLUE task {task!r} in glue.tasks", "--config.glue.tasks",
-                "use 'auto' or a comma-separated list of " + "|".join(data_lib.GLUE_TASKS))
-        require(task == "wordorder" or bool(config.data.glue_dir), f"glue task {task!r} needs data.glue_dir",
-                "--config.data.glue_dir", "point it at the GLUE TSVs, or use --config.glue.tasks=wordorder")
-    return tasks
-
-
-def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, seed: int, pretrain_path: str, task: str
-                ) -> ml_collections.ConfigDict:
-    """The fine-tuning config of (scheme, seed, task): `config.finetune` (configs/glue.py's sections) with the
-    scheme's model/data/mesh, the suite's glue.* settings and the seed."""
-    g = _glue_base(config, scheme, seed, pretrain_path, task)
-    gl = config.glue
-    n_train = len(data_lib.glue_examples(g, task, "train"))
-    steps = int(gl.epochs) * max(n_train // int(gl.batch_size), 1)
-    g.train.steps = min(steps, int(gl.max_steps)) if int(gl.max_steps) > 0 else steps
-    return config_lib.lock(g)
-
-
-def _glue_base(config: ml_collections.ConfigDict, scheme: Scheme, seed: int, pretrain_path: str, task: str
-               ) -> ml_collections.ConfigDict:
-    """`glue_config` but for train.steps (which reads the task's examples): every key `SET_PER_RUN` names."""
-    sub = scheme_config(config, scheme, seed)
-    g = ml_collections.ConfigDict({**config.finetune.to_dict(), "model": sub.model.to_dict(),
-                                   "data": sub.data.to_dict(), "mesh": sub.mesh.to_dict()})
-    g.task, g.init_from = task, pretrain_path
-    gl = config.glue
-    g.train.batch_size, g.train.learning_rate, g.train.seed = int(gl.batch_size), float(gl.learning_rate), int(seed)
-    g.train.epochs, g.train.predict_test, g.train.log_every = int(gl.epochs), False, 50
-    g.checkpoint.every = 100_000
-    return g
-
-
-def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:
-    """Refuse to reuse a fine-tuning run made with other keys (e.g. another glue.max_steps or learning rate)."""
-    _refuse_other_config(path, g, ("model", "data", "train", "init_from"), ("train.log_every",), "fine-tuned",
-                         "--workdir", "use a fresh compare workdir for other glue.* settings")
-
-
-def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
-                 runs: dict[int, list[dict]]) -> dict:
-    """Fine-tune every (scheme, seed, task) not done yet; {scheme: {str(seed): {task: results.json dict}}}."""
-    tasks = glue_tasks(config)
-    results: dict[str, dict] = {}
-    for seed, infos in runs.items():
-        for scheme, info in zip(schemes, infos):
-            if scheme.objective == "mlm":
-                results.setdefault(scheme.name, {})[str(seed)] = _finetune_tasks(config, workdir, scheme, seed,
-                                                                                 info["path"], tasks)
-    return results
-
-
-def _finetune_tasks(config: ml_collections.ConfigDict, workdir: str, scheme: Scheme, seed: int, pretrained: str,
-                    tasks: list[str]) -> dict:
-    out_by_task = {}
-    for task in tasks:
-        path = os.path.join(workdir, "glue", run_name(scheme, seed), task)
-        done = os.path.join(path, "results.json")
-        g = glue_config(config, scheme, seed, pretrained, task)
-        _check_same_finetune(path, g)
-        if not os.path.isfile(done):
-            print(f"[compare {config.suite}] fine-tuning {run_name(scheme, seed)} on {task}: "
-                  f"{int(g.train.steps)} steps -> {path}", flush=True)
-            start = time.time()
-            out = finetune(g, path)
-            if out.get("preempted"):
-                raise UserError("fine-tuning was preempted", path, "rerun the same command to continue")
-            out["seconds"] = time.time() - start
-            files.write_json(done, out)   # record the time too
-        out_by_task[task] = files.read_json(done)
-    return out_by_task
 
 
 # ================================================================================================ the suite
@@ -307,7 +166,16 @@ def _analyses(config: ml_collections.ConfigDict, schemes: list[Scheme], infos: l
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Train the suite's (scheme, seed) runs, run its analyses per seed, compute the findings over seeds and write
-    REPORT.md, report.json and PNGs into `workdir`."""
+    REPORT.md, report.json and PNGs into `workdir`. Preempted (SIGTERM): stops as `pretrain` does, exit 0."""
+    try:
+        return _run(config, workdir)
+    except Preempted as stop:
+        print(f"[compare {config.suite}] {stop} (preempted); rerun the same command to continue (finished runs are "
+              "reused)", flush=True)
+        return {"preempted": True}
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     validate(config, jax.device_count())
     schemes, seeds = parse_schemes(config), parse_seeds(config)
     suite = str(config.suite)

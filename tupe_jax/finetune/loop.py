@@ -64,6 +64,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
                                   log_every=int(t.log_every))
     runner.bind(trainer.shardings["params"])
     state, progress = trainer.restore_or_init(fresh=lambda s: runner.load_encoder(s, trainer.abstract_params))
+    resumed = progress is not None
     source = {"workdir": runner.source.workdir, "step": runner.source.step} if runner.source else None
     if progress is None:    # the checkpoint read now; a resumed run reports the one its first start read
         progress = {"best": None, "last_eval": None, "predictions": [], "init": source, "data": runner.data_key}
@@ -88,6 +89,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
 
     # --------------------------------------------------------------------------------------- hooks
     writer = metrics_lib.MetricsWriter(workdir, owns_folder=lambda: workdir_lib.owns_folder(workdir))
+    if resumed:   # the rows the stopped process wrote past its checkpoint are redone (`metrics.read_metrics`)
+        writer.write(step, {"event": metrics_lib.RESUMED})
     bar = metrics_lib.Progress(total, step)
     eval_every = int(t.eval_every)
 

@@ -33,7 +33,7 @@ There is no `transformers` class for this positional scheme. `model.safetensors`
 parameter paths (`encoder.blocks_0.attention.qkv.kernel`, ...), arrays exactly as in `tupe_jax.model`; the
 `tupe_jax.model` section of `config.json` is the model config. Load it into a run of this project with
 
-    python -m launch import-hf --from={source} --workdir=runs/{name}
+    python -m launch import-hf --from=DIR --workdir=runs/{name}     # DIR: this folder, wherever it is now
 
 (see docs/interop.md in tupe-jax for the name map and for loading it in plain JAX).
 """
@@ -104,7 +104,7 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     try:
-        write_export(tmp, run, is_bert, name, name if remote else out)   # import-hf reads local folders
+        write_export(tmp, run, is_bert, name)
         if remote:
             upload(tmp, out)
         else:
@@ -116,9 +116,9 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
     return out
 
 
-def write_export(folder: str, run: Any, is_bert: bool, name: str, source: str = "") -> None:
-    """The export's files in the local `folder` (module docstring); `name` is the export's folder name, `source`
-    where `import-hf --from` finds it (its README's command; default `name`)."""
+def write_export(folder: str, run: Any, is_bert: bool, name: str) -> None:
+    """The export's files in the local `folder` (module docstring); `name` is the export's folder name (the same
+    bytes wherever the folder is written: its README names no path)."""
     cfg, model = run.model_cfg, run.config.model.to_dict()
     if is_bert:
         tensors = names.bert_from_params(run.params, names.bert_rows(cfg.num_layers,
@@ -132,7 +132,7 @@ def write_export(folder: str, run: Any, is_bert: bool, name: str, source: str = 
             "architectures": [arch], "model_type": NATIVE, "vocab_size": cfg.vocab_size,
             NATIVE: {"model": model, "step": run.step, "name_map": "param path joined with '.'"}})
         files.write_text(os.path.join(folder, "README.md"), README.format(pe=run.pe, objective=cfg.objective,
-                                                                          name=name, source=source or name))
+                                                                          name=name))
         metadata = {"format": NATIVE}   # one key: safetensors writes several in no fixed order (the scheme: config)
     safetensors_io.write(os.path.join(folder, safetensors_io.WEIGHTS), names_to_numpy(tensors), metadata)
     write_tokenizer(folder, run.tokenizer, cfg.max_len)

@@ -5,7 +5,6 @@ from typing import Optional
 
 import jax
 
-from tupe_jax import files
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import sharding as sharding_lib
 from tupe_jax import workdir as workdir_lib
@@ -18,7 +17,7 @@ from tupe_jax.pretrain.loop import validation_batches
 
 def evaluate(workdir: str, step: Optional[int] = None) -> dict[str, float]:
     """Restore `workdir` at `step` (default latest), evaluate on the whole validation split, log to metrics (not
-    while a run is live in that bucket folder: `live_run_in_bucket`)."""
+    while a run is live in that folder: `live_run`)."""
     workdir_lib.check_folder(workdir)          # it writes a metrics row: refuse a read-only folder before evaluating
     run = workdir_lib.load_run(workdir, step)
     config = run.config
@@ -34,23 +33,21 @@ def evaluate(workdir: str, step: Optional[int] = None) -> dict[str, float]:
     params = sharding_lib.replicate(run.params, mesh)
     sums = steps.run_eval(xla_options.jit(steps.make_eval_step(TransformerLM(run.model_cfg))), params, batches, mesh, 0)
     values = steps.summarize(sums, run.model_cfg.causal, prefix="eval_")
-    live = live_run_in_bucket(workdir)
+    live = live_run(workdir)
     if live is None:
         with metrics_lib.MetricsWriter(workdir) as writer:
             writer.write(run.step, {**values, "split": "validation", "evaluated_tokens": float(sums["weight"])})
     print(f"{workdir} step {run.step}: " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()), flush=True)
     if live is not None:
-        print(f"{workdir}: this row is not added to metrics.jsonl: {live}. A bucket object is appended to by "
-              "rewriting it whole, as that run does too, so one of the two writes could drop the other's rows; "
-              "evaluate again once the run has finished to record it", flush=True)
+        print(f"{workdir}: this row is not added to metrics.jsonl: {live}. That run writes the file (in a bucket "
+              "by rewriting the object whole, so one of the two writes could drop the other's rows; locally its "
+              "rows and this one would interleave, and its resume would drop rows past its checkpoint); evaluate "
+              "again once the run has finished to record it", flush=True)
     return values
 
 
-def live_run_in_bucket(workdir: str) -> Optional[str]:
-    """For a `gs://` workdir whose lease is live (a run is training there): who holds it; else None. A local folder
-    is appended to in place, safely beside a live run."""
-    if not files.is_remote(workdir):
-        return None
+def live_run(workdir: str) -> Optional[str]:
+    """For a workdir whose lock or lease is live (a run is training there): who holds it; else None."""
     try:
         workdir_lib.refuse_if_held(workdir)
     except UserError as err:

@@ -78,17 +78,19 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
                                             seed=int(config.train.seed))
     state, data_state = trainer.restore_or_init()
     start_step = int(state["step"])
-    if start_step >= total_steps:   # a finished run: nothing to train, so nothing is written (no event, no TB file)
+    finished = start_step >= total_steps
+    if finished and not _final_eval_missing(config, workdir, tokenizer, start_step, batch_size):
         print(f"{workdir} is at step {start_step} (train.steps = {total_steps}): nothing to train; evaluate it with "
               f"`python -m launch evaluate --workdir={workdir}`, or give a larger train.steps", flush=True)
-        checkpointer.close()
+        checkpointer.close()   # a finished run: nothing is written (no event, no TensorBoard file)
         return {"step": start_step}
     writer = metrics_lib.MetricsWriter(workdir, owns_folder=lambda: workdir_lib.owns_folder(workdir))
     if data_state is not None:
         workdir_lib.check_tokenizer(checkpointer.restore_meta(start_step), tokenizer.fingerprint,
                                     workdir_lib.tokenizer_path(workdir))
         train_iter.set_state(data_state)
-        print(f"resumed from step {start_step} of {workdir}", flush=True)
+        print(f"{workdir} is at step {start_step}: writing the final evaluation its run stopped before" if finished
+              else f"resumed from step {start_step} of {workdir}", flush=True)
         writer.write(start_step, {"event": metrics_lib.RESUMED})   # later rows of the old process were redone
 
     # --------------------------------------------------------------------------------------- hooks
@@ -142,11 +144,21 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
 
     # --------------------------------------------------------------------------------------- finish
     final: dict[str, Any] = {"step": outcome.step, **last_logged}
-    if not outcome.preempted and start_step < total_steps:
+    if not outcome.preempted and outcome.step >= total_steps:   # also a run that stopped just before it
         final.update(write_eval(outcome.step, outcome.state["params"]))
     checkpointer.close()
     writer.close()
     return final
+
+
+def _final_eval_missing(config: ml_collections.ConfigDict, workdir: str, tokenizer, step: int,
+                        batch_size: int) -> bool:
+    """A finished run (at `step`) without its final evaluation row: it stopped (preempted, killed) after its last
+    checkpoint and before evaluating. Rows of `launch evaluate` (they name their split) do not count."""
+    if validation_batches(config, tokenizer, batch_size) is None:
+        return False
+    rows = metrics_lib.read_metrics(workdir) if files.exists(files.join(workdir, "metrics.jsonl")) else []
+    return not any(int(r.get("step", -1)) == step and "eval_loss" in r and "split" not in r for r in rows)
 
 
 def _profile(config: ml_collections.ConfigDict, workdir: str) -> Optional[trainer_lib.Profile]:

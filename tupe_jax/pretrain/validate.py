@@ -6,16 +6,7 @@ import ml_collections
 
 from tupe_jax import data, model, optim, sharding, trainer
 from tupe_jax.config import require_finite, require_positive, require_seed
-from tupe_jax.errors import require
-
-
-_WARNED: set[str] = set()   # the launcher, the loop and a suite validate the same config: one warning each
-
-
-def _warn_once(line: str) -> None:
-    if line not in _WARNED:
-        _WARNED.add(line)
-        print(line, flush=True)
+from tupe_jax.errors import require, warn_once
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
@@ -24,6 +15,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     model.validate_config(config.model)
     model.validate_training(config, jax.default_backend(), (config.model.max_len,))
     mesh = sharding.resolve_mesh_shape(config.mesh, num_devices)
+    sharding.warn_miscompiled_mesh(mesh, jax.default_backend())
     require_positive(config, ("train.steps", "train.batch_size", "train.grad_accum_steps", "train.log_every"))
     require_positive(config, ("train.warmup_steps", "train.decay_steps", "train.eval_every", "train.eval_steps"),
                      allow_zero=True)
@@ -37,7 +29,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
             f"give a range within 1..{steps}")
     span, warmup = optim.schedule_span(steps, config.train.decay_steps, config.train.warmup_steps)
     if warmup < int(config.train.warmup_steps):     # learning_rate_fn cuts it: say so (smoke runs do this)
-        _warn_once(f"warning: train.warmup_steps = {config.train.warmup_steps} is longer than the schedule's {span} "
+        warn_once(f"warning: train.warmup_steps = {config.train.warmup_steps} is longer than the schedule's {span} "
                    f"steps; the warmup is cut to {span} (the rate peaks at the last step)")
     require_positive(config, ("checkpoint.every", "checkpoint.keep"))
     if "metrics" in config:
