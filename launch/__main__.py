@@ -22,7 +22,9 @@ for _name in ("google.auth", "google.auth._default", "gcsfs"):
 if __name__ == "__main__":
     _code = main()
     if _code == 130:   # interrupted: an interrupt that came while XLA was starting up can crash the interpreter's
-        sys.stdout.flush()   # teardown (SIGSEGV instead of 130); the run's files are closed or saved by now
+        import multiprocessing.util  # teardown (SIGSEGV instead of 130); the run's files are closed or saved by now,
+        multiprocessing.util._exit_function()  # pylint: disable=protected-access  # and prepare's pool is released
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)  # pylint: disable=protected-access
     sys.exit(_code)

@@ -51,6 +51,6 @@ def test_analysis_commands_on_pretrained_runs(tmp_path, monkeypatch, capsys):
 
     assert launch.main(["shuffle-attention", f"--workdir={rope}", "--text=the cat sat on the mat", "--layer=1",
                         f"--out={out}"]) == 0
-    assert (out / "shuffle_attention.png").is_file()
+    assert (out / "shuffle_attention_layer1.png").is_file() and (out / "shuffle_attention_layer1.json").is_file()
     assert launch.main(["correlations", f"--workdir={table}", "--layer=7"]) == 2
     assert "out of range" in capsys.readouterr().err

@@ -76,7 +76,7 @@ def test_overrides_convert_types():
 
 @pytest.mark.parametrize("overrides,needle", [
     ({"mesh.data": 3}, "mesh data*fsdp*tensor = 3 does not equal the 8 devices, --config.mesh.data"),
-    ({"mesh.data": -1, "mesh.fsdp": 3}, "--config.mesh.data"),
+    ({"mesh.data": -1, "mesh.fsdp": 3}, "--config.mesh.fsdp/--config.mesh.tensor, make mesh.fsdp x mesh.tensor divide 8"),
     ({"mesh.data": -1, "mesh.fsdp": -1}, "more than one mesh axis"),
     ({"mesh.tensor": 0}, "--config.mesh.tensor"),
     ({"train.batch_size": 12}, "--config.train.batch_size"),

@@ -33,9 +33,10 @@ def prepare_args(corpus, out, *extra, max_len=32, objective="mlm"):
     """The prepare command line; an override in `extra` replaces the default one (a key may be given once)."""
     overrides = dict(a.split("=", 1) for a in ("--config.data.name=text_files", f"--config.data.path={corpus}",
                                                "--config.prepare.shard_mb=0.004", "--config.data.num_threads=2",
-                                               *extra))
+                                               *extra) if a.startswith("--config."))
     return ["prepare", f"--config=configs/prepare.py:objective={objective},max_len={max_len},vocab_size=200",
-            f"--workdir={out}", *(f"{k}={v}" for k, v in overrides.items())]
+            f"--workdir={out}", *(f"{k}={v}" for k, v in overrides.items()),
+            *(a for a in extra if not a.startswith("--config."))]
 
 
 def run_launch(args, capsys):
@@ -245,7 +246,7 @@ def test_a_shard_from_other_settings_is_refused_on_resume(made, tmp_path, capsys
 
 
 @pytest.mark.slow
-def test_kill_9_during_prepare_then_rerun_gives_the_uninterrupted_result(tmp_path):
+def test_kill_9_or_sigterm_during_prepare_then_rerun_gives_the_uninterrupted_result(tmp_path):
     import signal
     import subprocess
     import sys
@@ -267,6 +268,24 @@ def test_kill_9_during_prepare_then_rerun_gives_the_uninterrupted_result(tmp_pat
     assert subprocess.run(args(tmp_path / "killed"), cwd=root, capture_output=True).returncode == 0
     a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("straight", "killed"))
     assert a["splits"] == b["splits"]   # per-shard counts, sizes and sha256: the same bytes
+    # SIGTERM (a preempted VM's notice): it ended the process with no word, its workers left running and the pool's
+    # semaphores leaked; now the workers are ended, one line says how to continue, and the rerun finishes the same
+    proc = subprocess.Popen(args(tmp_path / "termed"), cwd=root, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    train = tmp_path / "termed" / "train"
+    while proc.poll() is None and not (train.is_dir() and len(list(train.glob("*.json"))) >= 3):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("error: interrupted"), err[-2000:]
+    assert "leaked semaphore" not in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "termed" / "manifest.json").exists()
+    time.sleep(1.5)   # the workers' orphan guard polls every second; none may be left
+    left = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not left, left
+    assert subprocess.run(args(tmp_path / "termed"), cwd=root, capture_output=True).returncode == 0
+    c = json.loads((tmp_path / "termed" / "manifest.json").read_text())
+    assert a["splits"] == c["splits"]
 
 
 def test_an_empty_validation_split_is_refused_before_anything_is_written(tmp_path, capsys):

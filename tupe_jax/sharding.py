@@ -67,9 +67,11 @@ def resolve_mesh_shape(mesh: Mapping[str, int], num_devices: int) -> tuple[int, 
             f"--config.mesh.{fill[-1]}" if fill else "", "give at most one axis -1")
     known = math.prod(s for s in sizes if s != -1)
     if fill:
+        fixed = [a for a in MESH_AXES if a != fill[0]]
         require(num_devices % known == 0,
                 f"mesh axes other than {fill[0]} multiply to {known}, which does not divide the {num_devices} devices",
-                f"--config.mesh.{fill[0]}", "make the fixed axes divide the device count")
+                "/".join(f"--config.mesh.{a}" for a in fixed), f"make mesh.{fixed[0]} x mesh.{fixed[1]} divide "
+                f"{num_devices}")
         sizes = [num_devices // known if s == -1 else s for s in sizes]
     product = math.prod(sizes)
     require(product == num_devices, f"mesh data*fsdp*tensor = {product} does not equal the {num_devices} devices",

@@ -16,8 +16,10 @@ starts.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -39,6 +41,25 @@ def orphan_guard() -> None:
         os._exit(1)   # pylint: disable=protected-access
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While it lasts (main thread only), SIGTERM raises KeyboardInterrupt, so the pool's context ends its workers
+    and the launcher says how to continue (the default handler ended the process with its workers left running and
+    the semaphores of the pool leaked)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:  # pylint: disable=unused-argument
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def spawn_pool(num_workers: int, initializer: Callable = orphan_guard, initargs: tuple = ()):

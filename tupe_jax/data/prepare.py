@@ -312,7 +312,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict:
                   "writing them again", flush=True)
     result = {}
     for split in splits:
-        result[split] = prepare_split(config, out, split, tok, settings, workers(config), accepted)
+        with pool.sigterm_interrupts():   # finished shards are kept: a rerun writes the rest
+            result[split] = prepare_split(config, out, split, tok, settings, workers(config), accepted)
         print(f"prepare: {split}: {result[split]['examples']} examples, {result[split]['tokens']} tokens in "
               f"{len(result[split]['shards'])} shards", flush=True)
     manifest = {"format": FORMAT, "settings": settings, "splits": result,
