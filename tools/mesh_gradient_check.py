@@ -69,7 +69,8 @@ def main() -> int:
     args = parser.parse_args()
     errors = check()
     wrong = sorted(k for k, v in errors.items() if v > TOLERANCE)
-    result = {"platform": jax.default_backend(), "jax": jax.__version__, "device_kind": jax.devices()[0].device_kind,
+    result = {"command": " ".join(["python tools/mesh_gradient_check.py", *sys.argv[1:]]),
+              "platform": jax.default_backend(), "jax": jax.__version__, "device_kind": jax.devices()[0].device_kind,
               "relative_error": errors, "tolerance": TOLERANCE, "wrong_meshes": wrong}
     print(json.dumps(result, indent=1))
     if args.json:
