@@ -103,11 +103,12 @@ def standard_scale(settings: PositionalSettings) -> float:
     return settings.head_dim ** -0.5
 
 
-def check_table_length(needed: int, rows: int, scheme: str) -> None:
-    """Learned tables never clamp: an input longer than the table is an error."""
-    if needed > rows:
+def check_table_length(needed: int, max_len: int) -> None:
+    """Learned tables never clamp: an input longer than the table's `max_len` positions is an error (a TUPE MLM
+    table has one more row, [CLS]'s, which is not a position)."""
+    if needed > max_len:
         raise UserError(
-            f"input needs {needed} positions but the '{scheme}' position table has {rows} rows",
+            f"input needs {needed} positions but the learned position table covers {max_len} (model.max_len)",
             "model.max_len",
             "raise --config.model.max_len (and retrain) or use a scheme without a table "
             "(sinusoidal, rope, alibi, t5, nopos)",

@@ -20,7 +20,7 @@ class LearnedAbsolute(nn.Module):
     @nn.compact
     def __call__(self, length: int, offset: int = 0) -> PositionalTerms:
         s = self.settings
-        check_table_length(offset + length, s.max_len, "bert_a")
+        check_table_length(offset + length, s.max_len)
         table = self.param("table", normal_init(0.02, ("pos", "embed")), (s.max_len, s.hidden_size), jnp.float32)
         rows = nn.meta.unbox(table)[offset:offset + length]
         return PositionalTerms(input_vector=rows.astype(s.dtype), logit_scale=standard_scale(s))

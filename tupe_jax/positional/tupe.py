@@ -104,7 +104,7 @@ class UntiedPositional(nn.Module):
         scale = tupe_scale(s)
         if cls and offset:
             raise ValueError("an untied [CLS] sits at index 0; position offsets are not defined for it")
-        check_table_length(offset + length, s.max_len, "tupe")
+        check_table_length(offset + length, s.max_len)
         qp, kp = self.proj(offset, length + int(cls))
         if not cls:
             return jnp.einsum("qhd,khd->hqk", qp, kp) * scale
@@ -120,7 +120,7 @@ class UntiedPositional(nn.Module):
         cls = s.has_cls
         if cls and offset:
             raise ValueError("an untied [CLS] sits at index 0; position offsets are not defined for it")
-        check_table_length(offset + length, s.max_len, "tupe")
+        check_table_length(offset + length, s.max_len)
         qp, kp = self.proj(offset, length + int(cls))
         if cls:
             theta2 = jnp.sum(qp[1] * kp[1], axis=-1)                         # (H,) θ2·√(2d_h), row 1 = p_θ2
@@ -182,7 +182,7 @@ class DisentangledAbsolute(nn.Module):
     @nn.compact
     def __call__(self, length: int, offset: int = 0) -> PositionalTerms:
         s = self.settings
-        check_table_length(offset + length, s.max_len, "bert_ad")
+        check_table_length(offset + length, s.max_len)
         qp, kp = PositionProjections(s, rows=s.max_len, name="proj")(offset, length)
 
         def add_positions(q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
