@@ -37,6 +37,7 @@ class Command:
     call: Callable[[Callable[..., Any], Any, argparse.Namespace], Any]
     validator: str = ""          # "" = the command reads its config from --workdir
     adopt: str = ""
+    config_file: str = ""        # configs/<name>.py: the keys this command reads (a --config file must have them)
 
     @property
     def needs_config(self) -> bool:
@@ -44,27 +45,25 @@ class Command:
 
     def reference(self) -> tuple[Any, str]:
         """(the config with the keys this command reads, its file): a --config file must have the same keys."""
-        name = _REFERENCE[self.validator]
-        return resolve(f"configs.{name}:get_config")(None), f"configs/{name}.py"
+        return resolve(f"configs.{self.config_file}:get_config")(None), f"configs/{self.config_file}.py"
 
 
 _PRETRAIN = "tupe_jax.pretrain.validate:validate"
 _FINETUNE = "tupe_jax.finetune.validate:validate"
 _ADOPT = "tupe_jax.finetune.init_from:adopt_model_keys"   # the model keys of config.init_from's run
-_REFERENCE = {_PRETRAIN: "pretrain", _FINETUNE: "glue", "tupe_jax.data.prepare:validate": "prepare",
-              "tupe_jax.analysis.suite:validate": "compare"}
 COMMANDS: dict[str, Command] = {
     "pretrain": Command("tupe_jax.pretrain.loop", "pretrain", "pretrain a model (MLM or causal LM)",
-                        lambda fn, cfg, a: fn(cfg, a.workdir), _PRETRAIN),
+                        lambda fn, cfg, a: fn(cfg, a.workdir), _PRETRAIN, config_file="pretrain"),
     "prepare": Command("tupe_jax.data.prepare", "prepare",
                        "tokenize a corpus once, in parallel, into sharded ArrayRecord + manifest (--workdir=DIR)",
-                       lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.data.prepare:validate"),
+                       lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.data.prepare:validate",
+                       config_file="prepare"),
     "evaluate": Command("tupe_jax.pretrain.evaluate", "evaluate", "evaluate a pretraining checkpoint",
                         lambda fn, cfg, a: fn(a.workdir, a.step)),
     "finetune": Command("tupe_jax.finetune.loop", "finetune", "fine-tune a pretrained run on a GLUE task",
-                        lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE, _ADOPT),
+                        lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE, _ADOPT, "glue"),
     "glue-sweep": Command("tupe_jax.finetune.sweep", "sweep", "fine-tune over GLUE tasks and learning rates",
-                          lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE, _ADOPT),
+                          lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE, _ADOPT, "glue"),
     "extrapolate": Command("tupe_jax.analysis.extrapolate", "run",
                            "perplexity / MLM loss vs evaluation length (several --workdir: one line each)",
                            lambda fn, cfg, a: fn(a.workdir, _lengths(a.lengths), mode=a.mode, stride=a.stride,
@@ -80,7 +79,7 @@ COMMANDS: dict[str, Command] = {
                                                        step=a.step)),
     "compare": Command("tupe_jax.analysis.suite", "run", "run a suite over positional schemes and tabulate",
                        lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.analysis.suite:validate",
-                       "tupe_jax.analysis.suite_glue:refuse_set_keys"),
+                       "tupe_jax.analysis.suite_glue:refuse_set_keys", "compare"),
     "demo": Command("launch.demo", "demo", "the end-to-end demo on the embedded corpus",
                     lambda fn, cfg, a: fn(a.workdir)),
     "import-hf": Command("launch.interop", "import_hf", "a Hugging Face BERT folder (safetensors) -> a bert_a run",

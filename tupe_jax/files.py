@@ -118,6 +118,11 @@ def listdir(path: Any) -> list[str]:
     return sorted(p.name for p in _epath(path).iterdir()) if is_remote(path) else os.listdir(path)
 
 
+def glob(path: Any, pattern: str) -> list[str]:
+    """The paths under the folder `path` that match `pattern` (e.g. "*/config.json"), sorted."""
+    return sorted(str(p) for p in _epath(path).glob(pattern))
+
+
 def makedirs(path: Any) -> None:
     if is_remote(path):
         _epath(path).mkdir(parents=True, exist_ok=True)

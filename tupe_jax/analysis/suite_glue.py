@@ -62,19 +62,18 @@ def refuse_set_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, over
 
 def validate_finetunes(config: ml_collections.ConfigDict, seed: int, num_devices: int) -> None:
     """The fine-tunes' own checks (e.g. finetune.train.warmup_ratio) on the first one's config, before any
-    pretraining; a key is named as the suite's (`--config.finetune.train.x`, `--config.glue.x`)."""
+    pretraining; a key of the fine-tune's own sections is named as the suite's (`--config.finetune.train.x`)."""
     tasks = glue_tasks(config)                    # unknown tasks / a missing glue_dir fail before any training
     if not tasks:
         return
     try:
         validate_finetune(_glue_base(config, parse_schemes(config)[0], seed, "", tasks[0]), num_devices)
-    except UserError as err:
-        where = err.where
-        if where.startswith("--config.") and not where.startswith(("--config.model.", "--config.data.",
-                                                                   "--config.mesh.")):
-            where = "--config.finetune." + where[len("--config."):]
-        raise UserError(err.what.replace("train.", "finetune.train.", 1) if where != err.where else err.what,
-                        where, err.fix) from None
+    except UserError as err:   # model/data/mesh are the suite's own sections; the rest is under `finetune`
+        if not err.where.startswith("--config.") or err.where.startswith(("--config.model.", "--config.data.",
+                                                                           "--config.mesh.")):
+            raise
+        raise UserError(f"the fine-tunes' {err.what}", "--config.finetune." + err.where[len("--config."):],
+                        err.fix) from None
 
 
 def glue_tasks(config: ml_collections.ConfigDict) -> list[str]:

@@ -61,9 +61,7 @@ def _has_results(workdir: str) -> bool:
 
 def _holds_runs(workdir: str) -> bool:
     """A run's config.json is in a sub-folder up to three levels down (a suite's, a sweep's sub-runs)."""
-    root = files._epath(workdir)  # pylint: disable=protected-access
-    return any(next(iter(root.glob("/".join(["*"] * depth) + "/config.json")), None) is not None
-               for depth in (1, 2, 3))
+    return any(files.glob(workdir, "/".join(["*"] * depth) + "/config.json") for depth in (1, 2, 3))
 
 
 # What the top-level keys of a config.json say the folder holds (a pretraining run: none of these).
