@@ -280,8 +280,10 @@ def test_kill_9_or_sigterm_during_prepare_then_rerun_gives_the_uninterrupted_res
     assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("error: interrupted"), err[-2000:]
     assert "leaked semaphore" not in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "termed" / "manifest.json").exists()
-    time.sleep(1.5)   # the workers' orphan guard polls every second; none may be left
-    left = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    deadline = time.time() + 20   # the pool's workers and multiprocessing's resource tracker end; none may stay
+    while (left := subprocess.run(["ps", "-o", "pid=,args=", "-s", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.strip()) and time.time() < deadline:
+        time.sleep(0.5)
     assert not left, left
     assert subprocess.run(args(tmp_path / "termed"), cwd=root, capture_output=True).returncode == 0
     c = json.loads((tmp_path / "termed" / "manifest.json").read_text())
