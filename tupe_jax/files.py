@@ -1,8 +1,8 @@
 """The path layer: every run-folder and data path goes through here, local or in a bucket (`gs://...`).
 
-Local paths use `os` exactly as before; a path with a scheme (`gs://bucket/run`) goes through `etils.epath`
-(gcsfs underneath, the library Orbax uses too; checkpoint arrays go through tensorstore, which reads gs:// paths
-itself). Whole files are written atomically: locally a temporary file + rename; in a bucket an object upload is
+Local paths use `os`; a path with a scheme (`gs://bucket/run`) goes through `etils.epath` (gcsfs underneath, the
+library Orbax uses too; checkpoint arrays go through tensorstore, which reads gs:// paths itself), whole-file reads
+through gcsfs's one-request get. Whole files are written atomically: locally a temporary file + rename; in a bucket an object upload is
 atomic by nature (an object appears whole or not at all). Appending (`append_text`) is native locally; in a bucket,
 objects are immutable, so the object is rewritten whole (`metrics.MetricsWriter` buffers rows and flushes them at
 intervals and at every checkpoint, so a rewrite happens seldom).
@@ -139,8 +139,7 @@ def remove(path: Any) -> None:
 
 def rmtree(path: Any) -> None:
     if is_remote(path):
-        if _epath(path).exists():
-            _epath(path).rmtree()
+        _epath(path).rmtree(missing_ok=True)
     else:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -153,8 +152,15 @@ def rename(src: Any, dst: Any) -> None:
 
 
 def read_text(path: Any) -> str:
+    """The file's text; a bucket object's in one request, so one whole generation of it even while another process
+    rewrites it (a file object asks for the size, then for that many bytes of whatever generation is current)."""
     if is_remote(path):
-        return _epath(path).read_text(encoding="utf-8")
+        import fsspec  # pylint: disable=import-outside-toplevel
+        fs, name = fsspec.core.url_to_fs(str(path))
+        try:
+            return fs.cat_file(name).decode("utf-8")
+        except FileNotFoundError:
+            raise FileNotFoundError(str(path)) from None
     with open(path, encoding="utf-8") as f:
         return f.read()
 
@@ -291,14 +297,9 @@ def delete_object(path: Any, generation: int) -> bool:
 
 def _default(value: Any) -> Any:
     """JSON for NumPy scalars/arrays and paths (anything else is an error, not a silent str())."""
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
+    for kind, convert in ((np.integer, int), (np.floating, float), (np.ndarray, np.ndarray.tolist), (Path, str)):
+        if isinstance(value, kind):
+            return convert(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
