@@ -9,7 +9,7 @@ import os
 from errors_cases_cli import CLI_CASES
 from errors_inputs import (Case, OpensAFile, ROOT, base_run, config_only_workdir, copy_run, damaged_cache, damaged_run,
                            dangling_link, fairseq_ckpt, fairseq_no_dict, finetune, finetune_run,
-                           finetune_run_with_checkpoints, glue_copy, glue_drop,
+                           finetune_run_with_checkpoints, glue_copy, glue_drop, glue_sweep_root,
                            import_fairseq, learned_table, locked, mismatched_tokenizer_workdir, not_a_checkpoint,
                            other_run_workdir, pretrain, write)
 
@@ -173,6 +173,8 @@ CASES = [
          "does not match its checkpoint step 10"),
     Case("evaluate_finetune_run", "`evaluate` on a fine-tuning workdir",
          lambda e: ["evaluate", f"--workdir={finetune_run(e)}"], "is a fine-tuning run (rte)"),
+    Case("evaluate_glue_sweep", "`evaluate` on a glue-sweep folder (it said \"a fine-tuning run (rte)\")",
+         lambda e: ["evaluate", f"--workdir={glue_sweep_root(e)}"], "is a glue-sweep folder (cola,rte)"),
     Case("probe_finetune_run", "`probe` on a fine-tuning workdir",
          lambda e: ["probe", f"--workdir={finetune_run(e)}"], "is a fine-tuning run (rte)"),
     Case("demo_on_other_run", "`demo` on a workdir that holds another run",

@@ -211,6 +211,17 @@ def finetune_run(env: Env) -> str:
     return config_only_workdir(env, "finetune_run", config_lib.to_json(config))
 
 
+def glue_sweep_root(env: Env) -> str:
+    """A `glue-sweep` folder over cola and rte: its config.json and one sub-run's below it."""
+    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    config = config_lib.load_config(f"{GLUE[len('--config='):]}:task=rte")
+    with config.unlocked():
+        config.sweep.tasks = "cola,rte"
+    path = config_only_workdir(env, "glue_sweep", config_lib.to_json(config))
+    write(os.path.join(path, "rte", "lr=0.0001", "seed=0", "config.json"), config_lib.to_json(config).encode())
+    return path
+
+
 def finetune_run_with_checkpoints(env: Env) -> str:
     """A fine-tuning run's folder as init_from sees one: its config.json and a checkpoints/ folder."""
     from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel

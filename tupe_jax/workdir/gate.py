@@ -59,7 +59,7 @@ def _has_results(workdir: str) -> bool:
     return any(files.exists(files.join(workdir, name)) for name in RESULTS)
 
 
-def _holds_runs(workdir: str) -> bool:
+def holds_runs(workdir: str) -> bool:
     """A run's config.json is in a sub-folder up to three levels down (a suite's, a sweep's sub-runs)."""
     return any(files.glob(workdir, "/".join(["*"] * depth) + "/config.json") for depth in (1, 2, 3))
 
@@ -67,6 +67,13 @@ def _holds_runs(workdir: str) -> bool:
 # What the top-level keys of a config.json say the folder holds (a pretraining run: none of these).
 KINDS = (("suite", "a compare suite (`launch compare`)"), ("prepare", "a prepared corpus (`launch prepare`)"),
          ("task", "a fine-tuning run"))
+
+
+def finetune_kind(workdir: str, config: Any) -> str:
+    """"a glue-sweep folder (cola,rte)" for a sweep's root (its sub-runs below it), else "a fine-tuning run (rte)"."""
+    if holds_runs(workdir):
+        return f"a glue-sweep folder ({config.get('sweep', {}).get('tasks') or config.task})"
+    return f"a fine-tuning run ({config.task})"
 
 
 def folder_kind(config: Any) -> str:
@@ -122,7 +129,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
                         "give each command its own workdir" + (" (init_from reads the pretraining run, it is not "
                                                                "written)" if "task" in new else ""))
     if overwrite:
-        require(step is None and not _has_results(workdir) and not _holds_runs(workdir),
+        require(step is None and not _has_results(workdir) and not holds_runs(workdir),
                 f"--overwrite_config would misrepresent {workdir}: its checkpoints/results were made with the "
                 "stored config.json", "--overwrite_config", "use a fresh workdir")
         return []
@@ -134,7 +141,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
                                                                 and "task" not in new)]
     if refused:
         more = f" and {len(refused) - 1} more ({', '.join(refused[1:4])})" if len(refused) > 1 else ""
-        fresh = step is None and not _has_results(workdir) and not _holds_runs(workdir)
+        fresh = step is None and not _has_results(workdir) and not holds_runs(workdir)
         first = _shown(refused[0], flat_old.get(refused[0]), flat_new.get(refused[0]))
         raise UserError(f"{path} holds a run with {first}{more}", "--workdir",
                         "resume with the run's settings (only steps, logging, checkpointing, mesh and data-loading "

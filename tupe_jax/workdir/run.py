@@ -14,7 +14,7 @@ from tupe_jax.data.tokenizer import get_tokenizer
 from tupe_jax.errors import UserError
 from tupe_jax.model import ModelConfig, TransformerLM
 from tupe_jax.positional import TABLE_SCHEMES, canonical_name
-from tupe_jax.workdir.gate import folder_kind, read_config, tokenizer_path
+from tupe_jax.workdir.gate import finetune_kind, folder_kind, read_config, tokenizer_path
 from tupe_jax.workdir.meta import check_tokenizer, read_kept_step, read_meta
 
 
@@ -55,7 +55,7 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
     """A finished (or running) pretraining run's config, params (default device), tokenizer and step."""
     config = read_config(workdir)
     if "task" in config:
-        raise UserError(f"{workdir} is a fine-tuning run ({config.task}); this command reads a pretraining run",
+        raise UserError(f"{workdir} is {finetune_kind(workdir, config)}; this command reads a pretraining run",
                         "--workdir", "point it at the run given as init_from, or at a `launch pretrain` workdir")
     if folder_kind(config) != "a pretraining run":
         raise UserError(f"{workdir} holds {folder_kind(config)}; this command reads a pretraining run", "--workdir",
