@@ -1,6 +1,6 @@
 """Runs stopped at awkward moments: after the last checkpoint and before the final evaluation, a fine-tune killed
 between checkpoints, an unfinished save at a step the run never saves again, a second Ctrl-C while the first one's
-save commits, a preempted `compare`, and `evaluate` beside a live local run."""
+save commits, a SIGTERM during a process's first step, a preempted `compare`, and `evaluate` beside a live local run."""
 import json
 import os
 import shutil
@@ -43,9 +43,35 @@ def test_a_run_stopped_after_its_last_checkpoint_writes_its_final_evaluation_on_
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
 
 
+def test_a_preemption_during_a_process_first_step_saves_nothing_and_the_rerun_is_the_uninterrupted_run(
+        tmp_path, monkeypatch, capsys):
+    """SIGTERM while a process's first step compiles (minutes for a big model; no signal cuts that short): the run
+    used to finish the step and save it, spending the notice's seconds to spare a rerun one step. It stops without
+    saving, and the rerun's history and checkpoints are the uninterrupted run's."""
+    devices = jax.devices()[:1]
+    config = tiny_config(tmp_path / "cache", 4, **{"checkpoint.async_save": "false", "checkpoint.every": "2"})
+    pretrain_loop.pretrain(config, str(tmp_path / "ref"), devices=devices)
+    for stopped_at, resumes_from in ((0, "the beginning"), (2, "step 2")):
+        run = tmp_path / f"run{stopped_at}"
+        if stopped_at:
+            pretrain_loop.pretrain(config, str(run), devices=devices, stop_after=stopped_at)
+        before = ckpt.Checkpointer(str(run), read_only=True).all_steps() if stopped_at else []
+        monkeypatch.setitem(ckpt._STOP, "requested", True)   # pylint: disable=protected-access
+        capsys.readouterr()
+        pretrain_loop.pretrain(config, str(run), devices=devices)
+        monkeypatch.setitem(ckpt._STOP, "requested", False)  # pylint: disable=protected-access
+        out = capsys.readouterr().out
+        assert f"preemption during this process's first step: nothing saved; a rerun starts from {resumes_from}" \
+            in out and "saved step" not in out, out
+        assert ckpt.Checkpointer(str(run), read_only=True).all_steps() == before
+        pretrain_loop.pretrain(config, str(run), devices=devices)
+        assert _untimed(read_metrics(str(run))) == _untimed(read_metrics(str(tmp_path / "ref")))
+        assert ckpt.Checkpointer(str(run), read_only=True).all_steps() == [2, 4]
+
+
 def test_a_finetune_killed_between_checkpoints_has_one_history(tmp_path):
     """A fine-tune wrote no 'resumed' marker, so the rows a killed process wrote past its checkpoint were read
-    twice after the restart (steps 5 and 6 here)."""
+    twice after the restart (steps 5 and 6 here; all six when it was killed before its first checkpoint)."""
     glue = tmp_path / "glue"
     write_glue_dir(str(glue))
     make_pretrained(tmp_path / "pre", tmp_path / "cache", pe="tupe_r")
@@ -56,13 +82,16 @@ def test_a_finetune_killed_between_checkpoints_has_one_history(tmp_path):
     config.train.update(dict(batch_size=16, eval_batch_size=16, log_every=1, steps=6, eval_every=3))
     config.checkpoint.update(dict(every=2, async_save=False))
     ft_loop.finetune(config, str(tmp_path / "ref"))
-    shutil.copytree(tmp_path / "ref", tmp_path / "run")
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")          # as a kill -9 after step 6's rows, before its
-    os.remove(tmp_path / "run" / "results.json")                   # checkpoint committed
-    ft_loop.finetune(config, str(tmp_path / "run"))
-    ours = _untimed(read_metrics(str(tmp_path / "run")))
-    assert [r["step"] for r in ours] == [r["step"] for r in _untimed(read_metrics(str(tmp_path / "ref")))]
-    assert ours == _untimed(read_metrics(str(tmp_path / "ref")))
+    for run, removed in ((tmp_path / "run", {"6"}), (tmp_path / "run-before-any", {"5", "6"})):
+        shutil.copytree(tmp_path / "ref", run)
+        assert sorted(os.listdir(run / "checkpoints")) == ["5", "6"]     # the two it keeps
+        for step in removed:                   # as a kill -9 after step 6's rows, before its checkpoint committed
+            shutil.rmtree(run / "checkpoints" / step)     # (or before the first one did)
+        os.remove(run / "results.json")
+        ft_loop.finetune(config, str(run))
+        ours = _untimed(read_metrics(str(run)))
+        assert [r["step"] for r in ours] == [r["step"] for r in _untimed(read_metrics(str(tmp_path / "ref")))]
+        assert ours == _untimed(read_metrics(str(tmp_path / "ref")))
 
 
 def test_an_unfinished_save_at_a_step_never_saved_again_is_removed(tmp_path, capsys):

@@ -136,7 +136,8 @@ def test_two_pretrain_processes_on_one_workdir_then_kill_9_and_resume(tmp_path):
     text = "".join(seen) + rest
     assert "taking over the lock left by process" in text and str(first.pid) in text, text[-2000:]
     assert third.returncode == 0, text[-2000:]
-    assert workdir_lib.checkpoint_steps(wd)[-1] > steps[-1]
+    latest = workdir_lib.checkpoint_steps(wd)[-1]      # SIGTERM in its first step (compiling) saves nothing new
+    assert latest > steps[-1] or (latest == steps[-1] and f"nothing saved; a rerun starts from step {latest}" in text)
     assert not os.path.exists(os.path.join(wd, ".lock"))
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tupe_jax import metrics
+from tupe_jax.errors import UserError
 
 
 def test_writer_jsonl_and_tensorboard(tmp_path):
@@ -45,6 +46,28 @@ def test_resume_marker_supersedes_the_redone_steps(tmp_path):
     rows = metrics.read_metrics(str(tmp_path))
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
     assert len(metrics.read_metrics(str(tmp_path), raw=True)) == 9
+
+
+def test_a_torn_last_row_is_cut_when_a_writer_opens_and_a_bad_row_before_the_last_is_an_error(tmp_path, capsys):
+    """A process killed mid-row left the file ending inside it; the next writer's first row continued that line,
+    so both were unreadable and skipped in silence (a lost `resumed` row kept the stale rows of steps 5 and 6)."""
+    with metrics.MetricsWriter(str(tmp_path), enabled=True, tensorboard=False) as w:
+        for step in (1, 2, 3, 4, 5, 6):
+            w.write(step, {"loss": float(step)})
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 7, "lo')                      # killed while writing step 7's row
+    assert [r["step"] for r in metrics.read_metrics(str(tmp_path))] == [1, 2, 3, 4, 5, 6]   # a live run's last row
+    with metrics.MetricsWriter(str(tmp_path), enabled=True, tensorboard=False) as w:
+        w.write(4, {"event": metrics.RESUMED})
+        w.write(5, {"loss": 15.0})
+    assert "its last row was cut short" in capsys.readouterr().out
+    assert [(r["step"], r["loss"]) for r in metrics.read_metrics(str(tmp_path))] == [(1, 1.0), (2, 2.0), (3, 3.0),
+                                                                                    (4, 4.0), (5, 15.0)]
+    lines = (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:2] + ['{"step": 3, "lo'] + lines[3:]) + "\n")
+    with pytest.raises(UserError, match=r"^error: .*metrics.jsonl line 3 is not a JSON row \('\{\"step\": 3, \"lo'\), "
+                                        r"--workdir, "):
+        metrics.read_metrics(str(tmp_path))
 
 
 def test_writer_disabled_writes_nothing(tmp_path):

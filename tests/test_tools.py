@@ -36,3 +36,21 @@ def test_scale_scan_never_replaces_a_scan_with_fewer_runs(tmp_path):
     ok = _scan(f"--runs={tmp_path / 'runs'}", f"--out={out}")
     assert ok.returncode == 0, ok.stderr
     assert set(json.loads((out / "scan.json").read_text())["runs"]) == {"tiny-bert_a-mlm", "tiny-nopos-mlm"}
+
+
+def test_the_scale_scan_reads_a_run_history_as_read_metrics_does(tmp_path):
+    """It parsed metrics.jsonl itself: a `launch evaluate` row became a point of the curve, the rows a resumed run
+    redid were counted twice, and a torn last row was a traceback."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import scale_scan  # pylint: disable=import-outside-toplevel
+    finally:
+        sys.path.pop(0)
+    rows = [{"step": 25, "loss": 7.0, "step_time_s": 0.5}, {"step": 50, "eval_loss": 6.0},
+            {"step": 75, "loss": 9.0, "step_time_s": 0.5}, {"step": 100, "eval_loss": 9.9},      # redone below
+            {"step": 50, "event": "resumed"}, {"step": 75, "loss": 5.0, "step_time_s": 0.5},
+            {"step": 100, "eval_loss": 5.5}, {"step": 100, "eval_loss": 5.4, "split": "validation"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 1')
+    curve = scale_scan.curve(str(tmp_path))
+    assert [(r["step"], r["eval_loss"]) for r in curve] == [(50, 6.0), (100, 5.5)]
+    assert [round(r["minutes"] * 60, 6) for r in curve] == [12.5, 37.5]     # 0.5 s x 75 steps by step 100

@@ -44,8 +44,10 @@ def command(name: str, data: str, runs: str) -> list[str]:
 
 
 def curve(path: str) -> list[dict]:
-    """Validation rows of one run, each with `minutes`: the training time spent up to that step."""
-    rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl")) if line.strip()]
+    """Validation rows of one run, each with `minutes`: the training time spent up to that step (the run's history
+    as `read_metrics` gives it, redone steps once; rows a later `launch evaluate` added are not its curve)."""
+    from tupe_jax.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+    rows = [r for r in read_metrics(path) if "split" not in r]
     seconds, prev, at = 0.0, 0, {}
     for r in rows:
         if "step_time_s" in r and int(r["step"]) > prev:

@@ -56,7 +56,7 @@ def write_replicas_whole_in_one_process() -> None:
 def install_sigterm_handler() -> None:
     """Make SIGTERM set a flag (see `stop_requested`) instead of killing the process mid-step."""
     def handler(signum: int, frame: Any) -> None:  # pylint: disable=unused-argument
-        log.warning("SIGTERM received: will save a checkpoint at the end of this step and exit")
+        log.warning("SIGTERM received: will save this step (unless it is the process's first) and exit")
         _STOP["requested"] = True
     signal.signal(signal.SIGTERM, handler)
 

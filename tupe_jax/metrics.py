@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from tupe_jax import files
+from tupe_jax.errors import UserError
 
 # Dense bf16 peak TFLOP/s per device, by `jax.devices()[0].device_kind` substring (lower-cased). 0 = unknown.
 PEAK_TFLOPS = (
@@ -58,6 +59,17 @@ def _scalar(value: Any) -> float | int | str:
     return float(item) if isinstance(item, float) else item
 
 
+def _cut_torn_row(path: str) -> None:
+    """A process killed while writing a row left `path` ending inside it: cut that fragment (one line says so), or
+    the next row would continue it and neither could be read (a `resumed` row lost that way kept stale rows)."""
+    text = files.read_text(path) if files.exists(path) else ""
+    if text and not text.endswith("\n"):
+        keep = text.rfind("\n") + 1
+        print(f"{path}: its last row was cut short (a process stopped while writing it); removed its "
+              f"{len(text) - keep} bytes", flush=True)
+        files.write_text(path, text[:keep])
+
+
 class MetricsWriter:
     """Append one JSON object per logged step to `workdir/metrics.jsonl` and mirror it to TensorBoard.
 
@@ -82,6 +94,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         files.makedirs(workdir)
+        _cut_torn_row(self.path)
         if not self._remote:
             self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
         if tensorboard:   # in a bucket: events are written to a local staging folder and uploaded at each flush
@@ -174,23 +187,38 @@ RESUMED = "resumed"  # value of the `event` key of the row a restarted run write
 
 
 def read_metrics(workdir: str, raw: bool = False) -> list[dict[str, Any]]:
-    """The rows of `workdir/metrics.jsonl` (skipping a torn last line), as one history.
+    """The rows of `workdir/metrics.jsonl` (a torn last row skipped, an unreadable one before it an error), as one
+    history.
 
     A run killed after its step-N checkpoint and restarted redoes steps N+1..; it first writes a row
     {"step": N, "event": "resumed"}. Such a row drops the earlier rows of steps > N (the file keeps them) and is
     not returned itself. `raw=True` returns every row as written, markers included.
     """
     rows: list[dict[str, Any]] = []
-    for line in files.read_text(files.join(workdir, "metrics.jsonl")).splitlines():
+    path = files.join(workdir, "metrics.jsonl")
+    lines = files.read_text(path).split("\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            if number == len(lines):     # the row a live run is writing, or a killed one's torn last row
+                continue
+            raise UserError(f"{path} line {number} is not a JSON row ({line[:40]!r})", "--workdir",
+                            "restore the file, or delete that line if the rows around it are whole") from None
         if not raw and row.get("event") == RESUMED:
             rows = [r for r in rows if int(r.get("step", 0)) <= int(row["step"])]
             continue
         rows.append(row)
     return rows
+
+
+def rows_past(workdir: str, step: int) -> bool:
+    """Whether `workdir/metrics.jsonl` holds rows past `step`: a process that stopped before its first checkpoint
+    wrote them, and a run starting again at `step` redoes them (it writes a `resumed` row there first)."""
+    path = files.join(workdir, "metrics.jsonl")
+    return files.exists(path) and any(int(r.get("step", 0)) > step for r in read_metrics(workdir))
 
 
 def format_duration(seconds: float) -> str:

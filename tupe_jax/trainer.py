@@ -267,6 +267,13 @@ class Trainer:
             pending = (step, device_metrics)
             preempted = interrupt["set"] or self.checkpointer.reached_preemption(step) or (
                 stop_after is not None and step - start >= stop_after)
+            if preempted and step == start + 1 and stop_after is None:
+                # The signal came while the first step compiled (minutes for a big model, which no signal cuts
+                # short): a save of step start+1 would spend the notice's seconds to spare a rerun one step.
+                why = "interrupted" if interrupt["set"] else "preemption"
+                print(f"{why} during this process's first step: nothing saved; a rerun starts from "
+                      f"{f'step {start}' if start else 'the beginning'}; exiting", flush=True)
+                break
             save = (step % every == 0 or step == total_steps or preempted
                     or (hooks.checkpoint_due is not None and hooks.checkpoint_due(step)))
             if save or (hooks.sync_due is not None and hooks.sync_due(step)):

@@ -89,8 +89,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
 
     # --------------------------------------------------------------------------------------- hooks
     writer = metrics_lib.MetricsWriter(workdir, owns_folder=lambda: workdir_lib.owns_folder(workdir))
-    if resumed:   # the rows the stopped process wrote past its checkpoint are redone (`metrics.read_metrics`)
-        writer.write(step, {"event": metrics_lib.RESUMED})
+    if resumed or metrics_lib.rows_past(workdir, 0):   # the rows a stopped process wrote past its checkpoint (or
+        writer.write(step, {"event": metrics_lib.RESUMED})   # before its first) are redone (`metrics.read_metrics`)
     bar = metrics_lib.Progress(total, step)
     eval_every = int(t.eval_every)
 

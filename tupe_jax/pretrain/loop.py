@@ -92,6 +92,9 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
         print(f"{workdir} is at step {start_step}: writing the final evaluation its run stopped before" if finished
               else f"resumed from step {start_step} of {workdir}", flush=True)
         writer.write(start_step, {"event": metrics_lib.RESUMED})   # later rows of the old process were redone
+    elif metrics_lib.rows_past(workdir, 0):
+        print(f"{workdir} has no checkpoint yet: training from step 0 again", flush=True)
+        writer.write(0, {"event": metrics_lib.RESUMED})
 
     # --------------------------------------------------------------------------------------- hooks
     eval_step = xla_options.jit(steps.make_eval_step(model), in_shardings=(trainer.shardings["params"],
