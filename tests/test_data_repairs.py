@@ -176,7 +176,7 @@ def test_a_corpus_copied_back_with_new_times_resumes_and_legacy_stamps_are_recog
     try:                                            # an edited file is another corpus: refused
         (legacy / "manifest.json").unlink()
         rc, _, err = run_launch(prepare_args(corpus, legacy), capsys)
-        assert rc == 2 and "was written with other settings" in err, err
+        assert rc == 2 and "was learned on other text than data.path holds now" in err, err
     finally:
         (corpus / "train.txt").write_text((corpus / "train.txt").read_text().replace("\nan edited corpus\n", ""))
 
@@ -187,3 +187,52 @@ def test_broken_links_in_a_corpus_folder_are_named(tmp_path, capsys):
     found = sources.find_files(str(corpus))
     assert [f.name for f in found] == ["train.txt", "valid.txt"]
     assert "warning: data.path: 1 broken link(s) skipped: " in capsys.readouterr().out
+
+
+def test_links_keep_their_names_and_a_file_found_twice_is_refused(tmp_path):
+    """Links were resolved before their split was read from the name: `valid.txt -> raw/wiki_b.txt` became
+    training text; and a folder link back up (`sub/up -> ..`) under a `**` glob read each file 41 times."""
+    raw = write_corpus(tmp_path / "raw", docs=8)
+    os.rename(raw / "train.txt", raw / "wiki_a.txt")
+    os.rename(raw / "valid.txt", raw / "wiki_b.txt")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(raw / "wiki_a.txt", linked / "train.txt")
+    os.symlink(raw / "wiki_b.txt", linked / "valid.txt")
+    found = sources.find_files(str(linked))
+    assert [f.name for f in found] == ["train.txt", "valid.txt"] and all(f.parent == linked for f in found)
+    assert sorted(sources.assign_files(found)[0]) == ["train", "validation"]
+    (raw / "sub").mkdir()
+    os.symlink(raw, raw / "sub" / "up")
+    with pytest.raises(UserError, match=r"^error: data.path names one file twice: .* are the same file \(a link\), "
+                                        r"--config.data.path, "):
+        sources.find_files(str(raw) + "/**/*.txt")
+    os.symlink(raw / "wiki_a.txt", linked / "more-train.txt")
+    with pytest.raises(UserError, match="names one file twice"):
+        sources.find_files(str(linked))
+
+
+def test_a_prepare_stopped_after_learning_its_vocabulary_refuses_an_edited_corpus(made, tmp_path, capsys):
+    """Killed after tokenizer/vocab.txt was written and before any shard: the rerun reused the vocabulary learned on
+    the text as it was (no shard carried the source stamp yet), so an edit's new words became [UNK]. The vocabulary
+    now records the text it was learned on; an edit is refused, and the same text resumes."""
+    corpus, done = made
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    assert (out / "tokenizer" / "learned_from.json").is_file()
+    for name in os.listdir(out):         # as a kill after the vocabulary, before the first shard
+        if name != "tokenizer":
+            (shutil.rmtree if (out / name).is_dir() else os.remove)(out / name)
+    text = (corpus / "train.txt").read_text()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    try:
+        (corpus / "train.txt").write_text(text.replace("alpha", "xyzzy"))
+        rc, _, err = run_launch(prepare_args(corpus, out), capsys)
+        assert rc == 2 and "tokenizer/vocab.txt was learned on other text than data.path holds now" in err, err
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    finally:
+        (corpus / "train.txt").write_text(text)
+    rc, _, err = run_launch(prepare_args(corpus, out), capsys)   # the same text again (new times): resumes
+    assert rc == 0, err
+    assert (out / "train" / "shard-00001.array_record").read_bytes() == \
+        (done / "train" / "shard-00001.array_record").read_bytes()

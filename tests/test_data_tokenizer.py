@@ -104,3 +104,23 @@ def test_runs_on_one_corpus_share_the_learned_vocabulary(tmp_path, monkeypatch):
     monkeypatch.setattr(Tokenizer, "train", classmethod(lambda cls, t, n: pytest.fail("learned again")))
     assert D.get_tokenizer(c, tmp_path / "run2").fingerprint == tok.fingerprint
     assert (tmp_path / "run2" / "tokenizer" / "vocab.txt").read_text().splitlines() == tok.vocab
+
+
+def test_a_vocabulary_too_small_for_the_alphabet_keeps_the_most_frequent_symbols_and_says_so(caplog):
+    """The alphabet was cut in sorted order, where every '##' symbol comes before the letters: at vocab_size 36 a
+    text of 41 symbols kept '##0 ... ##u' and no word-initial letter, and 1600 of 1601 tokens were [UNK]."""
+    from tupe_jax.data.tokenizer import learn_wordpiece
+    rare = {f"{c}{c}{c}{c}": 1 for c in "0123456789bdefghijkl"}            # 40 symbols, each seen 1 or 3 times
+    common = {"sat": 50, "mat": 40, "cat": 30, "at": 20, "a": 10}          # s m c a ##a ##t: 6 frequent symbols
+    with caplog.at_level("WARNING"):
+        vocab = learn_wordpiece({**rare, **common}, len(SPECIALS) + 10)
+    assert {"s", "m", "c", "a", "##a", "##t"} <= set(vocab), vocab
+    assert "has 46 distinct symbols" in caplog.text and "keeps the 10 most frequent" in caplog.text
+    assert vocab.index("[UNK]") not in Tokenizer(vocab).encode("sat mat cat at a")
+
+
+def test_text_the_normaliser_removes_entirely_is_refused_when_learning():
+    """NUL and zero-width characters passed the 'no text' check (not blank) but left the learner nothing: a
+    vocabulary of the 5 specials, and pretraining crashed in the masking (no ordinary id to draw)."""
+    with pytest.raises(UserError, match=r"^error: the text has no word the tokenizer keeps .*, --config.data.path, "):
+        Tokenizer.train(["\x00\x00\x00", "\x01\x02\u200b"], 100)

@@ -200,15 +200,23 @@ def workers(config) -> int:
     return int(config.data.num_threads) or os.cpu_count() or 1
 
 
+LEARNED_FROM = "learned_from.json"   # beside a learned tokenizer/vocab.txt: the source stamp of its text
+
+
 def _tokenizer(config, out: Path) -> Tokenizer:
     """DIR/tokenizer/vocab.txt on a resume; else `data.vocab_file`, else learned on the train split."""
     saved = out / "tokenizer" / "vocab.txt"
     given = Tokenizer.from_file(config.data.vocab_file) if config.data.vocab_file else None
+    learned_from = saved.parent / LEARNED_FROM
     if saved.is_file():
         tok = Tokenizer.from_file(saved)
         require(given is None or given.fingerprint == tok.fingerprint,
                 f"{out} was prepared with another tokenizer ({tok.fingerprint}; data.vocab_file is "
                 f"{given.fingerprint if given else ''})", "--workdir", "use a fresh directory for another tokenizer")
+        require(given is not None or not learned_from.is_file()       # (folders from before the record: not checked)
+                or files.read_json(learned_from) == json.loads(files.to_json(source_stamp(config))),
+                f"{saved} was learned on other text than data.path holds now (the corpus changed since that prepare "
+                "began)", "--config.data.path", "restore the corpus, or prepare into a fresh directory")
         return tok
     if given is not None:
         tok = given
@@ -220,6 +228,8 @@ def _tokenizer(config, out: Path) -> Tokenizer:
     require(tok.vocab_size <= int(config.model.vocab_size),
             f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size is {config.model.vocab_size}",
             config.data.vocab_file or "--config.model.vocab_size", f"set --config.model.vocab_size={tok.vocab_size}")
+    if given is None:   # before vocab.txt: a learned vocabulary on disk always says what it was learned on
+        files.write_json(learned_from, source_stamp(config))
     tok.save(saved.parent)
     return tok
 
@@ -283,12 +293,27 @@ def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict,
             "documents": sum(s["documents"] for s in ordered)}
 
 
+def _refuse_nested(config, out: Path) -> None:
+    """The prepared folder inside the corpus folder (its tokenizer/vocab.txt would be read as text on a rerun), or
+    the corpus inside the prepared folder."""
+    path = str(config.data.path or "")
+    if config.data.name not in ("text_files", "wikitext") or not path:
+        return
+    base = os.path.expanduser(path.split("*")[0].split("?")[0].split("[")[0])
+    base = os.path.realpath(base if os.path.isdir(base) else os.path.dirname(base) or ".")
+    here = os.path.realpath(out)
+    require(not (here + os.sep).startswith(base + os.sep) and not (base + os.sep).startswith(here + os.sep),
+            f"{out} and data.path {path} are one inside the other: the prepared files would be read as corpus text",
+            "--workdir", "prepare into a folder outside the corpus folder")
+
+
 def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Prepare `config.data`'s corpus into `workdir` (see the module docstring); returns the manifest."""
     validate(config)
     require(not files.is_remote(workdir), f"{workdir} is a bucket path; prepare writes a local folder", "--workdir",
             "prepare into a local folder, then copy it (`gcloud storage cp -r`; docs/tpu.md, section 3)")
     out = Path(workdir)
+    _refuse_nested(config, out)
     splits = splits_of(config)
     for split in splits:   # an empty split is refused before anything is written
         next(_nonempty(documents(config, split), config, split))

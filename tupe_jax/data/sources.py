@@ -67,7 +67,12 @@ def find_files(path: str, pattern: str = "") -> list[Path]:
     broken = sorted(str(f) for f in files if f.is_symlink() and not f.exists())
     if broken:           # a link to nothing (or a loop) is no text; say so rather than read less
         print(f"warning: data.path: {len(broken)} broken link(s) skipped: {', '.join(broken[:3])}", flush=True)
-    files = sorted(f.resolve() for f in files if f.is_file())
+    files = sorted(Path(os.path.abspath(f)) for f in files if f.is_file())   # a link keeps its name (its split)
+    seen: dict[Path, Path] = {}
+    for f in files:    # a link to a file also found, or a folder loop a `**` glob walks round and round
+        first = seen.setdefault(f.resolve(), f)
+        require(first == f, f"data.path names one file twice: {first} and {f} are the same file (a link)",
+                "--config.data.path", "remove the link, or narrow data.path so each file is found once")
     if not files:
         raise UserError(f"no text files found under {path!r}", "config.data.path",
                         f"put *.txt files there or set data.file_pattern (suffixes tried: {TEXT_SUFFIXES})")

@@ -144,10 +144,7 @@ class Tokenizer:
             for special in SPECIALS:
                 text = text.replace(special, " ")
             counts.update(w for w, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text)))
-        vocab = learn_wordpiece(counts, vocab_size)
-        if len(vocab) < vocab_size:
-            log.warning("tokenizer: corpus supports only %d of the requested %d word pieces", len(vocab), vocab_size)
-        return cls(vocab)
+        return cls(learn_wordpiece(counts, vocab_size))
 
 
 def read_kind(path: str | Path) -> str:
@@ -182,8 +179,8 @@ def learn_wordpiece(counts: dict[str, int], vocab_size: int, max_alphabet: int =
 
     HF's trainer breaks ties through hash-map order, so two runs on the same text give different vocabularies;
     here ties go to the lexicographically smallest pair. Symbols: a word's first character as is, the others
-    '##'-prefixed; the alphabet is the `max_alphabet` most frequent symbols. Vocab = specials, alphabet (sorted),
-    then merged symbols in merge order, until `vocab_size`.
+    '##'-prefixed; the alphabet is the most frequent symbols that fit (at most `max_alphabet`; a warning says when
+    some do not). Vocab = specials, alphabet (sorted), then merged symbols in merge order, until `vocab_size`.
     """
     words, freqs = [], []
     sym_count: Counter = Counter()
@@ -195,11 +192,19 @@ def learn_wordpiece(counts: dict[str, int], vocab_size: int, max_alphabet: int =
         freqs.append(counts[w])
         for sym in syms:
             sym_count[sym] += counts[w]
-    alphabet = sorted(sorted(sym_count, key=lambda x: (-sym_count[x], x))[:max_alphabet])
+    if not sym_count:     # e.g. only control or zero-width characters, which the normaliser removes
+        raise UserError("the text has no word the tokenizer keeps (after lower-casing, accent stripping and removing "
+                        "control and zero-width characters)", "--config.data.path", "point data.path at real text")
+    room = min(max_alphabet, max(0, vocab_size - NUM_SPECIALS))
+    alphabet = sorted(sorted(sym_count, key=lambda x: (-sym_count[x], x))[:room])   # the most frequent symbols
+    if len(sym_count) > room:
+        log.warning("tokenizer: the text has %d distinct symbols (a word's first character, '##' + a later one); "
+                    "the vocabulary keeps the %d most frequent, and words with any other become [UNK] (%s)",
+                    len(sym_count), room, "raise vocab_size" if room < max_alphabet else f"at most {max_alphabet}")
     keep = set(alphabet)
     kept = [(w, f) for w, f in zip(words, freqs) if all(x in keep for x in w)]
     words, freqs = [w for w, _ in kept], [f for _, f in kept]
-    vocab = list(SPECIALS) + alphabet[:max(0, vocab_size - NUM_SPECIALS)]
+    vocab = list(SPECIALS) + alphabet
     known = set(vocab)
     pair_count: dict[tuple[str, str], int] = defaultdict(int)
     where: dict[tuple[str, str], set[int]] = defaultdict(set)
@@ -242,6 +247,8 @@ def learn_wordpiece(counts: dict[str, int], vocab_size: int, max_alphabet: int =
         for pair in changed:
             if pair_count.get(pair, 0) > 0:
                 heapq.heappush(heap, (-pair_count[pair], pair[0], pair[1]))
+    if len(vocab) < vocab_size:
+        log.warning("tokenizer: corpus supports only %d of the requested %d word pieces", len(vocab), vocab_size)
     return vocab
 
 
