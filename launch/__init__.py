@@ -256,6 +256,9 @@ def run(argv: Sequence[str]) -> int:
     if args.step is not None and args.command not in STEP_COMMANDS:
         raise UserError(f"{args.command} takes no --step", "--step",
                         NO_STEP.get(args.command, "drop it (it is read by " + ", ".join(STEP_COMMANDS) + ")"))
+    if getattr(args, "out", None):
+        from tupe_jax.workdir.gate import refuse_inside_suite  # pylint: disable=import-outside-toplevel
+        refuse_inside_suite(args.out, "--out")
     xla_options.opted_out()           # a bad TUPE_JAX_ONEDNN stops here, before any work
     config = None
     if command.needs_config:

@@ -11,7 +11,7 @@ from errors_inputs import (Case, OpensAFile, ROOT, base_run, config_only_workdir
                            dangling_link, fairseq_ckpt, fairseq_no_dict, finetune, finetune_run,
                            finetune_run_with_checkpoints, glue_copy, glue_drop, glue_sweep_root,
                            import_fairseq, learned_table, locked, mismatched_tokenizer_workdir, not_a_checkpoint,
-                           other_run_workdir, pretrain, write)
+                           other_run_workdir, pretrain, text_corpus, write)
 
 
 CASES = [
@@ -73,6 +73,12 @@ CASES = [
     Case("prepare_shard_mb_inf", "`prepare` with prepare.shard_mb=inf",
          lambda e: ["prepare", f"--config={ROOT}/configs/prepare.py", f"--workdir={e.wd('d10')}",
                     "--config.prepare.shard_mb=inf"], "prepare.shard_mb = inf is not a finite number"),
+    Case("prepare_into_the_corpus", "`prepare` into a folder inside the corpus folder (a rerun read the prepared "
+         "tokenizer/vocab.txt as text)",
+         lambda e: ["prepare", f"--config={ROOT}/configs/prepare.py",
+                    f"--workdir={text_corpus(e, 'corpus_in')}/out",
+                    "--config.data.name=text_files", f"--config.data.path={e.data('corpus_in')}/**/*.txt"],
+         "are one inside the other"),
     Case("missing_vocab_file", "vocab file that does not exist",
          lambda e: pretrain(e, "d5", data__vocab_file=e.data("nope/vocab.txt")), "data.vocab_file"),
     Case("vocab_larger_than_model", "vocab file larger than model.vocab_size",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from errors_inputs import Case, ROOT, config_file, finetune, other_run_workdir, pretrain, suite_with_runs
+from errors_inputs import Case, ROOT, config_file, finetune, other_run_workdir, pretrain, suite_with_runs, write
 
 COMPARE = "--config=" + os.path.join(ROOT, "configs", "compare.py")
 PREPARE = "--config=" + os.path.join(ROOT, "configs", "prepare.py")
@@ -79,6 +79,16 @@ CLI_CASES = [
          lambda e: _compare(e, "c27", "", "--config.eval.mode=overlapping"), "--config.eval.mode"),
     Case("compare_max_tokens", "negative eval.max_tokens in a suite (it dropped the last token)",
          lambda e: _compare(e, "c28", "", "--config.eval.max_tokens=-1"), "--config.eval.max_tokens"),
+    Case("compare_max_tokens_short", "eval.max_tokens that fills no window of the longest length (the lengths past "
+         "it were scored on the same shorter windows, or NaN)",
+         lambda e: _compare(e, "c28b", "", "--config.eval.max_tokens=100"), "fills no window of length"),
+    Case("compare_over_a_report", "`compare` into a folder holding a REPORT.md it did not write (it was replaced)",
+         lambda e: _compare(e, "c28c", "") if write(os.path.join(e.wd("c28c"), "REPORT.md"), b"my notes\n") else [],
+         "holds REPORT.md but no config.json"),
+    Case("analysis_out_in_a_suite", "an analysis's --out inside a compare suite (it replaced the suite's plots)",
+         lambda e: ["extrapolate", f"--workdir={e.run}", "--lengths=16",
+                    f"--out={suite_with_runs(e)}/seed0"],
+         "is in the compare suite folder"),
     Case("compare_probe_lr", "negative probe.learning_rate in a suite",
          lambda e: _compare(e, "c29", "suite=probe", "--config.probe.learning_rate=-1"), "--config.probe.learning_rate"),
     Case("compare_finetune_key", "a fine-tune key a suite sets itself (it was replaced silently)",

@@ -72,8 +72,9 @@ def render_errors_doc() -> str:
               "| kill -9 (also during an asynchronous save) | the unfinished `<step>.orbax-checkpoint-tmp` is never "
               "restored (the restart removes it); the restart resumes bitwise-exactly from the last committed step, "
               "and a run killed after its last checkpoint writes its final evaluation then |",
-              "| SIGTERM | the current step is checkpointed and committed, exit 0 (a `compare` suite stops the same "
-              "way); `prepare` ends its workers, keeps the finished shards and exits 130 with `error: interrupted, "
+              "| SIGTERM | the current step is checkpointed and committed, exit 0 (during a process's first step, its "
+              "compile, nothing is saved: a rerun starts from the checkpoint it restored; a `compare` suite stops the "
+              "same way); `prepare` ends its workers, keeps the finished shards and exits 130 with `error: interrupted, "
               "...` |",
               "| Ctrl-C (SIGINT) while training in one process | the current step is checkpointed and committed, then "
               "`error: interrupted, ...`, exit 130; a second Ctrl-C stops at once, except while that step's save is "

@@ -128,6 +128,11 @@ def mismatched_tokenizer_workdir(env: Env) -> str:
     return wd
 
 
+def text_corpus(env: Env, name: str) -> str:
+    """A corpus folder under the env's data folder holding one train.txt."""
+    return os.path.dirname(write(env.data(f"{name}/train.txt"), b"some text here\nand more text\n"))
+
+
 def config_only_workdir(env: Env, name: str, text: str | None = None) -> str:
     """A workdir holding only the pretraining run's config.json (or `text` as config.json)."""
     wd = env.wd(name)

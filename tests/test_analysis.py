@@ -122,6 +122,19 @@ def test_extrapolation_rejects_bad_modes(corpus):
         E.extrapolate([mlm], [16], mode="strided")
 
 
+def test_a_length_the_text_cannot_fill_is_refused_before_any_compute(corpus, tmp_path, monkeypatch):
+    """Windows were cut to the stream's end: past the text's length every L gave the same number, labelled L."""
+    runs = [make_run(corpus, "alibi", "clm"), make_run(corpus, "alibi", "mlm")]
+    monkeypatch.setattr(E, "evaluate_length", lambda *a, **k: pytest.fail("computed before the check"))
+    with pytest.raises(UserError, match=r"^error: the validation text of .* has 40 tokens \(max_tokens 40\), fewer "
+                                        r"than one window of length 40 needs \(41\), --lengths, .*raise max_tokens"):
+        E.run("/unused", [16, 40, 64], out=str(tmp_path), runs=runs[:1], max_tokens=40)
+    with pytest.raises(UserError, match=r"has 40 tokens \(max_tokens 40\), fewer than one window of length 64 "
+                                        r"needs \(63\)"):
+        E.run("/unused", [16, 40, 64], out=str(tmp_path), runs=runs[1:], max_tokens=40)
+    assert os.listdir(tmp_path) == []
+
+
 # ------------------------------------------------------------------------------------------------------ probe
 
 def test_chance_level():

@@ -121,14 +121,28 @@ def test_tiny_extrapolation_suite_end_to_end_and_resume(tmp_path, capsys):
     text = (workdir / "REPORT.md").read_text()
     assert "## Extrapolation" in text and "## Findings" not in text and "`alibi-clm`" in text and " ± " in text
 
-    # a second run reuses the finished pretraining runs; a different train config is refused
+    # a second run reuses the finished pretraining runs, writing the final evaluation one lacks (it stopped after its
+    # last checkpoint; the report set its step-10 loss beside the others' step-20 ones); other keys are refused
+    history = workdir / "alibi-clm-s1" / "metrics.jsonl"
+    rows = history.read_text().splitlines()
+    final = max(i for i, line in enumerate(rows) if "eval_loss" in line)
+    history.write_text("\n".join(rows[:final] + rows[final + 1:]) + "\n")
     capsys.readouterr()
     assert launch.main(argv) == 0
-    assert capsys.readouterr().out.count("reusing it") == 4
+    out = capsys.readouterr().out
+    assert out.count("reusing it") == 3 and out.count("without its final evaluation; writing it") == 1
+    again = json.loads((workdir / "report.json").read_text())
+    assert again["schemes"][0]["seeds"]["1"]["final_eval"] == alibi["1"]["final_eval"]
     assert "(4 of 4 pretraining runs reused from an earlier command" in (workdir / "REPORT.md").read_text()
     assert launch.main(argv + ["--config.train.learning_rate=0.5"]) == 2   # the suite folder's gate refuses it
     err = capsys.readouterr().err
     assert "train.learning_rate=" in err and "(this command: 0.5)" in err and "--overwrite_config" not in err
+    # fewer seeds or schemes would replace the report with one that covers less: refused, the folder unchanged
+    before = {p: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
+    fewer = [a for a in argv if not a.startswith("--config.seeds=")] + ["--config.seeds=0"]
+    assert launch.main(fewer) == 2
+    assert "report.json covers seed 1, which this command's suite lacks" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in workdir.iterdir() if p.is_file()} == before
 
 
 @pytest.mark.slow

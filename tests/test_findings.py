@@ -75,3 +75,34 @@ def test_the_majority_row_speaks_each_columns_metric():
     assert _majority_cell("sst2", {"majority_baseline": {"accuracy": 0.509}}) == "50.9"
     assert _majority_cell("cola", {"majority_baseline": {"accuracy": 0.691}}) == "0.0"
     assert _majority_cell("stsb", {"majority_baseline": {}}) == "—"
+
+
+def test_a_diverged_or_missing_value_gives_no_verdict_instead_of_a_smaller_comparison():
+    """A NaN baseline loss dropped out of NoPos's "best of" (min() with NaN depends on order), and a missing GLUE
+    score made that seed's average one over fewer tasks (its finding moved from 0.83 ± 0.15 to 3.71 ± 5.14)."""
+    nan = float("nan")
+    report = {"config": {"model": {"max_len": 128}}, "schemes": [
+        _scheme("nopos-clm", "clm", {0: 5.0, 1: 5.1, 2: 5.2}), _scheme("alibi-clm", "clm", {0: nan, 1: 5.0, 2: 5.1}),
+        _scheme("sinusoidal-clm", "clm", {0: 5.05, 1: 5.15, 2: 5.25})]}
+    for order in (report["schemes"], report["schemes"][::-1]):
+        (finding,) = F.evaluate({**report, "schemes": order})
+        assert finding["verdict"] == F.UNDEFINED and math.isnan(finding["parts"][0]["per_seed"]["0"])
+        assert math.isnan(finding["parts"][0]["mean"])
+    report["schemes"][1]["seeds"]["0"]["final_eval"]["eval_loss"] = None          # as report.json stores NaN
+    assert F.evaluate(report)[0]["verdict"] == F.UNDEFINED
+    glue = {"glue_tasks": ["rte", "stsb", "wordorder"], "schemes": [], "config": {"model": {"max_len": 128}},
+            "glue": {name: {str(k): {"rte": {"score": 0.6 + d}, "stsb": {"score": 0.8 + d}, "wordorder": {"score": 1}}
+                            for k in range(3)} for name, d in (("tupe_a-mlm", 0.01), ("bert_a-mlm", 0.0))}}
+    assert F.evaluate(glue)[0]["verdict"] == F.REPRODUCED
+    glue["glue"]["tupe_a-mlm"]["1"]["stsb"]["score"] = None                          # a score not written
+    (finding,) = F.evaluate(glue)
+    assert finding["verdict"] == F.UNDEFINED and math.isnan(finding["parts"][0]["per_seed"]["1"])
+    assert F.glue_average(glue["glue"]["tupe_a-mlm"]["1"], glue["glue_tasks"]) is None
+
+
+def test_one_seed_shows_no_spread():
+    """One seed was printed "0.1033 ± 0.0000 nats", as if the seeds agreed exactly."""
+    assert math.isnan(F.mean_std([0.1033])[1])
+    assert F.mean_spread({"mean": 0.1033, "std": None, "per_seed": {"0": 0.1033}}) == "0.1033"
+    assert F.mean_spread({"mean": 0.1, "std": 0.02, "per_seed": {"0": 0.08, "1": 0.12}}) == "0.1000 ± 0.0200"
+    assert F.mean_spread({"mean": None, "std": None, "per_seed": {"0": None, "1": 0.1}}) == "— ± —"

@@ -14,6 +14,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)                    # run as `python tools/findings_table.py` from a checkout
+from tupe_jax.analysis.findings import mean_spread  # noqa: E402  pylint: disable=wrong-import-position
 SUITES = ("probe", "nopos-mlm", "nopos-mlm-5k", "extrapolation", "tupe")
 BEGIN, END = "<!-- findings:begin -->", "<!-- findings:end -->"
 
@@ -56,7 +58,7 @@ def table(root: str = ROOT) -> str:
             seen.add(key)
             for i, part in enumerate(finding["parts"]):
                 claim = f"{finding['claim']} ({finding['paper']}): **{finding['verdict']}**" if i == 0 else ""
-                rows.append(f"| {claim} | {part['comparison']} | {part['mean']:.4f} ± {part['std']:.4f} "
+                rows.append(f"| {claim} | {part['comparison']} | {mean_spread(part)} "
                             f"{part['unit']} | {len(part['per_seed'])} | {report['config']['train']['steps']} | "
                             f"{part['verdict']} | "
                             f"[{suite}](docs/experiments/{suite}/REPORT.md) |")

@@ -2,8 +2,8 @@
 
 Local paths use `os`; a path with a scheme (`gs://bucket/run`) goes through `etils.epath` (gcsfs underneath, the
 library Orbax uses too; checkpoint arrays go through tensorstore, which reads gs:// paths itself), whole-file reads
-through gcsfs's one-request get. Whole files are written atomically: locally a temporary file + rename; in a bucket an object upload is
-atomic by nature (an object appears whole or not at all). Appending (`append_text`) is native locally; in a bucket,
+through gcsfs's one-request get. Whole files are written atomically: locally a temporary file + rename; in a bucket
+an object upload is atomic by nature (an object appears whole or not at all). Appending (`append_text`) is native locally; in a bucket,
 objects are immutable, so the object is rewritten whole (`metrics.MetricsWriter` buffers rows and flushes them at
 intervals and at every checkpoint, so a rewrite happens seldom).
 

@@ -195,6 +195,23 @@ def protocol(mode: str, stride: Optional[int], split: str, seed: int, max_tokens
     }
 
 
+def _check_stream_length(run: common.Run, stream: Optional[np.ndarray], lengths: Sequence[int], split: str,
+                         max_tokens: Optional[int]) -> None:
+    """Refuse a defined length whose window the stream cannot fill: its windows would be cut to the stream, and the
+    result, labelled L, would be the score of a shorter length (the same number at every such L)."""
+    if stream is None:
+        return
+    have = len(stream[:max_tokens] if max_tokens else stream)
+    need = {int(L): int(L) + 1 if run.model_cfg.causal else int(L) - 1 for L in lengths if not undefined(run, int(L))}
+    short = sorted(L for L, n in need.items() if n > have)
+    if short:
+        raise UserError(f"the {split} text of {run.name} has {have} tokens"
+                        f"{f' (max_tokens {max_tokens})' if max_tokens else ''}, fewer than one window of length "
+                        f"{short[0]} needs ({need[short[0]]})", "--lengths", "drop the lengths above what the text "
+                        "fills" + (", or raise max_tokens" if max_tokens and max_tokens < len(stream)
+                                   else ", or use a longer split"))
+
+
 def extrapolate(runs: Sequence[common.Run], lengths: Sequence[int], *, mode: str = "nonoverlapping",
                 stride: Optional[int] = None, split: str = "validation", seed: int = 0,
                 token_budget: int = common.DEFAULT_TOKEN_BUDGET, max_tokens: Optional[int] = None) -> dict:
@@ -211,8 +228,11 @@ def extrapolate(runs: Sequence[common.Run], lengths: Sequence[int], *, mode: str
             if not undefined(run, int(length)):
                 common.check_memory(run.model_cfg, int(length), "--lengths", token_budget)
     report = {"protocol": protocol(mode, stride, split, seed, max_tokens), "lengths": list(lengths), "runs": []}
-    for run in runs:
-        stream = None if all(undefined(run, length) for length in lengths) else common.token_stream(run, split)
+    streams = [None if all(undefined(run, length) for length in lengths) else common.token_stream(run, split)
+               for run in runs]
+    for run, stream in zip(runs, streams):   # before any compute: a length longer than the text is no such length
+        _check_stream_length(run, stream, lengths, split, max_tokens)
+    for run, stream in zip(runs, streams):
         results = [evaluate_length(run, int(length), mode=mode, stride=stride, split=split, seed=seed,
                                    token_budget=token_budget, max_tokens=max_tokens, stream=stream)
                    for length in lengths]

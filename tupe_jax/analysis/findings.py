@@ -8,10 +8,13 @@ fixed threshold. With n seeds, m = mean(x_s) and s = std(x_s) (sample, n − 1):
     contradicted   n ≥ 3, every x_s < 0 and −m > s       (the same, the other way)
     no evidence    otherwise (at this scale; with n < 3 seeds: no verdict at all)
 
+A seed whose x_s is missing or not finite (a run diverged, a score was not written) is no data: the comparison gets
+no verdict rather than a mean over the other seeds or a "best of" over the other schemes.
+
 A claim made of several pairwise comparisons (e.g. "ALiBi extrapolates best" = ALiBi flatter than each other
 scheme) is reproduced when every part is, contradicted when any part is, no evidence otherwise.
 
-    mean_std(values) -> (mean, std)
+    mean_std(values) -> (mean, std)        mean_spread(part) -> "mean ± std" as reports print it
     verdict(xs) -> str
     evaluate(report) -> [finding dict]   what the suite in `report` can say (empty list when nothing applies)
 """
@@ -22,6 +25,7 @@ from typing import Optional
 
 REPRODUCED, CONTRADICTED, NO_EVIDENCE, TOO_FEW = ("reproduced", "contradicted", "no evidence at this scale",
                                                   "no verdict (fewer than 3 seeds)")
+UNDEFINED = "no verdict (a seed's value is missing or not finite: a diverged or unfinished run)"
 MIN_SEEDS = 3
 # NoPos Table 2's smallest model: NoPos 22.15 vs the best positional model (ALiBi) 19.94 perplexity, x1.11.
 CLOSE_PPL_RATIO = 22.15 / 19.94
@@ -30,14 +34,27 @@ PROBE_FRACTION = 0.5          # "far below chance": probe MAD under half the cha
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value)."""
+    """Mean and sample standard deviation (NaN for one value: one seed shows no spread)."""
     n = len(values)
     m = sum(values) / n
-    return m, (math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0)
+    return m, (math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1)) if n > 1 else float("nan"))
+
+
+def mean_spread(part: dict) -> str:
+    """A part's 'mean ± std' to 4 places: the mean alone for one seed (which shows no spread), '—' if undefined."""
+    def show(x: Optional[float]) -> str:
+        return f"{x:.4f}" if _finite(x) else "—"
+    return show(part["mean"]) + (f" ± {show(part['std'])}" if len(part["per_seed"]) > 1 else "")
+
+
+def _finite(x: Optional[float]) -> bool:
+    return x is not None and math.isfinite(x)
 
 
 def verdict(xs: list[float]) -> str:
     """The rule in the module docstring for per-seed paired differences `xs` predicted positive."""
+    if not all(_finite(x) for x in xs):
+        return UNDEFINED
     if len(xs) < MIN_SEEDS:
         return TOO_FEW
     m, s = mean_std(xs)
@@ -49,6 +66,8 @@ def verdict(xs: list[float]) -> str:
 
 
 def combine(verdicts: list[str]) -> str:
+    if UNDEFINED in verdicts:
+        return UNDEFINED
     if not verdicts or TOO_FEW in verdicts:
         return TOO_FEW
     if CONTRADICTED in verdicts:
@@ -58,7 +77,7 @@ def combine(verdicts: list[str]) -> str:
 
 def _part(label: str, xs: dict[str, float], unit: str) -> dict:
     values = list(xs.values())
-    m, s = mean_std(values) if values else (float("nan"), float("nan"))
+    m, s = mean_std(values) if values and all(_finite(v) for v in values) else (float("nan"), float("nan"))
     return {"comparison": label, "per_seed": xs, "mean": m, "std": s, "unit": unit, "verdict": verdict(values)}
 
 
@@ -72,8 +91,13 @@ def final(report: dict, name: str, key: str) -> dict[str, float]:
     """{seed: final validation `key`} of scheme `name` (seeds where it is missing are left out)."""
     for s in report["schemes"]:
         if s["name"] == name:
-            return {seed: r["final_eval"][key] for seed, r in s["seeds"].items() if key in r["final_eval"]}
+            return {seed: _number(r["final_eval"][key]) for seed, r in s["seeds"].items() if key in r["final_eval"]}
     return {}
+
+
+def _number(x: Optional[float]) -> float:
+    """A value as stored (NaN/inf are null in report.json) as a float, NaN for none."""
+    return float("nan") if x is None else float(x)
 
 
 def _paired(a: dict[str, float], b: dict[str, float], fn) -> dict[str, float]:
@@ -119,8 +143,8 @@ def _nopos_findings(report: dict) -> list[dict]:
     if "nopos-clm" in clm and baselines:
         nopos = final(report, "nopos-clm", "eval_loss")
         others = {n: final(report, n, "eval_loss") for n in baselines}
-        best = {seed: min(v[seed] for v in others.values() if seed in v) for seed in nopos
-                if any(seed in v for v in others.values())}
+        best = {seed: min(v[seed] for v in others.values()) if all(_finite(v.get(seed)) for v in others.values())
+                else float("nan") for seed in nopos if any(seed in v for v in others.values())}   # all, or none
         x = _paired(nopos, best, lambda a, b: math.log(CLOSE_PPL_RATIO) - (a - b))
         out.append(_finding("Causal NoPos perplexity close to the positional models", "NoPos Table 1",
                             [_part(f"ln {CLOSE_PPL_RATIO:.2f} − (ln ppl nopos − ln ppl best of "
@@ -168,13 +192,19 @@ def _extrapolation_findings(report: dict) -> list[dict]:
     return out
 
 
+def glue_average(by_task: dict, tasks: list[str]) -> Optional[float]:
+    """100 x the mean dev score over the GLUE tasks of `tasks` (word order excluded); None if any is missing or not
+    finite (an average over fewer tasks is another average)."""
+    real = [by_task.get(t, {}).get("score") for t in tasks if t != "wordorder"]
+    return 100 * sum(real) / len(real) if real and all(_finite(x) for x in real) else None
+
+
 def _glue_average(report: dict, name: str) -> dict[str, float]:
-    out = {}
-    for seed, by_task in report.get("glue", {}).get(name, {}).items():
-        real = [v["score"] for t, v in by_task.items() if t != "wordorder" and v.get("score") is not None]
-        if real:
-            out[seed] = 100 * sum(real) / len(real)
-    return out
+    tasks = report.get("glue_tasks") or sorted({t for runs in report.get("glue", {}).values()
+                                                for by_task in runs.values() for t in by_task})
+    return {seed: _number(glue_average(by_task, tasks))
+            for seed, by_task in report.get("glue", {}).get(name, {}).items()
+            if any(t != "wordorder" for t in tasks)}
 
 
 def _tupe_findings(report: dict) -> list[dict]:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from tupe_jax import files, plots
 from tupe_jax.analysis import findings
-from tupe_jax.analysis.findings import mean_std
+from tupe_jax.analysis.findings import glue_average, mean_spread, mean_std
 
 GLUE_NAMES = {"cola": "CoLA (MCC)", "sst2": "SST-2 (acc)", "mrpc": "MRPC (acc)", "stsb": "STS-B (Pearson)",
               "qqp": "QQP (acc)", "mnli": "MNLI-m (acc)", "qnli": "QNLI (acc)", "rte": "RTE (acc)",
@@ -30,12 +30,14 @@ def _f(x: Any, digits: int = 3) -> str:
 
 
 def _ms(values: list[Optional[float]], digits: int = 3, scale: float = 1.0) -> str:
-    """'mean ± std' over the values that exist ('—' if none; just the value for one)."""
+    """'mean ± std' over the values that exist ('—' if none; just the value for one), and "(k of n)" when some of
+    the n do not (a missing or non-finite value: a diverged or unfinished run)."""
     vals = [scale * v for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return "—"
     m, s = mean_std(vals)
-    return _f(m, digits) + (f" ± {_f(s, digits)}" if len(vals) > 1 else "")
+    return (_f(m, digits) + (f" ± {_f(s, digits)}" if len(vals) > 1 else "")
+            + (f" ({len(vals)} of {len(values)})" if len(vals) < len(values) else ""))
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -112,9 +114,10 @@ def glue_plot(report: dict, path: str) -> str:
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         for k, task in enumerate(tasks):
-            scores = [100 * (r.get(task, {}).get("score") or 0.0) for r in report["glue"][name].values()]
+            scores = [100 * v for r in report["glue"][name].values()     # a missing score is no bar of 0
+                      for v in [r.get(task, {}).get("score")] if v is not None and math.isfinite(v)]
             x = k + i * width
-            ax.bar(x, sum(scores) / len(scores), width, color=COLORS[i % len(COLORS)], alpha=0.6,
+            ax.bar(x, sum(scores) / len(scores) if scores else 0.0, width, color=COLORS[i % len(COLORS)], alpha=0.6,
                    label=name if k == 0 else None)
             ax.scatter([x] * len(scores), scores, color="black", s=6, zorder=3)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(tasks))], [GLUE_NAMES.get(t, t) for t in tasks], fontsize=7)
@@ -242,10 +245,7 @@ def _glue(report: dict) -> list[str]:
     rows, header = [], ["run"] + [GLUE_NAMES.get(t, t) for t in tasks] + ["GLUE avg"]
     for name, by_seed in glue.items():
         cells = [_ms([r.get(t, {}).get("score") for r in by_seed.values()], 1, 100) for t in tasks]
-        avgs = []
-        for r in by_seed.values():
-            real = [r[t]["score"] for t in tasks if t != "wordorder" and r.get(t, {}).get("score") is not None]
-            avgs.append(100 * sum(real) / len(real) if real else None)
+        avgs = [glue_average(r, tasks) for r in by_seed.values()]
         rows.append([f"`{name}`"] + cells + [_ms(avgs, 1)])
     first = next(iter(next(iter(glue.values())).values()))
     rows.append(["majority class"] + [_majority_cell(t, first.get(t, {})) for t in tasks] + [""])
@@ -266,7 +266,7 @@ def _findings(report: dict) -> list[str]:
         for i, p in enumerate(f["parts"]):
             per_seed = ", ".join(f"{_f(v, 4)}" for _, v in sorted(p["per_seed"].items(), key=lambda kv: int(kv[0])))
             rows.append([f"{f['claim']} ({f['paper']})" if i == 0 else "", p["comparison"], per_seed,
-                         f"{_f(p['mean'], 4)} ± {_f(p['std'], 4)} {p['unit']}", p['verdict'],
+                         f"{mean_spread(p)} {p['unit']}", p['verdict'],
                          f"**{f['verdict']}**" if i == 0 else ""])
     notes = [f"- {f['claim']}: {f['note']}" for f in report["findings"] if f.get("note")]
     return (["## Findings", "", "Each comparison is a per-seed paired difference predicted positive by the paper. "

@@ -67,6 +67,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             "--config.eval.mode", "use one of " + "|".join(extrapolate.MODES))
     require(int(config.eval.max_tokens) >= 0, f"eval.max_tokens = {config.eval.max_tokens} is negative",
             "--config.eval.max_tokens", "give a token count, or 0 for the whole validation split")
+    require(not int(config.eval.max_tokens) or int(config.eval.max_tokens) > max(config.eval.lengths),
+            f"eval.max_tokens = {config.eval.max_tokens} fills no window of length {max(config.eval.lengths)} "
+            "(eval.lengths)", "--config.eval.max_tokens", "give more tokens than the longest length, or 0 for the "
+            "whole validation split")
     for key in ("steps", "train_tokens", "eval_tokens", "learning_rate"):
         require(config.probe[key] > 0, f"probe.{key} must be positive", f"--config.probe.{key}", "give a positive value")
     for key in ("epochs", "batch_size", "learning_rate"):
@@ -79,11 +83,19 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
 # ================================================================================================ pretraining
 def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
     """Refuse to reuse a run trained with other model/data/train keys (not identical compute; data.glue_dir is read
-    only by fine-tuning, so suites with and without GLUE share pretraining runs)."""
+    only by fine-tuning, so suites with and without GLUE share pretraining runs). train.eval_steps counts: the
+    validation losses the report sets side by side are means over that many batches."""
     refuse_other_config(path, sub, ("model", "data", "train"),
-                         ("train.log_every", "train.eval_every", "train.eval_steps", "data.glue_dir"), "trained",
+                         ("train.log_every", "train.eval_every", "data.glue_dir"), "trained",
                          "--config.runs_dir",
                          "use a fresh workdir/runs_dir, or the same config as that run")
+
+
+def _final_eval_missing(path: str, done: int) -> bool:
+    """The run evaluated before step `done` but has no evaluation there (`pretrain` writes it on a rerun); a report
+    would set its last evaluation beside the other runs' final ones."""
+    steps = [int(r["step"]) for r in read_metrics(path) if "eval_loss" in r and "split" not in r]
+    return bool(steps) and max(steps) < done
 
 
 def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
@@ -99,8 +111,12 @@ def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
         done = (workdir_lib.checkpoint_steps(path) or [None])[-1]
         head = f"[compare {config.suite}] [{i}/{len(jobs)}] {run_name(scheme, seed)}"
         info = {"scheme": scheme.name, "seed": seed, "path": path, "seconds": None, "reused": True}
-        if done is not None and done >= total:
+        if done is not None and done >= total and not _final_eval_missing(path, done):
             print(f"{head}: finished run at step {done} in {path}, reusing it", flush=True)
+        elif done is not None and done >= total:     # stopped after its last checkpoint: `pretrain` writes it
+            print(f"{head}: finished run at step {done} in {path} without its final evaluation; writing it",
+                  flush=True)
+            pretrain(sub, path)
         else:
             print(f"{head}: pretraining {total} steps -> {path}", flush=True)
             start = time.time()
@@ -175,9 +191,28 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         return {"preempted": True}
 
 
+def _refuse_to_shrink(workdir: str, schemes: list[Scheme], seeds: list[int]) -> None:
+    """A rerun with fewer schemes or seeds would replace the folder's report with one that covers less (a 3-seed
+    report with verdicts by a 1-seed one); more may be added."""
+    path = os.path.join(workdir, "report.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        old = json.loads(files.read_text(path))
+        had = ([s["name"] for s in old["schemes"]], [int(k) for k in old["seeds"]])
+    except (ValueError, KeyError, TypeError):
+        return                             # not a report this can read: the suite writes a whole new one
+    names = {s.name for s in schemes}
+    lost = [n for n in had[0] if n not in names] + [f"seed {k}" for k in had[1] if k not in seeds]
+    require(not lost, f"{path} covers {', '.join(lost[:4])}{' ...' if len(lost) > 4 else ''}, which this command's "
+            "suite lacks: its report would replace that one with less", "--config.schemes / --config.seeds",
+            "give every scheme and seed the report has (more may be added), or use a fresh workdir")
+
+
 def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     validate(config, jax.device_count())
     schemes, seeds = parse_schemes(config), parse_seeds(config)
+    _refuse_to_shrink(workdir, schemes, seeds)
     suite = str(config.suite)
     os.makedirs(workdir, exist_ok=True)
     timings: dict[str, float] = {}

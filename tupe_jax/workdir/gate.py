@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 from typing import Any, Optional
 
@@ -52,6 +53,7 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 # A fine-tune's, sweep's or suite's results, a prepared corpus's manifest: what a config change would misrepresent
 # and a failed command keeps (undo.py).
 RESULTS = ("results.json", "sweep.json", "report.json", "manifest.json")
+WRITTEN = ("REPORT.md", "sweep.md", "metrics.jsonl")      # and what would be rewritten or appended to
 
 
 def _has_results(workdir: str) -> bool:
@@ -74,6 +76,21 @@ def finetune_kind(workdir: str, config: Any) -> str:
     if holds_runs(workdir):
         return f"a glue-sweep folder ({config.get('sweep', {}).get('tasks') or config.task})"
     return f"a fine-tuning run ({config.task})"
+
+
+def refuse_inside_suite(path: str, where: str) -> None:
+    """Refuse an output folder that is a compare suite's or lies in one (`seed0/`, `glue/<run>/`): the suite's
+    report embeds the files there, and an analysis of other runs would replace them."""
+    folder = str(path).rstrip("/") if files.is_remote(path) else os.path.abspath(os.path.expanduser(str(path)))
+    for _ in range(3):                                    # the folder, its parent and grandparent
+        stored = config_path(folder)
+        try:
+            suite = files.isfile(stored) and "suite" in _read_stored(stored)
+        except UserError:                                 # unreadable: not ours to judge here
+            suite = False
+        require(not suite, f"{path} is in the compare suite folder {folder}, whose report embeds the files there",
+                where, "give the outputs a folder of their own")
+        folder = os.path.dirname(folder)
 
 
 def folder_kind(config: Any) -> str:
@@ -122,6 +139,10 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
         require(step is None or not meta.get("identity") or same_identity(meta["identity"], new),
                 f"{workdir}/checkpoints (step {step}) were trained with other model/data settings and the folder has "
                 "no config.json", "--workdir", "use a fresh workdir")
+        found = [n for n in RESULTS + WRITTEN if files.exists(files.join(workdir, n))]
+        require(not found, f"{workdir} holds {found[0] if found else ''} but no config.json: a file of the name a "
+                "command writes there, made by something else (or its run's config.json was removed)", "--workdir",
+                "use a fresh workdir, or move that file aside")
         return []
     old = _read_stored(path)
     if folder_kind(old) != folder_kind(new):
