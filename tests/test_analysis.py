@@ -135,6 +135,26 @@ def test_a_length_the_text_cannot_fill_is_refused_before_any_compute(corpus, tmp
     assert os.listdir(tmp_path) == []
 
 
+def test_runs_scored_on_other_tokens_or_given_twice_are_refused(corpus, tmp_path, monkeypatch):
+    """Runs with vocabularies of 512 and 256 were set side by side (435.6 beside 221.6); one workdir given twice
+    appeared twice, and two runs of one folder name wrote one PNG."""
+    from tupe_jax.workdir import run as run_lib  # pylint: disable=import-outside-toplevel
+    runs = [make_run(corpus, "alibi", "clm"), make_run(corpus, "rope", "clm")]
+    other = {id(runs[1]): np.arange(5000, dtype=np.int32) % 300}         # rope's text: other tokens
+    real = common.token_stream
+    monkeypatch.setattr(common, "token_stream", lambda run, split: other.get(id(run), real(run, split)))
+    monkeypatch.setattr(E, "evaluate_length", lambda *a, **k: pytest.fail("computed before the check"))
+    with pytest.raises(UserError, match=r"score different validation tokens \(another corpus or tokenizer\)"):
+        E.extrapolate(runs, [16])
+    (tmp_path / "a" / "run").mkdir(parents=True)
+    (tmp_path / "b" / "run").mkdir(parents=True)
+    monkeypatch.setattr(run_lib, "load_run", lambda *a: pytest.fail("loaded before the check"))
+    with pytest.raises(UserError, match=r"^error: --workdir .*/a/run/ is given twice: "):
+        run_lib.load_runs([str(tmp_path / "a" / "run"), str(tmp_path / "a" / "run") + "/"])
+    with pytest.raises(UserError, match=r"has the folder name of .*/a/run: .*analyse runs of one folder name in sep"):
+        run_lib.load_runs([str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")])
+
+
 # ------------------------------------------------------------------------------------------------------ probe
 
 def test_chance_level():

@@ -119,8 +119,9 @@ def test_resume_writes_only_missing_shards(made, tmp_path, capsys):
     assert not list(out.rglob(".shard-*"))
     for name in ("train/shard-00002.array_record", "train/shard-00002.json"):
         assert (out / name).read_bytes() == (done / name).read_bytes()
-    a, b = (json.loads((d / "manifest.json").read_text()) for d in (out, done))
-    assert a["splits"] == b["splits"] and a["settings"] == b["settings"]
+    # the manifest says what the data is: byte-identical to the uninterrupted one's (it held the wall time and the
+    # worker count, so no two prepares agreed)
+    assert (out / "manifest.json").read_bytes() == (done / "manifest.json").read_bytes()
 
 
 def test_bad_inputs_are_one_line_and_write_nothing(made, tmp_path, capsys):

@@ -124,3 +124,17 @@ def test_text_the_normaliser_removes_entirely_is_refused_when_learning():
     vocabulary of the 5 specials, and pretraining crashed in the masking (no ordinary id to draw)."""
     with pytest.raises(UserError, match=r"^error: the text has no word the tokenizer keeps .*, --config.data.path, "):
         Tokenizer.train(["\x00\x00\x00", "\x01\x02\u200b"], 100)
+
+
+def test_a_vocab_file_with_a_bom_trailing_or_inner_blank_lines(tmp_path):
+    """A BOM made the first token '\\ufeff[PAD]' ('lacks the special token [PAD]'); two blank lines at the end
+    added an empty token; splitlines() cut a token at U+2028."""
+    good = Tokenizer(list(SPECIALS) + ["a", "##b", "x\u2028y"])
+    path = tmp_path / "vocab.txt"
+    path.write_bytes(("\ufeff" + "\n".join(good.vocab) + "\n\n\n").encode("utf-8"))
+    assert Tokenizer.from_file(path).vocab == good.vocab
+    path.write_bytes("\r\n".join(good.vocab).encode("utf-8"))
+    assert Tokenizer.from_file(path).vocab == good.vocab
+    path.write_text("\n".join(good.vocab[:6] + [""] + good.vocab[6:]), encoding="utf-8")
+    with pytest.raises(UserError, match="line 7 is empty"):
+        Tokenizer.from_file(path)

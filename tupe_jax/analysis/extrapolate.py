@@ -232,6 +232,12 @@ def extrapolate(runs: Sequence[common.Run], lengths: Sequence[int], *, mode: str
                for run in runs]
     for run, stream in zip(runs, streams):   # before any compute: a length longer than the text is no such length
         _check_stream_length(run, stream, lengths, split, max_tokens)
+    scored = [(run, s[:max_tokens] if max_tokens else s) for run, s in zip(runs, streams) if s is not None]
+    for run, s in scored[1:]:    # one table, one text: perplexities over other tokens are not comparable
+        if not np.array_equal(s, scored[0][1]):
+            raise UserError(f"{run.name} and {scored[0][0].name} score different {split} tokens (another corpus or "
+                            "tokenizer): one table would set incomparable perplexities side by side", "--workdir",
+                            "extrapolate runs of one corpus and tokenizer together, the others apart")
     for run, stream in zip(runs, streams):
         results = [evaluate_length(run, int(length), mode=mode, stride=stride, split=split, seed=seed,
                                    token_budget=token_budget, max_tokens=max_tokens, stream=stream)

@@ -128,7 +128,8 @@ class PreparedSplit:
                                 "fix its permissions") from None
             require(path.stat().st_size == shard["bytes"],
                     f"shard {path.name} has {path.stat().st_size} bytes but the manifest says {shard['bytes']}",
-                    str(path), "the directory is damaged or mixed: prepare it again into a fresh directory")
+                    str(path), "rerun the `launch prepare` command that made the directory: it writes such a shard "
+                    "again")
         for k, shard in enumerate(entry["shards"]):
             got = self._reader(k).num_records()
             require(got == shard["examples"], f"shard {self.paths[k].name} has {got} records but the manifest "

@@ -126,11 +126,15 @@ class Tokenizer:
             from tupe_jax.data.fairseq_bpe import FairseqBpeTokenizer
             return FairseqBpeTokenizer.from_folder(folder)  # type: ignore[return-value]
         try:
-            lines = files.read_text(path).splitlines()
+            lines = files.read_text(path).removeprefix("\ufeff").split("\n")   # a BOM is no part of [PAD]
         except UnicodeDecodeError:
             raise UserError("vocab file is not UTF-8", path, "re-encode it as UTF-8") from None
-        if lines and lines[-1] == "":
+        lines = [line.removesuffix("\r") for line in lines]
+        while lines and lines[-1] == "":                 # blank lines at the end are no tokens
             lines.pop()
+        if "" in lines:
+            raise UserError(f"vocab file line {lines.index('') + 1} is empty (an empty token)", path,
+                            "remove the blank line (token ids are line numbers: check the ids after it)")
         return cls(lines, source=path, **read_casing(files.join(path.rsplit("/", 1)[0] if "/" in path else ".",
                                                                   CONFIG_NAME)))
 

@@ -88,5 +88,17 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
 
 
 def load_runs(workdirs: str | list[str], step: Optional[int] = None) -> list[LoadedRun]:
-    """`load_run` for each workdir."""
-    return [load_run(str(w), step) for w in ([workdirs] if isinstance(workdirs, (str, os.PathLike)) else workdirs)]
+    """`load_run` for each workdir; refused before loading: a run given twice, or two runs of one folder name (the
+    analyses name their outputs and rows by it, so one would replace the other's)."""
+    given = [str(w) for w in ([workdirs] if isinstance(workdirs, (str, os.PathLike)) else workdirs)]
+    seen: dict[str, str] = {}                               # folder name -> the workdir given with it
+    for w in given:
+        name = w.rstrip("/").rsplit("/", 1)[-1]
+        if name in seen:
+            same = (os.path.realpath(seen[name]) == os.path.realpath(w)) if "://" not in w else \
+                seen[name].rstrip("/") == w.rstrip("/")
+            raise UserError(f"--workdir {w} " + ("is given twice" if same else f"has the folder name of {seen[name]}")
+                            + ": the analyses name their outputs and rows by it", "--workdir",
+                            "give each run once" if same else "analyse runs of one folder name in separate commands")
+        seen[name] = w
+    return [load_run(w, step) for w in given]
