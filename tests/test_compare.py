@@ -6,6 +6,7 @@ import os
 import pytest
 
 import launch
+from tupe_jax.analysis import report as report_lib
 from tupe_jax.analysis import suite as suite_lib
 from tupe_jax import config as config_lib
 from tupe_jax.errors import UserError
@@ -120,6 +121,9 @@ def test_tiny_extrapolation_suite_end_to_end_and_resume(tmp_path, capsys):
     assert not any("past the training length" in f["claim"] for f in report["findings"])
     text = (workdir / "REPORT.md").read_text()
     assert "## Extrapolation" in text and "## Findings" not in text and "`alibi-clm`" in text and " ± " in text
+    written = {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
+    report_lib.render(str(workdir))                 # what compare wrote is what its report.json renders to
+    assert {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()} == written
 
     # a second run reuses the finished pretraining runs, writing the final evaluation one lacks (it stopped after its
     # last checkpoint; the report set its step-10 loss beside the others' step-20 ones); other keys are refused

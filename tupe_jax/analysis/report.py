@@ -9,6 +9,7 @@ Tables give mean ± sample std over seeds. The "Findings" section applies the ve
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any, Optional
@@ -129,6 +130,11 @@ def glue_plot(report: dict, path: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ sections
+def _tokens(n: int) -> str:
+    """3.1M; below 100k the count itself (a tiny run's 0.0M said nothing)."""
+    return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n:,}"
+
+
 def _setup(report: dict) -> list[str]:
     c = report["config"]
     m, t, d = c["model"], c["train"], c["data"]
@@ -138,7 +144,7 @@ def _setup(report: dict) -> list[str]:
             f"Schemes: {', '.join('`' + s['name'] + '`' for s in report['schemes'])}. Every run: "
             f"{m['num_layers']} layers, d={m['hidden_size']}, {m['num_heads']} heads, MLP {m['mlp_dim']}, vocab "
             f"{m['vocab_size']}, max_len {m['max_len']}, dropout {m['dropout_rate']}; {t['steps']} steps x batch "
-            f"{t['batch_size']} x {m['max_len']} tokens ({t['steps'] * t['batch_size'] * m['max_len'] / 1e6:.1f}M "
+            f"{t['batch_size']} x {m['max_len']} tokens ({_tokens(t['steps'] * t['batch_size'] * m['max_len'])} "
             f"tokens), lr {t['learning_rate']:g} (warmup {t['warmup_steps']}, linear decay), data `{data}`. "
             f"Seeds {seeds}: a seed fixes initialisation, dropout, data order and masking, so every scheme of one "
             "seed saw the same batches (differences are paired by seed).", "",
@@ -300,7 +306,7 @@ def render(workdir: str) -> list[str]:
     (report.json is rewritten when they changed)."""
     path = os.path.join(workdir, "report.json")
     report = files.read_json(path)
-    fresh = findings.evaluate(report)
+    fresh = json.loads(files.to_json(findings.evaluate(report)))       # as stored (NaN as null)
     if fresh != report.get("findings"):
         report["findings"] = fresh
         files.write_json(path, report, indent=1)

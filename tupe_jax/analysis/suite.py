@@ -246,6 +246,6 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
     # report.json first, so a report can be re-rendered from it (report.render())
     files.write_json(os.path.join(workdir, "report.json"), result, indent=1)
-    written = report.write(result, workdir)
+    written = report.write(files.read_json(os.path.join(workdir, "report.json")), workdir)   # as `render` reads it
     print(f"[compare {suite}] wrote {', '.join(written)} in {workdir}", flush=True)
     return result
