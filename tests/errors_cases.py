@@ -78,7 +78,7 @@ CASES = [
          lambda e: ["prepare", f"--config={ROOT}/configs/prepare.py",
                     f"--workdir={text_corpus(e, 'corpus_in')}/out",
                     "--config.data.name=text_files", f"--config.data.path={e.data('corpus_in')}/**/*.txt"],
-         "are one inside the other"),
+         "is inside the folder data.path"),
     Case("missing_vocab_file", "vocab file that does not exist",
          lambda e: pretrain(e, "d5", data__vocab_file=e.data("nope/vocab.txt")), "data.vocab_file"),
     Case("vocab_larger_than_model", "vocab file larger than model.vocab_size",

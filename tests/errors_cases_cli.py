@@ -89,6 +89,8 @@ CLI_CASES = [
          lambda e: ["extrapolate", f"--workdir={e.run}", "--lengths=16",
                     f"--out={suite_with_runs(e)}/seed0"],
          "is in the compare suite folder"),
+    Case("report_of_a_run", "`report` on a pretraining run (no report.json)", lambda e: ["report", f"--workdir={e.run}"],
+         "report.json does not exist"),
     Case("compare_probe_lr", "negative probe.learning_rate in a suite",
          lambda e: _compare(e, "c29", "suite=probe", "--config.probe.learning_rate=-1"), "--config.probe.learning_rate"),
     Case("compare_finetune_key", "a fine-tune key a suite sets itself (it was replaced silently)",

@@ -236,3 +236,25 @@ def test_a_prepare_stopped_after_learning_its_vocabulary_refuses_an_edited_corpu
     assert rc == 0, err
     assert (out / "train" / "shard-00001.array_record").read_bytes() == \
         (done / "train" / "shard-00001.array_record").read_bytes()
+
+
+def test_a_corpus_reached_through_links_keeps_its_stamps_and_a_nested_prepared_folder(tmp_path):
+    """Keeping link names (for the split) must not change what a corpus is known by: a run or prepare on a linked
+    corpus resumed only while its stamps were the target's. A prepared folder inside the corpus folder is refused
+    only where data.path reads recursively (a folder or plain glob never reads below itself)."""
+    import ml_collections  # pylint: disable=import-outside-toplevel
+    from tupe_jax.data import builders  # pylint: disable=import-outside-toplevel
+    raw = write_corpus(tmp_path / "raw", docs=8)
+    os.symlink(raw, tmp_path / "linked")
+    via_link = sources.find_files(str(tmp_path / "linked"))
+    assert builders._file_stamps(via_link, str(tmp_path / "linked")) == \
+        builders._file_stamps([f.resolve() for f in via_link], str(tmp_path / "linked"))
+    assert builders._legacy_file_stamps(via_link) == builders._legacy_file_stamps([f.resolve() for f in via_link])
+
+    def config(path):
+        return ml_collections.ConfigDict({"data": {"name": "text_files", "path": path, "file_pattern": ""}})
+    for path in (str(raw), str(raw / "*.txt"), str(raw / "train.txt")):
+        P._refuse_nested(config(path), raw / "prepared")
+    with pytest.raises(UserError, match="is inside the folder data.path .* reads recursively"):
+        P._refuse_nested(config(str(raw) + "/**/*.txt"), raw / "prepared")
+    P._refuse_nested(config(str(raw) + "/**/*.txt"), tmp_path / "prepared")

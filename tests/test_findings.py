@@ -106,3 +106,21 @@ def test_one_seed_shows_no_spread():
     assert F.mean_spread({"mean": 0.1033, "std": None, "per_seed": {"0": 0.1033}}) == "0.1033"
     assert F.mean_spread({"mean": 0.1, "std": 0.02, "per_seed": {"0": 0.08, "1": 0.12}}) == "0.1000 ± 0.0200"
     assert F.mean_spread({"mean": None, "std": None, "per_seed": {"0": None, "1": 0.1}}) == "— ± —"
+
+
+def test_a_seed_without_its_final_value_or_with_a_null_perplexity_gives_no_verdict():
+    """A seed whose final_eval lacked the key was left out (4 seeds became a 'reproduced' over 3); a perplexity stored
+    as null (NaN) made growth() raise inside report.render."""
+    report = {"config": {"model": {"max_len": 128}}, "schemes": [
+        _scheme("bert_a-mlm", "mlm", {0: 5.0, 1: 6.0, 2: 5.5, 3: 5.2}),
+        _scheme("nopos-mlm", "mlm", {0: 5.1, 1: 6.1, 2: 5.62, 3: 5.3})]}
+    report["schemes"][1]["seeds"]["3"]["final_eval"] = {}
+    assert F.evaluate(report)[0]["verdict"] == F.UNDEFINED
+    report = {"config": {"model": {"max_len": 128}},
+              "schemes": [_scheme(n, "clm", {0: 1.0}) for n in ("alibi-clm", "rope-clm")],
+              "extrapolation": {"0": {"runs": [{"workdir": f"/r/{n}-s0", "name": n, "results": [
+                  {"length": 128, "defined": True, "perplexity": 50.0},
+                  {"length": 1024, "defined": True, "perplexity": p}]} for n, p in (("alibi-clm", None),
+                                                                                   ("rope-clm", 60.0))]}}}
+    assert math.isnan(F.growth(report)["alibi-clm"]["0"])
+    assert F.evaluate(report)[0]["verdict"] == F.UNDEFINED

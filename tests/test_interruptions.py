@@ -67,6 +67,13 @@ def test_a_preemption_during_a_process_first_step_saves_nothing_and_the_rerun_is
         pretrain_loop.pretrain(config, str(run), devices=devices)
         assert _untimed(read_metrics(str(run))) == _untimed(read_metrics(str(tmp_path / "ref")))
         assert ckpt.Checkpointer(str(run), read_only=True).all_steps() == [2, 4]
+    run = tmp_path / "run-last"                 # a first step that is the run's last is saved: the run is done
+    pretrain_loop.pretrain(config, str(run), devices=devices, stop_after=3)
+    monkeypatch.setitem(ckpt._STOP, "requested", True)   # pylint: disable=protected-access
+    capsys.readouterr()
+    pretrain_loop.pretrain(config, str(run), devices=devices)
+    assert "preemption: saved step 4" in capsys.readouterr().out
+    assert ckpt.Checkpointer(str(run), read_only=True).all_steps()[-1] == 4
 
 
 def test_a_finetune_killed_between_checkpoints_has_one_history(tmp_path):

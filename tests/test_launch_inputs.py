@@ -105,3 +105,20 @@ def test_export_makes_the_parent_folder_and_its_readme_names_the_export(tmp_path
     (tmp_path / "exports").write_text("a file")   # where a parent folder would go: one line, nothing written
     assert launch.main(["export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'exports' / 'a' / 'x'}"]) == 2
     assert (tmp_path / "exports").read_text() == "a file"
+
+
+def test_an_output_folder_a_suite_report_embeds_is_refused_and_its_runs_folders_are_not(tmp_path):
+    """`--out` into a suite's seed<k>/ replaced the files its REPORT.md shows; the first version of the check also
+    refused the suite's own run folders (the default place of their analyses) and any folder beside them."""
+    import pytest  # pylint: disable=import-outside-toplevel
+    from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    from tupe_jax.workdir.gate import refuse_inside_suite  # pylint: disable=import-outside-toplevel
+    suite = tmp_path / "suite"
+    (suite / "alibi-clm-s0").mkdir(parents=True)
+    (suite / "config.json").write_text(json.dumps({"suite": "extrapolation"}))
+    (suite / "alibi-clm-s0" / "config.json").write_text(json.dumps({"model": {}}))
+    for owned in ("", "seed0", "glue", "glue/alibi-clm-s0"):
+        with pytest.raises(UserError, match=r"the compare suite folder .*suite, whose report embeds the files there"):
+            refuse_inside_suite(str(suite / owned), "--out")
+    for free in ("alibi-clm-s0/analysis", "my-analysis", "alibi-clm-s0/x/y", "seed0x"):
+        refuse_inside_suite(str(suite / free), "--out")

@@ -64,6 +64,10 @@ def test_a_torn_last_row_is_cut_when_a_writer_opens_and_a_bad_row_before_the_las
     assert [(r["step"], r["loss"]) for r in metrics.read_metrics(str(tmp_path))] == [(1, 1.0), (2, 2.0), (3, 3.0),
                                                                                     (4, 4.0), (5, 15.0)]
     lines = (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    merged = lines[:4] + ['{"step": 7, "lo' + lines[4]] + lines[5:]     # as writers before the cut left a file
+    (tmp_path / "metrics.jsonl").write_text("\n".join(merged) + "\n")
+    assert [(r["step"], r["loss"]) for r in metrics.read_metrics(str(tmp_path))] == [(1, 1.0), (2, 2.0), (3, 3.0),
+                                                                                    (4, 4.0), (5, 15.0)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:2] + ['{"step": 3, "lo'] + lines[3:]) + "\n")
     with pytest.raises(UserError, match=r"^error: .*metrics.jsonl line 3 is not a JSON row \('\{\"step\": 3, \"lo'\), "
                                         r"--workdir, "):

@@ -186,9 +186,20 @@ class MetricsWriter:
 RESUMED = "resumed"  # value of the `event` key of the row a restarted run writes at its checkpoint step
 
 
+def _after_a_torn_row(line: str) -> dict | None:
+    """The whole row at the end of `line` when a torn row precedes it (`{"step": 7, "lo{"step": 4, ...}`: a writer
+    before `_cut_torn_row` continued a killed process's last line); None if there is none."""
+    start = line.rfind('{"step"')
+    try:
+        row = json.loads(line[start:]) if start > 0 else None
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_metrics(workdir: str, raw: bool = False) -> list[dict[str, Any]]:
-    """The rows of `workdir/metrics.jsonl` (a torn last row skipped, an unreadable one before it an error), as one
-    history.
+    """The rows of `workdir/metrics.jsonl` (a torn last row skipped; before it, a torn row continued by a whole one
+    gives that one, and anything else unreadable is an error), as one history.
 
     A run killed after its step-N checkpoint and restarted redoes steps N+1..; it first writes a row
     {"step": N, "event": "resumed"}. Such a row drops the earlier rows of steps > N (the file keeps them) and is
@@ -205,8 +216,10 @@ def read_metrics(workdir: str, raw: bool = False) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if number == len(lines):     # the row a live run is writing, or a killed one's torn last row
                 continue
-            raise UserError(f"{path} line {number} is not a JSON row ({line[:40]!r})", "--workdir",
-                            "restore the file, or delete that line if the rows around it are whole") from None
+            row = _after_a_torn_row(line)
+            if row is None:
+                raise UserError(f"{path} line {number} is not a JSON row ({line[:40]!r})", "--workdir",
+                                "restore the file, or delete that line if the rows around it are whole")
         if not raw and row.get("event") == RESUMED:
             rows = [r for r in rows if int(r.get("step", 0)) <= int(row["step"])]
             continue

@@ -134,7 +134,8 @@ def ctrl_c_saves():
         if flag["set"]:
             raise KeyboardInterrupt
         flag["set"] = True
-        print("interrupt: saving this step, then stopping (Ctrl-C again to stop at once)", flush=True)
+        print("interrupt: saving this step (unless it is this process's first), then stopping (Ctrl-C again "
+              "to stop at once)", flush=True)
     signal.signal(signal.SIGINT, handler)
     try:
         yield flag
@@ -267,7 +268,7 @@ class Trainer:
             pending = (step, device_metrics)
             preempted = interrupt["set"] or self.checkpointer.reached_preemption(step) or (
                 stop_after is not None and step - start >= stop_after)
-            if preempted and step == start + 1 and stop_after is None:
+            if preempted and step == start + 1 and step < total_steps and stop_after is None:
                 # The signal came while the first step compiled (minutes for a big model, which no signal cuts
                 # short): a save of step start+1 would spend the notice's seconds to spare a rerun one step.
                 why = "interrupted" if interrupt["set"] else "preemption"

@@ -88,10 +88,11 @@ def _finding(claim: str, paper: str, parts: list[dict], note: str = "") -> dict:
 
 # ------------------------------------------------------------------------------------------------ per-seed values
 def final(report: dict, name: str, key: str) -> dict[str, float]:
-    """{seed: final validation `key`} of scheme `name` (seeds where it is missing are left out)."""
+    """{seed: final validation `key`} of scheme `name` (NaN where a seed's run lacks it: no verdict, not fewer
+    seeds)."""
     for s in report["schemes"]:
         if s["name"] == name:
-            return {seed: _number(r["final_eval"][key]) for seed, r in s["seeds"].items() if key in r["final_eval"]}
+            return {seed: _number(r["final_eval"].get(key)) for seed, r in s["seeds"].items()}   # none: NaN
     return {}
 
 
@@ -123,7 +124,8 @@ def growth(report: dict) -> dict[str, dict[str, Optional[float]]]:
             longest = max(at)
             if train_len not in at:
                 continue
-            value = (math.log(at[longest]["perplexity"]) - math.log(at[train_len]["perplexity"])
+            ppl = [_number(at[n].get("perplexity")) for n in (longest, train_len)]   # null in report.json: NaN
+            value = ((math.log(ppl[0]) - math.log(ppl[1]) if all(_finite(p) and p > 0 for p in ppl) else float("nan"))
                      if at[longest]["defined"] else None)
             out.setdefault(where.get(run["workdir"], run["name"]), {})[seed] = value
     return out

@@ -15,6 +15,7 @@ import os
 from typing import Any, Optional
 
 from tupe_jax import files, plots
+from tupe_jax.errors import require
 from tupe_jax.analysis import findings
 from tupe_jax.analysis.findings import glue_average, mean_spread, mean_std
 
@@ -305,7 +306,14 @@ def render(workdir: str) -> list[str]:
     """Re-render REPORT.md and the PNGs from workdir/report.json, with the findings recomputed from its data
     (report.json is rewritten when they changed)."""
     path = os.path.join(workdir, "report.json")
-    report = files.read_json(path)
+    require(os.path.isfile(path), f"{path} does not exist", "--workdir", "point it at a `launch compare` folder")
+    try:
+        report = files.read_json(path)
+    except ValueError:
+        report = None
+    require(isinstance(report, dict) and {"schemes", "seeds", "config"} <= set(report),
+            f"{path} is not a compare report", "--workdir", "point it at a `launch compare` folder, or restore its "
+            "report.json")
     fresh = json.loads(files.to_json(findings.evaluate(report)))       # as stored (NaN as null)
     if fresh != report.get("findings"):
         report["findings"] = fresh

@@ -92,10 +92,11 @@ def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
 
 
 def _final_eval_missing(path: str, done: int) -> bool:
-    """The run evaluated before step `done` but has no evaluation there (`pretrain` writes it on a rerun); a report
-    would set its last evaluation beside the other runs' final ones."""
-    steps = [int(r["step"]) for r in read_metrics(path) if "eval_loss" in r and "split" not in r]
-    return bool(steps) and max(steps) < done
+    """The run has no evaluation at step `done` (`pretrain` writes it on a rerun, where there is a validation split);
+    a report would set its last evaluation, or none, beside the other runs' final ones."""
+    rows = read_metrics(path) if os.path.isfile(os.path.join(path, "metrics.jsonl")) else []
+    steps = [int(r["step"]) for r in rows if "eval_loss" in r and "split" not in r]
+    return not steps or max(steps) < done
 
 
 def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],

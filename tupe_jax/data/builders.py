@@ -57,14 +57,15 @@ def _file_stamps(files, root) -> list:
                     _SHA256[memo] = hashlib.file_digest(fh, "sha256").hexdigest()
             except OSError as err:
                 raise sources.unreadable(f, err) from None
-        out.append([os.path.relpath(f, root) if os.path.isdir(root) else os.path.basename(f), st.st_size,
+        real = os.path.realpath(f)         # a link is stamped by its target, as before links kept their names
+        out.append([os.path.relpath(real, root) if os.path.isdir(root) else os.path.basename(real), st.st_size,
                     _SHA256[memo]])
     return out
 
 
 def _legacy_file_stamps(files) -> list:
     """The stamps of data format 1 (path, size, mtime): only to recognise iterator states saved by that version."""
-    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 def _corpus_spec(config, legacy: bool = False) -> tuple[str, dict, bool, dict]:

@@ -215,8 +215,9 @@ def _tokenizer(config, out: Path) -> Tokenizer:
                 f"{given.fingerprint if given else ''})", "--workdir", "use a fresh directory for another tokenizer")
         require(given is not None or not learned_from.is_file()       # (folders from before the record: not checked)
                 or files.read_json(learned_from) == json.loads(files.to_json(source_stamp(config))),
-                f"{saved} was learned on other text than data.path holds now (the corpus changed since that prepare "
-                "began)", "--config.data.path", "restore the corpus, or prepare into a fresh directory")
+                f"{saved} was learned on other text than data.path holds now (data.path as given, or its files, "
+                "changed since that prepare began)", "--config.data.path", "give data.path and its files as then, "
+                "or prepare into a fresh directory")
         return tok
     if given is not None:
         tok = given
@@ -294,17 +295,16 @@ def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict,
 
 
 def _refuse_nested(config, out: Path) -> None:
-    """The prepared folder inside the corpus folder (its tokenizer/vocab.txt would be read as text on a rerun), or
-    the corpus inside the prepared folder."""
-    path = str(config.data.path or "")
-    if config.data.name not in ("text_files", "wikitext") or not path:
+    """The prepared folder where a recursive data.path (`**`) finds files: its tokenizer/vocab.txt would be read as
+    corpus text on a rerun (a folder, a plain glob or a file never reads below itself)."""
+    path, pattern = str(config.data.path or ""), str(config.data.get("file_pattern", "") or "")
+    if config.data.name not in ("text_files", "wikitext") or "**" not in path + pattern:
         return
-    base = os.path.expanduser(path.split("*")[0].split("?")[0].split("[")[0])
-    base = os.path.realpath(base if os.path.isdir(base) else os.path.dirname(base) or ".")
+    base = os.path.realpath(os.path.expanduser(path.split("*")[0].split("?")[0].split("[")[0]) or ".")
     here = os.path.realpath(out)
-    require(not (here + os.sep).startswith(base + os.sep) and not (base + os.sep).startswith(here + os.sep),
-            f"{out} and data.path {path} are one inside the other: the prepared files would be read as corpus text",
-            "--workdir", "prepare into a folder outside the corpus folder")
+    require(not (here + os.sep).startswith(base.rstrip(os.sep) + os.sep),
+            f"{out} is inside the folder data.path {path} reads recursively: the prepared files would be read as "
+            "corpus text", "--workdir", "prepare into a folder outside the corpus folder")
 
 
 def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict:

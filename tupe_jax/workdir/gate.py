@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import sys
 from typing import Any, Optional
 
@@ -79,18 +80,22 @@ def finetune_kind(workdir: str, config: Any) -> str:
 
 
 def refuse_inside_suite(path: str, where: str) -> None:
-    """Refuse an output folder that is a compare suite's or lies in one (`seed0/`, `glue/<run>/`): the suite's
-    report embeds the files there, and an analysis of other runs would replace them."""
-    folder = str(path).rstrip("/") if files.is_remote(path) else os.path.abspath(os.path.expanduser(str(path)))
-    for _ in range(3):                                    # the folder, its parent and grandparent
-        stored = config_path(folder)
+    """Refuse an output folder a compare suite's report embeds files from: the suite folder, its `seed<k>/` or
+    `glue/` and what lies in `glue/` (an analysis of other runs would replace them). Its runs' folders are fine."""
+    if files.is_remote(path):                 # checked where the bucket is (check_bucket), not here
+        return
+    folder = os.path.abspath(os.path.expanduser(str(path)))
+    parts = [folder, os.path.dirname(folder), os.path.dirname(os.path.dirname(folder))]
+    below = ["", os.path.basename(folder), os.path.basename(os.path.dirname(folder)) + "/" + os.path.basename(folder)]
+    for suite_dir, rest in zip(parts, below):
+        owned = rest == "" or re.fullmatch(r"seed\d+|glue(/[^/]+)?", rest)
         try:
-            suite = files.isfile(stored) and "suite" in _read_stored(stored)
-        except UserError:                                 # unreadable: not ours to judge here
+            suite = bool(owned) and files.isfile(config_path(suite_dir)) and "suite" in _read_stored(
+                config_path(suite_dir))
+        except UserError:                      # unreadable: not ours to judge here
             suite = False
-        require(not suite, f"{path} is in the compare suite folder {folder}, whose report embeds the files there",
-                where, "give the outputs a folder of their own")
-        folder = os.path.dirname(folder)
+        require(not suite, f"{path} is {'in ' if rest else ''}the compare suite folder {suite_dir}, whose report "
+                "embeds the files there", where, "give the outputs a folder of their own")
 
 
 def folder_kind(config: Any) -> str:
