@@ -171,3 +171,14 @@ def test_a_dataset_another_process_finished_meanwhile_is_read_whole(tmp_path, mo
     monkeypatch.setattr(cache, "_BUILDER_CLASS", Racing)
     train = D.load_documents(c, "train")
     assert raced and len(train) == 450 - 2
+
+
+def test_a_corpus_without_a_validation_split_is_one_warning_without_a_nested_error(tmp_path, caplog):
+    """The warning quoted the whole one-line error ('no validation split: error: ..., ..., ...')."""
+    from tupe_jax.pretrain.loop import validation_batches  # pylint: disable=import-outside-toplevel
+    _write_blank_line_corpus(tmp_path / "corpus", 40)
+    c = make_config(tmp_path, name="text_files", path=str(tmp_path / "corpus"), holdout=0)
+    with caplog.at_level("WARNING"):
+        assert validation_batches(c, D.get_tokenizer(c, None), 8) is None
+    (line,) = [r.getMessage() for r in caplog.records if "no validation split" in r.getMessage()]
+    assert "error:" not in line and "trains without validation losses" in line

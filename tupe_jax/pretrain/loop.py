@@ -38,7 +38,7 @@ def validation_batches(config: ml_collections.ConfigDict, tokenizer, batch_size:
                                           seed=0, shuffle=False, repeat=False)
     except UserError as err:
         if "validation" in str(err):
-            log.warning("no validation split: %s", err)
+            log.warning("no validation split (%s): the run trains without validation losses", err.what)
             return None
         raise
 
