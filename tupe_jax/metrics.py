@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -62,7 +63,16 @@ def _scalar(value: Any) -> float | int | str:
 def _cut_torn_row(path: str) -> None:
     """A process killed while writing a row left `path` ending inside it: cut that fragment (one line says so), or
     the next row would continue it and neither could be read (a `resumed` row lost that way kept stale rows)."""
-    text = files.read_text(path) if files.exists(path) else ""
+    if not files.exists(path):
+        return
+    if not files.is_remote(path):          # locally the last byte tells; read the whole file only to cut it
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size:
+                f.seek(-1, os.SEEK_END)
+            if not size or f.read(1) == b"\n":
+                return
+    text = files.read_text(path)
     if text and not text.endswith("\n"):
         keep = text.rfind("\n") + 1
         print(f"{path}: its last row was cut short (a process stopped while writing it); removed its "
@@ -225,6 +235,14 @@ def read_metrics(workdir: str, raw: bool = False) -> list[dict[str, Any]]:
             continue
         rows.append(row)
     return rows
+
+
+def has_eval_at(workdir: str, step: int) -> bool:
+    """Whether the training loop wrote its evaluation row at `step` (rows of `launch evaluate`, which name their
+    split, do not count); False where there is no metrics.jsonl."""
+    path = files.join(workdir, "metrics.jsonl")
+    return files.exists(path) and any(int(r.get("step", -1)) == step and "eval_loss" in r and "split" not in r
+                                      for r in read_metrics(workdir))
 
 
 def rows_past(workdir: str, step: int) -> bool:

@@ -38,7 +38,7 @@ from tupe_jax.analysis.schemes import Scheme, parse_schemes, parse_seeds, run_na
 from tupe_jax.analysis.suite_glue import (Preempted, finetune_all, glue_tasks, refuse_other_config,
                                           validate_finetunes)
 from tupe_jax.errors import require
-from tupe_jax.metrics import read_metrics
+from tupe_jax.metrics import has_eval_at, read_metrics
 from tupe_jax.pretrain.loop import pretrain
 from tupe_jax.pretrain.validate import validate as validate_pretrain
 
@@ -91,14 +91,6 @@ def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
                          "use a fresh workdir/runs_dir, or the same config as that run")
 
 
-def _final_eval_missing(path: str, done: int) -> bool:
-    """The run has no evaluation at step `done` (`pretrain` writes it on a rerun, where there is a validation split);
-    a report would set its last evaluation, or none, beside the other runs' final ones."""
-    rows = read_metrics(path) if os.path.isfile(os.path.join(path, "metrics.jsonl")) else []
-    steps = [int(r["step"]) for r in rows if "eval_loss" in r and "split" not in r]
-    return not steps or max(steps) < done
-
-
 def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
                  seeds: list[int]) -> dict[int, list[dict]]:
     """Train every (scheme, seed), seed by seed, skipping finished runs; {seed: [{'scheme', 'seed', 'path',
@@ -112,9 +104,9 @@ def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
         done = (workdir_lib.checkpoint_steps(path) or [None])[-1]
         head = f"[compare {config.suite}] [{i}/{len(jobs)}] {run_name(scheme, seed)}"
         info = {"scheme": scheme.name, "seed": seed, "path": path, "seconds": None, "reused": True}
-        if done is not None and done >= total and not _final_eval_missing(path, done):
+        if done is not None and done >= total and has_eval_at(path, done):
             print(f"{head}: finished run at step {done} in {path}, reusing it", flush=True)
-        elif done is not None and done >= total:     # stopped after its last checkpoint: `pretrain` writes it
+        elif done is not None and done >= total:     # stopped before its final evaluation: `pretrain` writes it
             print(f"{head}: finished run at step {done} in {path} without its final evaluation; writing it",
                   flush=True)
             pretrain(sub, path)
@@ -199,7 +191,7 @@ def _refuse_to_shrink(workdir: str, schemes: list[Scheme], seeds: list[int]) -> 
     if not os.path.isfile(path):
         return
     try:
-        old = json.loads(files.read_text(path))
+        old = files.read_json(path)
         had = ([s["name"] for s in old["schemes"]], [int(k) for k in old["seeds"]])
     except (ValueError, KeyError, TypeError):
         return                             # not a report this can read: the suite writes a whole new one

@@ -158,10 +158,7 @@ def _final_eval_missing(config: ml_collections.ConfigDict, workdir: str, tokeniz
                         batch_size: int) -> bool:
     """A finished run (at `step`) without its final evaluation row: it stopped (preempted, killed) after its last
     checkpoint and before evaluating. Rows of `launch evaluate` (they name their split) do not count."""
-    if validation_batches(config, tokenizer, batch_size) is None:
-        return False
-    rows = metrics_lib.read_metrics(workdir) if files.exists(files.join(workdir, "metrics.jsonl")) else []
-    return not any(int(r.get("step", -1)) == step and "eval_loss" in r and "split" not in r for r in rows)
+    return validation_batches(config, tokenizer, batch_size) is not None and not metrics_lib.has_eval_at(workdir, step)
 
 
 def _profile(config: ml_collections.ConfigDict, workdir: str) -> Optional[trainer_lib.Profile]:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import ml_collections
@@ -84,14 +85,13 @@ def refuse_inside_suite(path: str, where: str) -> None:
     `glue/` and what lies in `glue/` (an analysis of other runs would replace them). Its runs' folders are fine."""
     if files.is_remote(path):                 # checked where the bucket is (check_bucket), not here
         return
-    folder = os.path.abspath(os.path.expanduser(str(path)))
-    parts = [folder, os.path.dirname(folder), os.path.dirname(os.path.dirname(folder))]
-    below = ["", os.path.basename(folder), os.path.basename(os.path.dirname(folder)) + "/" + os.path.basename(folder)]
-    for suite_dir, rest in zip(parts, below):
+    folder = Path(os.path.abspath(os.path.expanduser(str(path))))
+    for suite_dir, rest in ((folder, ""), (folder.parent, folder.name),
+                            (folder.parent.parent, f"{folder.parent.name}/{folder.name}")):
         owned = rest == "" or re.fullmatch(r"seed\d+|glue(/[^/]+)?", rest)
         try:
-            suite = bool(owned) and files.isfile(config_path(suite_dir)) and "suite" in _read_stored(
-                config_path(suite_dir))
+            suite = bool(owned) and files.isfile(config_path(str(suite_dir))) and "suite" in _read_stored(
+                config_path(str(suite_dir)))
         except UserError:                      # unreadable: not ours to judge here
             suite = False
         require(not suite, f"{path} is {'in ' if rest else ''}the compare suite folder {suite_dir}, whose report "
