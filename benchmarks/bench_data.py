@@ -11,12 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import tempfile
 import time
 
 import ml_collections
 
 from tupe_jax import data as D
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outputs import refuse_below  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main() -> None:
@@ -29,6 +33,7 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=4)
     ap.add_argument("--cache_dir", default="")
     args = ap.parse_args()
+    refuse_below(args, steps=1, batch=1, max_len=2, threads=1, prefetch=0)
 
     with tempfile.TemporaryDirectory() as tmp:
         c = ml_collections.ConfigDict({"data": D.default_data_config(),

@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 LIBRARIES = {"xla": "0", "onednn": "1"}
@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, rounds=1, reps=1)
     schemes, lengths = args.schemes.split(","), [int(x) for x in args.lengths.split(",")]
     built = {scheme: build(scheme, lengths) for scheme in schemes}
     rounds = []

@@ -29,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 D, V = 256, 8192
@@ -102,10 +102,21 @@ def torch_over(times: dict) -> dict:
     return out
 
 
+def counts(text: str) -> list[int]:
+    """'320,640' -> [320, 640]; anything but comma-separated whole numbers ≥ 0 is refused by argparse."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = [-1]
+    if min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers")
+    return values
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="320,640,1024,2048")
-    ap.add_argument("--chunks", default="0,128,256,512")
+    ap.add_argument("--rows", type=counts, default="320,640,1024,2048", help="comma-separated head rows")
+    ap.add_argument("--chunks", type=counts, default="0,128,256,512", help="comma-separated chunk sizes (0: none)")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dots", choices=("xla", "onednn"), default="xla",
@@ -115,6 +126,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, rounds=1, steps=1)
     if args.torch and importlib.util.find_spec("torch") is None:
         sys.exit("error: --torch needs torch, which is not installed, the environment, "
                  "pip install -e '.[bench]' or leave out --torch")
@@ -125,8 +137,8 @@ def main() -> None:
     load_before = os.getloadavg()
     out = {"command": "python benchmarks/bench_head.py " + shlex.join(sys.argv[1:]), "cpu": cpu_description(),
            "jax": jax.__version__, "dots": args.dots, "loadavg_before": load_before, "shapes": {}}
-    for m in (int(x) for x in args.rows.split(",")):
-        chunks = [int(x) for x in args.chunks.split(",") if int(x) < m]
+    for m in args.rows:
+        chunks = [x for x in args.chunks if x < m]
         fns = variants(m, chunks, ONEDNN_DOTS if args.dots == "onednn" else None, args.torch)
         k = jax.random.split(jax.random.PRNGKey(0), 3)
         inputs = (jax.random.normal(k[0], (m, D)), jax.random.normal(k[1], (V, D)) * 0.05,

@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 from tupe_jax import host  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, rounds=1)
     for site in args.site:
         if site != "installed" and not os.path.isdir(os.path.join(site, "ml_dtypes")):
             sys.exit(f"error: no ml_dtypes package in {site}, --site, give `installed` or an unpacked wheel's folder")

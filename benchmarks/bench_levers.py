@@ -6,8 +6,8 @@ One process builds every variant (bert_a, `size=small`: 4 layers, d 256, 4 heads
 16 × 128, float32, dropout 0.1), compiles each, then runs `--steps` synced steps of each variant in turn, `--rounds`
 times. A variant's ratio to the first one ("current") is computed within each round; reported: the median over
 rounds with its min–max (the machine may be shared: the spread is the noise) and, from 6 rounds, the median's 95%
-interval (`rounds.spread`). `--slots`: MLM head slots per row
-(20 = the default head on the masked positions, 128 = equal work with HF). Variants:
+interval (`rounds.spread`). `--slots`: MLM head slots per row (20 = the default head on the masked positions, 128 =
+equal work with HF). Variants:
 - current: the code as it is;
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `head.argmax_hits`;
 - two-pass accuracy (before): `argmax_hits` as it was before its one-pass form (a max over the vocabulary, then a
@@ -56,8 +56,8 @@ interval (`rounds.spread`). `--slots`: MLM head slots per row
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
 process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two. For the HF
 peers use `--steps 8`: timed 2 steps at a time the peers ran a fifth slower than in their own processes and ours did
-not, so those ratios flatter ours (RESULTS.md, "The same VM three hours later (session 27)"); 8 steps at a time
-they ran at their own speed.
+not, so those ratios flatter ours (RESULTS.md, "The same VM three hours later (session 27)"); 8 steps at a time they
+ran at their own speed.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ from typing import Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, refuse_unknown, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 from tupe_jax.xla_options import ONEDNN_DOTS  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -284,6 +284,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, rounds=1, steps=1)
     load_before = os.getloadavg()
     makers = {"current": lambda: build(args.slots),
               "argmax (before)": lambda: build(args.slots, plain_argmax=True, logits_head=True),
@@ -316,9 +317,7 @@ def main() -> None:
               "HF Flax (peer) with oneDNN dots": lambda: build_hf_flax(args.slots, ONEDNN_DOTS),
               "HF torch (peer)": lambda: build_hf_torch(args.slots)}
     chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]
-    unknown = [n for n in chosen if n not in makers]
-    if unknown:
-        sys.exit(f"error: unknown variant {unknown[0]!r}, --variants, use some of {','.join(makers)}")
+    refuse_unknown("--variants", chosen, makers, "variants")
     variants = {name: makers[name]() for name in chosen}
     per = {name: [] for name in variants}
     cpu = {name: [] for name in variants}

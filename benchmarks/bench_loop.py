@@ -32,9 +32,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from bench_train import loop_overrides, loop_result  # noqa: E402  pylint: disable=wrong-import-position
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
-from train_workers import shape_args, worker_ours  # noqa: E402  pylint: disable=wrong-import-position
+from train_workers import SHAPES, shape_args, worker_ours  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def loop_config(args, s: dict, cache_dir: str):
@@ -101,7 +101,7 @@ def host_costs(args, s: dict, cache_dir: str, calls: int = 100, repeats: int = 3
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="small")
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--loop_steps", type=int, default=40)
     ap.add_argument("--steps", type=int, default=8, help="the benchmark step's timed steps")
@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--host_costs", type=int, default=1, help="also time the loop's host work per step alone")
     args = ap.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, rounds=0, steps=1, warmup=0)
     from tupe_jax import allocator, host  # pylint: disable=import-outside-toplevel
     allocator.maybe_reexec()                    # the launcher's allocator, for both arms
     for key in ("layers", "hidden", "heads", "mlp", "vocab", "seq", "batch"):

@@ -37,7 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 SHAPES = {  # name: (M, K, F) of the product (M, K) · (K, F)
@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, rounds=1, steps=1)
     if args.attention and args.engines:
         sys.exit("error: --attention and --engines together, the command line, give one of them")
     if args.attention or args.engines:

@@ -5,7 +5,8 @@
     python benchmarks/bench_prepare.py memory --text /work/shared/data/wikitext-2/train.txt --copies 1,50 \
         --rounds 3 --json benchmarks/results_prepare_memory.json
 
-Corpus: `--copies` copies of the WikiText-2 training file (`<scratch>/cN/wiki-<i>.train.txt`, data.name=wikitext),
+Corpus: `--copies` copies of the WikiText-2 training file (`<scratch>/text-<key>/cN/wiki-<i>.train.txt`, key: the
+text file's path, size and time; data.name=wikitext),
 tokenized with one vocabulary (8192 pieces, learned once on one copy by `launch prepare`, then given as
 data.vocab_file), max_len 128, MLM FULL-SENTENCES, prepare.shard_mb=4 (the default 64 MB would make 2 shards of the
 10-copy corpus: one core would do the last 18 MB alone).
@@ -21,10 +22,12 @@ process; peak RSS from the child's ru_maxrss (one child at a time). Ratio = peak
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import re
 import platform
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -60,14 +63,30 @@ def sh(cmd, **kw) -> subprocess.CompletedProcess:
     return out
 
 
+def text_scratch(scratch: Path, text: Path) -> Path:
+    """`scratch`'s folder for this `--text`: named by the file's real path, size and modification time, so the
+    corpora, vocabulary and prepared folders of one text are never reused for another (or for an edited one)."""
+    st = text.stat()
+    key = hashlib.sha256(f"{text.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return scratch / f"text-{key}"
+
+
 def corpus(scratch: Path, text: Path, copies: int) -> Path:
+    """`copies` names for `text` in `scratch`/cN, made in a temporary folder and renamed into place, so a copy
+    cut off midway is never taken for a whole corpus."""
     folder = scratch / f"c{copies}"
     if not folder.is_dir():
-        folder.mkdir(parents=True)
-        first = folder / "wiki-000.train.txt"
-        first.write_bytes(text.read_bytes())
-        for i in range(1, copies):   # hard links: the same text under `copies` names, no extra disk
-            os.link(first, folder / f"wiki-{i:03d}.train.txt")
+        partial = scratch / f".c{copies}.{os.getpid()}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            first = partial / "wiki-000.train.txt"
+            first.write_bytes(text.read_bytes())
+            for i in range(1, copies):   # hard links: the same text under `copies` names, no extra disk
+                os.link(first, partial / f"wiki-{i:03d}.train.txt")
+            partial.rename(folder)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)      # gone after the rename; the pieces after a failure
     return folder
 
 
@@ -109,7 +128,7 @@ def throughput(args, scratch: Path, vocab: Path) -> dict:
         rows.append(row)
         print(json.dumps(row), flush=True)
         sh(["rm", "-rf", str(out)])
-    cores = 2
+    cores = len(os.sched_getaffinity(0))       # the cores this process may run on (prepare's workers are 2)
     return {"rounds": rows, "ratio": stat([x["ratio"] for x in rows]),
             "prepare_tokens_per_s_per_core": stat([x["prepare_tokens"] / x["prepare_seconds"] / cores for x in rows]),
             "floor_tokens_per_s_per_core": stat([x["floor_tokens"] / x["floor_seconds"] / cores for x in rows]),
@@ -159,7 +178,19 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     refuse_missing_folder(args.json)
-    scratch = Path(args.scratch)
+    refuse_below(args, rounds=1)
+    if not os.path.isfile(args.text):
+        sys.exit(f"error: no file {args.text!r}, --text, name the corpus's text file "
+                 "(e.g. ../shared/data/wikitext-2/train.txt)")
+    try:
+        copies = [int(x) for x in args.copies.split(",")]
+    except ValueError:
+        copies = [0]
+    if min(copies) < 1 or (args.what == "throughput" and len(copies) != 1):
+        sys.exit(f"error: --copies {args.copies!r} is not " + ("one whole number ≥ 1" if args.what == "throughput"
+                 else "a comma-separated list of whole numbers ≥ 1") + ", --copies, give e.g. " +
+                 ("10" if args.what == "throughput" else "1,50"))
+    scratch = text_scratch(Path(args.scratch), Path(args.text))
     scratch.mkdir(parents=True, exist_ok=True)
     vocab = vocabulary(scratch, Path(args.text))
     result = (throughput if args.what == "throughput" else memory)(args, scratch, vocab)

@@ -23,7 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 CHILD = r"""
 import json, resource, sys, time
@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, rounds=1)
     rows = []
     for r in range(args.rounds):
         for method in METHODS:

@@ -29,9 +29,9 @@ without it, `all` gives it to every job (like for like), `none` to none. `--peer
 ratios against each peer's faster allocator in each round. Each worker also reports its timed steps' page faults
 and user/system CPU seconds per step.
 
-Prints Markdown tables, and writes the results to `--json` where one is given, with the checkout's git commit at
-the start (`git_commit`, "+dirty" with uncommitted changes). This file is the driver;
-the shapes, batches, step timer and the three workers are in benchmarks/train_workers.py.
+Prints Markdown tables, and writes the results to `--json` where one is given, with the checkout's git commit at the
+start (`git_commit`, "+dirty" with uncommitted changes). This file is the driver; the shapes, batches, step timer
+and the three workers are in benchmarks/train_workers.py.
 """
 from __future__ import annotations
 
@@ -49,10 +49,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
 sys.path.insert(0, HERE)
 from train_workers import ALL_SCHEMES, SHAPES, USAGE, WORKERS, shape_args  # noqa: E402  pylint: disable=wrong-import-position
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_failed, refuse_missing_folder, refuse_unknown, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -214,6 +213,13 @@ def main() -> None:
     ap.add_argument("--worker_arg", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, rounds=1, steps=1, warmup=0, loop_steps=0, torch_threads=0)
+    refuse_unknown("--schemes", [x for x in args.schemes.split(",") if x], ALL_SCHEMES, "schemes")
+    refuse_unknown("--peers", [x for x in args.peers.split(",") if x], ("torch", "flax"), "peers")
+    if args.allocator_ab and args.allocator == "none":
+        sys.exit("error: --allocator_ab 1 needs ours with the tunable, --allocator none, use launcher or all")
+    if not (args.schemes.strip(",") or args.equal_work or args.peers.strip(",") or args.loop_steps):
+        sys.exit("error: no job to run, --schemes/--equal_work/--peers/--loop_steps, name at least one")
     s = shape_args(args)
     args.default_predictions = -(-15 * s["seq"] // 100)
     args.predictions = args.predictions or args.default_predictions
@@ -326,6 +332,7 @@ def main() -> None:
         ci = f"{r['ci95'][0]:.3f}–{r['ci95'][1]:.3f}" if r["ci95"] else "— (< 6 rounds)"
         print(f"| {label} | {r['median']:.3f}× | {r['min']:.3f}–{r['max']:.3f} | {ci} | "
               f"{', '.join(f'{x:.3f}' for x in r['per_round'])} |")
+    refuse_failed({n: j["error"] for n, j in jobs_out.items() if "error" in j}, args.json)
     if not args.json:
         return
     from tupe_jax import host  # pylint: disable=import-outside-toplevel
@@ -335,9 +342,8 @@ def main() -> None:
                            "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "shape": s,
                            "args": vars(args), "machine": f"{platform.processor() or platform.machine()}, "
                            f"{os.cpu_count()} cores", "cpu": host.cpu_description(), "peaks_flops": peaks,
-                           "torch_threads": torch_threads,
-                           "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "ratios": ratios,
-                           "jobs": jobs_out, "runs": results})
+                           "torch_threads": torch_threads, "loadavg_before": load_before,
+                           "loadavg_after": os.getloadavg(), "ratios": ratios, "jobs": jobs_out, "runs": results})
 
 
 if __name__ == "__main__":

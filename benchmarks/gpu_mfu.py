@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 # (scheme, tupe_form, attention_backend[, dropout_rng]); cheapest-to-skip last
 CONFIGS = [("bert_a", "bias", "cudnn"), ("tupe_a", "bias", "cudnn"), ("tupe_a", "concat", "cudnn"),
@@ -174,6 +174,7 @@ def main() -> None:
     args = ap.parse_args()
     out = args.json or os.path.join(os.environ.get("OUT", HERE), "gpu_mfu.json")
     refuse_missing_folder(out)
+    refuse_below(args, steps=1, warmup=0)
     if args.smoke:
         args.seq, args.batch, args.steps, args.warmup, args.dtype = 128, 4, 2, 1, "float32"
     start = time.perf_counter()

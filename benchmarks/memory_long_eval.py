@@ -7,7 +7,8 @@ Each scheme runs in its own subprocess (so peak RSS is that scheme's alone): bui
 sequence of `--length` tokens (the CLM eval loss), and report `resource.getrusage(RUSAGE_SELF).ru_maxrss` (peak
 RSS of the process, incl. the Python/JAX runtime and compilation) next to the budget (4 GiB). The attention
 logits are materialised per layer ((1, H, L, L) float32 = 512 MiB at H=2, L=8192), so this is the number that
-tells whether long-context evaluation of these schemes fits a small machine.
+tells whether long-context evaluation of these schemes fits a small machine. `--json` gets
+{length, backend, rows: one per scheme, environment} (the committed file from before that is the bare list of rows).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_failed, refuse_missing_folder, refuse_unknown, write_json  # noqa: E402  pylint: disable=wrong-import-position
 BUDGET_GIB = 4.0
 
 
@@ -68,9 +69,13 @@ def main() -> None:
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, length=1)
     if args.worker:
         print(json.dumps(worker(args.worker, args.length, args.backend)))
         return
+    sys.path.insert(0, ROOT)
+    from tupe_jax.positional import ALIASES, SCHEMES  # pylint: disable=import-outside-toplevel
+    refuse_unknown("--schemes", args.schemes.split(","), SCHEMES + tuple(ALIASES), "schemes")
     rows = []
     for scheme in args.schemes.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", scheme, "--length", str(args.length),
@@ -93,8 +98,9 @@ def main() -> None:
         gib = r["peak_rss_bytes"] / 2 ** 30
         print(f"| {r['scheme']} | {r['model']} | {gib:.2f} | {'yes' if gib < BUDGET_GIB else 'NO'} | "
               f"{r['forward_s']:.2f} | {r['loss']:.3f} |")
+    refuse_failed({r["scheme"]: r["error"] for r in rows if "error" in r}, args.json)
     if args.json:
-        write_json(args.json, rows)
+        write_json(args.json, {"length": args.length, "backend": args.backend, "rows": rows})
 
 
 if __name__ == "__main__":

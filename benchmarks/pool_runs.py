@@ -41,7 +41,8 @@ TARGETS = {
     "loop tokens/s / benchmark bert_a tokens/s": (0.95, 1.05),
 }
 # what must agree between pooled runs: the work each job does
-SETTINGS = ("steps", "warmup", "predictions", "dropout", "backend", "equal_work", "default_predictions")
+SETTINGS = ("steps", "warmup", "predictions", "dropout", "backend", "equal_work", "default_predictions", "allocator",
+            "allocator_ab", "peers_allocator_ab", "torch_threads")
 
 
 class Refused(Exception):
@@ -156,6 +157,11 @@ def main(argv=None) -> int:
             message = missing_folder(out, flag)
             if message:
                 raise Refused(message)
+            if out and os.path.realpath(out) in map(os.path.realpath, args.runs):
+                raise Refused(f"{flag} {out} is one of the runs to pool, {flag}, name a new file (it would be "
+                              "replaced)")
+        if args.json and args.plot and os.path.realpath(args.json) == os.path.realpath(args.plot):
+            raise Refused(f"--json and --plot both name {args.json}, --plot, name another file")
         runs = [load(p) for p in args.runs]
         check_poolable(args.runs, runs)
         ratios = pool(args.runs, runs)

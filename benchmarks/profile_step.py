@@ -39,7 +39,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from outputs import refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 
 LAYOUT_OPS = {"copy", "transpose", "bitcast", "reshape", "slice", "concatenate", "broadcast", "pad", "tuple",
               "get-tuple-element", "parameter", "constant", "dynamic-slice", "dynamic-update-slice", "iota"}
@@ -220,6 +220,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     refuse_missing_folder(args.json)
+    refuse_below(args, steps=1)
     import jax  # pylint: disable=import-outside-toplevel
     from bench_levers import build, build_hf_flax, run  # pylint: disable=import-outside-toplevel
     from tupe_jax.host import cpu_description, cpu_kind  # pylint: disable=import-outside-toplevel

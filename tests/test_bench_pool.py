@@ -58,7 +58,9 @@ def test_target_ends_are_inclusive_and_open_sides_unbounded():
 
 
 @pytest.mark.parametrize("change,named", [({"shape": {"layers": 2}}, "shape="), ({"cpu": "another CPU"}, "cpu="),
-                                          ({"args_steps": 4}, "args.steps="), ({"started": "t1"}, "again")])
+                                          ({"args_steps": 4}, "args.steps="), ({"started": "t1"}, "again"),
+                                          ({"args_allocator": "all"}, "args.allocator="),
+                                          ({"args_torch_threads": 1}, "args.torch_threads=")])
 def test_refuses_runs_that_are_not_alike_before_writing(tmp_path, capsys, change, named):
     change = dict(change)
     a = run_file(tmp_path, "a.json", "t1", {TUPE_A: [1.0, 1.0]})
@@ -108,3 +110,20 @@ def test_plot_refused_when_the_runs_share_no_target_ratio(tmp_path, capsys):
     assert err.startswith("error: ") and "--plot" in err and "\n" not in err
     assert not png.exists() and not out.exists()
     assert pool_runs.main([a, b, "--json", str(out)]) == 0       # without the plot the same runs pool
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_output_that_is_one_of_the_runs_is_refused_and_the_run_kept(tmp_path, capsys, flag):
+    """`--json a.json` (or `--plot b.json`) replaced that input run with the pooled result (or a PNG)."""
+    a = run_file(tmp_path, "a.json", "t1", {EQUAL_FLAX: [1.30, 1.25], TUPE_A: [0.99, 1.01]})
+    b = run_file(tmp_path, "b.json", "t2", {EQUAL_FLAX: [1.15, 1.18], TUPE_A: [1.02, 1.05]})
+    before = {p: open(p, "rb").read() for p in (a, b)}
+    os.symlink(b, tmp_path / "link.json")
+    for out in (a, str(tmp_path / "link.json")):        # the same file by another name as well
+        assert pool_runs.main([a, b, flag, out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {flag} {out} is one of the runs to pool") and "\n" not in err
+    assert {p: open(p, "rb").read() for p in (a, b)} == before
+    same = tmp_path / "pooled"
+    assert pool_runs.main([a, b, "--json", str(same), "--plot", str(same)]) == 2
+    assert "both name" in capsys.readouterr().err and not same.exists()
