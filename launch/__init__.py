@@ -284,6 +284,7 @@ def run(argv: Sequence[str]) -> int:
         return 0
     import jax  # pylint: disable=import-outside-toplevel
     from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+    cluster.refuse_undistributed_processes()
     resolve(command.validator)(config, jax.device_count())
     with workdir_lib.claim(args.workdir, config, overwrite=args.overwrite_config):
         command.call(fn, config, args)

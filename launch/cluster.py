@@ -2,7 +2,8 @@
 
 Multi-process runs: run the SAME command on every host. On Cloud TPU pod slices, Slurm and Kubernetes (GKE)
 `--distributed=on` calls `jax.distributed.initialize()` with no arguments and JAX detects the cluster; with the
-default `--distributed=auto` this happens by itself when `TPU_WORKER_HOSTNAMES` lists several hosts. Elsewhere
+default `--distributed=auto` this happens by itself on a Cloud TPU VM (TPU chips on the PCI bus: JAX then reads the
+slice's workers from the VM's metadata server) and when `TPU_WORKER_HOSTNAMES` lists several hosts (GKE). Elsewhere
 (e.g. several GPU machines) give `--coordinator_address=host:port --num_processes=N --process_id=i` or the
 environment variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
 """
@@ -38,11 +39,26 @@ def check_processes(args: argparse.Namespace) -> None:
                         "drop --distributed=off, or the --coordinator_address/--num_processes/--process_id flags")
 
 
+def tpu_chips() -> int:
+    """The TPU chips on this machine's PCI bus (0 elsewhere), found as JAX finds them, without starting a backend.
+
+    A pod slice made with `gcloud compute tpus tpu-vm create` sets no environment variable that names its hosts
+    (JAX asks the VM's metadata server), so `TPU_WORKER_HOSTNAMES` alone missed it: every host then trained without
+    `jax.distributed` (no preemption notices, and Orbax's multi-host saves need its client)."""
+    try:
+        from jax._src import hardware_utils  # pylint: disable=import-outside-toplevel
+        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+    except (ImportError, AttributeError, OSError):
+        return 0
+
+
 def maybe_initialize_distributed(args: argparse.Namespace) -> None:
-    """Call `jax.distributed.initialize` when several processes are configured (must precede device use)."""
+    """Call `jax.distributed.initialize` when several processes are configured, or on a Cloud TPU VM (must
+    precede device use)."""
     hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     explicit = (args.num_processes or 1) > 1 or bool(args.coordinator_address)
-    if args.distributed == "off" or (args.distributed == "auto" and not explicit and len(hosts) <= 1):
+    if args.distributed == "off" or (args.distributed == "auto" and not explicit and len(hosts) <= 1
+                                     and not tpu_chips()):
         return
     import jax  # pylint: disable=import-outside-toplevel
     try:
@@ -51,7 +67,18 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> None:
                                        num_processes=args.num_processes, process_id=args.process_id)
         else:
             jax.distributed.initialize()
-    except ValueError as err:   # JAX found no cluster to fill in what the flags left out
+    except (ValueError, RuntimeError) as err:   # no cluster found to fill in what the flags left out
         first = (str(err).strip().splitlines() or [""])[0][:200]
         raise UserError(f"jax.distributed.initialize: {first}", "--coordinator_address/--num_processes/--process_id",
-                        "give all three, or run where JAX detects the cluster (a TPU pod, Slurm, GKE)") from None
+                        "give all three, or run where JAX detects the cluster (a TPU pod, Slurm, GKE); on one "
+                        "machine alone, --distributed=off") from None
+
+
+def refuse_undistributed_processes() -> None:
+    """Several processes without `jax.distributed` (a TPU pod run with --distributed=off, or one JAX's TPU runtime
+    joined by itself) are refused: each process would decide a preemption, a checkpoint fallback or a lock alone,
+    and Orbax's multi-host saves need the distributed client."""
+    import jax  # pylint: disable=import-outside-toplevel
+    if jax.process_count() > 1 and not jax.distributed.is_initialized():
+        raise UserError(f"{jax.process_count()} processes without jax.distributed", "--distributed",
+                        "run with --distributed=on (or auto) on every host")

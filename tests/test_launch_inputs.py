@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 import launch
 from glue_fixtures import make_pretrained
 from tests import xla_flags
@@ -122,3 +124,47 @@ def test_an_output_folder_a_suite_report_embeds_is_refused_and_its_runs_folders_
             refuse_inside_suite(str(suite / owned), "--out")
     for free in ("alibi-clm-s0/analysis", "my-analysis", "alibi-clm-s0/x/y", "seed0x"):
         refuse_inside_suite(str(suite / free), "--out")
+
+
+def _flags(**given):
+    import argparse  # pylint: disable=import-outside-toplevel
+    return argparse.Namespace(**{"distributed": "auto", "num_processes": None, "process_id": None,
+                                 "coordinator_address": None, **given})
+
+
+def test_auto_starts_jax_distributed_on_a_cloud_tpu_vm_and_nowhere_else(monkeypatch):
+    """A pod slice made with `gcloud compute tpus tpu-vm create` sets no TPU_WORKER_HOSTNAMES (JAX reads the workers
+    from the VM's metadata server), so `--distributed=auto` never started jax.distributed there."""
+    import jax  # pylint: disable=import-outside-toplevel
+    from launch import cluster  # pylint: disable=import-outside-toplevel
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    for chips, distributed, started in [(0, "auto", False), (4, "auto", True), (4, "off", False), (0, "on", True)]:
+        calls.clear()
+        monkeypatch.setattr(cluster, "tpu_chips", lambda chips=chips: chips)
+        cluster.maybe_initialize_distributed(_flags(distributed=distributed))
+        assert calls == ([{}] if started else []), (chips, distributed)
+
+
+def test_tpu_chips_are_counted_as_jax_counts_them_and_zero_here(monkeypatch):
+    from jax._src import hardware_utils  # pylint: disable=import-outside-toplevel
+    from launch import cluster  # pylint: disable=import-outside-toplevel
+    assert cluster.tpu_chips() == hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0   # a CPU machine
+    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, "v4"))
+    assert cluster.tpu_chips() == 4
+
+
+def test_several_processes_without_jax_distributed_are_refused(monkeypatch):
+    """Each process would decide a preemption save, a checkpoint's fallback and the lock alone."""
+    import jax  # pylint: disable=import-outside-toplevel
+    from launch import cluster  # pylint: disable=import-outside-toplevel
+    from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    cluster.refuse_undistributed_processes()                # one process: nothing to refuse
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    with pytest.raises(UserError, match=r"^error: 4 processes without jax.distributed, --distributed, run with "
+                                        r"--distributed=on \(or auto\) on every host$"):
+        cluster.refuse_undistributed_processes()
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    cluster.refuse_undistributed_processes()

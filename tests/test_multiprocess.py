@@ -176,3 +176,38 @@ def test_two_processes_export_a_run_once(tmp_path):
     again = two_processes(["export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'two'}"], environment,
                           code=2)
     assert all(err.strip().splitlines()[-1].startswith(f"error: {tmp_path / 'two'} already exists") for _, err in again)
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_process_saves_one_step_on_both(tmp_path):
+    """A preemption notice that reaches one host of a pod: our own SIGTERM handler replaced JAX's preemption notifier,
+    so only that process stopped (at a save the other never joined: it crashed at its next collective, and no
+    checkpoint was written). Now JAX tells every process, and both save the same step and exit 0."""
+    import signal
+    import time
+    wd = tmp_path / "run"
+    port = free_port()
+    procs = [subprocess.Popen(command(wd, tmp_path / "cache", [f"--coordinator_address=127.0.0.1:{port}",
+                                                                "--num_processes=2", f"--process_id={i}",
+                                                                "--config.train.steps=100000"]),
+                              cwd=ROOT, env=env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            rows = read_metrics(str(wd)) if (wd / "metrics.jsonl").exists() else []
+            if sum("loss" in r for r in rows) >= 3:        # past the first step (its compile) on both processes
+                break
+            time.sleep(0.5)
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        procs[1].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    saved = [[line for line in out.splitlines() if line.startswith("preemption: saved step ")] for out, _ in outs]
+    assert len(saved[0]) == 1 and saved[0] == saved[1], saved
+    step = int(saved[0][0].split()[3])
+    assert os.listdir(wd / "checkpoints") == [str(step)] and step < 100000

@@ -95,3 +95,19 @@ def test_real_model_params_are_sharded(caplog):
         if leaf.ndim >= 2:
             assert not leaf.sharding.is_fully_replicated, jax.tree_util.keystr(path_)
     assert "have no rule" not in caplog.text
+
+
+def test_a_batch_row_block_spread_over_two_processes_is_refused():
+    """mesh.tensor wider than a host's devices: one row block on devices of two processes, each of which loads its
+    own rows; JAX assembled one 'replicated' block from two different sets of rows (sums differed per host)."""
+    from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    from tupe_jax.sharding import check_rows_per_process  # pylint: disable=import-outside-toplevel
+    two_hosts = np.repeat(np.arange(2), 4)                       # 8 devices, 4 per process, in process order
+    check_rows_per_process(two_hosts.reshape(2, 1, 4), (2, 1, 4))     # tensor within a host: fine
+    check_rows_per_process(two_hosts.reshape(4, 2, 1), (4, 2, 1))
+    with pytest.raises(UserError, match=r"^error: batch row block 0 of mesh \(1, 1, 8\) \(data, fsdp, tensor\) lies "
+                                        r"on the devices of processes \[0, 1\].*--config.mesh.tensor"):
+        check_rows_per_process(two_hosts.reshape(1, 1, 8), (1, 1, 8))
+    uneven = np.array([0, 0, 0, 1])                               # 3 devices on one host, 1 on the other
+    with pytest.raises(UserError, match=r"the processes hold \[1, 3\] batch row blocks each"):
+        check_rows_per_process(uneven.reshape(4, 1, 1), (4, 1, 1))

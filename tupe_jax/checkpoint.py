@@ -16,6 +16,10 @@ analyses, init_from) never fall back by themselves: a step that does not read is
 steps, and what a failed read leaves in flight is kept off stderr (`failed_reads`). Preemption:
 `install_sigterm_handler()` makes SIGTERM set a flag; the loop polls `Checkpointer.reached_preemption(step)` (that
 flag, or Orbax/JAX's multi-host preemption sync point), then saves with `force=True`, calls `wait()` and exits 0.
+
+Several processes (a pod) decide together: SIGTERM is left to JAX's preemption notifier (a notice to any host
+reaches every host, and all reach one sync step), and a step that does not restore stops them with a line instead
+of a fallback to an earlier step (a bad shard is read only by the hosts that own it: each would fall back alone).
 """
 from __future__ import annotations
 
@@ -54,7 +58,15 @@ def write_replicas_whole_in_one_process() -> None:
 
 
 def install_sigterm_handler() -> None:
-    """Make SIGTERM set a flag (see `stop_requested`) instead of killing the process mid-step."""
+    """Make SIGTERM set a flag (see `stop_requested`) instead of killing the process mid-step.
+
+    Not in a `jax.distributed` job: there `jax.distributed.initialize` has installed JAX's preemption notifier,
+    which tells every process of a SIGTERM to any one and has them all reach the same sync step
+    (`Checkpointer.reached_preemption`). A handler here would replace it: each process would stop at its own step,
+    at a save the others do not join (a hang, then a crash, and no checkpoint)."""
+    if jax.distributed.is_initialized():
+        return
+
     def handler(signum: int, frame: Any) -> None:  # pylint: disable=unused-argument
         log.warning("SIGTERM received: will save this step (unless it is the process's first) and exit")
         _STOP["requested"] = True
@@ -131,7 +143,8 @@ class Checkpointer:
         return saved
 
     def _set_aside(self, step: int) -> None:
-        """Rename the unrestorable step dir to `<step>.bad-<time>` (kept for inspection, never deleted)."""
+        """Rename the unrestorable step dir to `<step>.bad-<time>` (kept for inspection, never deleted). One process
+        only: with several, a step that does not restore stops the run (`_no_fallback_on_several_processes`)."""
         src = files.join(self.directory, str(step))
         dst = f"{src}.bad-{time.strftime('%Y%m%d-%H%M%S')}"
         log.warning("checkpoint step %d in %s did not restore; moving it to %s (not deleted) to save step %d again",
@@ -207,12 +220,25 @@ class Checkpointer:
             try:
                 return self._restore_one(candidate, abstract_state)
             except Exception as err:  # pylint: disable=broad-except
+                self._no_fallback_on_several_processes(candidate, err)
                 log.warning("checkpoint step %d in %s failed to restore (%s); trying the previous one, "
                             "deleting nothing", candidate, self.directory, describe(err))
         if self.all_steps():
             raise UserError(f"no checkpoint in {self.directory} restores (steps {self.all_steps()})", "--workdir",
                             "check the files, or start a fresh workdir")
         return None
+
+    def _no_fallback_on_several_processes(self, step: int, err: BaseException) -> None:
+        """With several processes a step that fails to read is an error, not a fallback: a bad shard is read only
+        by the processes that hold it, so each would fall back alone (to different steps, one global state), and
+        Orbax's restore ends at a barrier that a failed process never reached (the others' next collective call
+        would meet the wrong one). This process stops with the line; the others stop when JAX's coordination service
+        finds it gone."""
+        if jax.process_count() > 1:
+            raise UserError(f"checkpoint step {step} in {self.directory} failed to restore on process "
+                            f"{jax.process_index()} ({describe(err)})", "--workdir",
+                            f"move {files.join(self.directory, str(step))} aside (e.g. to {step}.bad) and rerun: "
+                            "several processes do not fall back to an earlier step by themselves") from None
 
     def restore_meta(self, step: int | None = None, where: str = "--step") -> dict[str, Any]:
         """The `meta` JSON of `step` (default: latest); a meta item that does not read is a UserError naming the
@@ -234,6 +260,7 @@ class Checkpointer:
             try:
                 return step, self._meta(step)
             except Exception as err:  # pylint: disable=broad-except
+                self._no_fallback_on_several_processes(step, err)
                 log.warning("checkpoint step %d in %s: its meta failed to restore (%s); reading the previous one, "
                             "deleting nothing", step, self.directory, describe(err))
         return (steps[-1], {}) if steps else (None, {})

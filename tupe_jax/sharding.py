@@ -99,7 +99,27 @@ def make_mesh(config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(devices) if devices is not None else jax.devices()
     mesh_cfg = config.mesh if hasattr(config, "mesh") else config
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    check_rows_per_process(np.vectorize(lambda d: d.process_index)(mesh.devices), shape)
+    return mesh
+
+
+def check_rows_per_process(processes: np.ndarray, shape: tuple[int, ...]) -> None:
+    """Each process must hold rows of the batch that no other process holds, as many as every other one.
+
+    `processes`: the process index of each mesh position, shaped (data, fsdp, tensor). A batch's row block
+    (data, fsdp) lives on the `tensor` devices of that position; every process loads its own rows
+    (`global_batch`), so a block spread over two processes (a tensor axis wider than a host's devices) would be
+    assembled from two different sets of rows, and JAX takes that as one array without a word."""
+    blocks = processes.reshape(shape[0] * shape[1], shape[2])
+    split = [b for b in range(blocks.shape[0]) if len(set(blocks[b].tolist())) > 1]
+    require(not split, f"batch row block {split[0] if split else 0} of mesh {tuple(shape)} (data, fsdp, tensor) lies "
+            f"on the devices of processes {sorted(set(blocks[split[0]].tolist())) if split else []}: each process "
+            "loads its own rows", "--config.mesh.tensor", "make mesh.tensor at most the devices of one host (and "
+            "a divisor of it)")
+    counts = np.bincount(blocks[:, 0], minlength=int(processes.max()) + 1)
+    require(len(set(counts.tolist())) == 1, f"the processes hold {sorted(set(counts.tolist()))} batch row blocks "
+            f"each on mesh {tuple(shape)}", "--config.mesh", "give every host the same number of devices")
 
 
 def axis_rules() -> Any:
