@@ -169,6 +169,8 @@ def read_casing(path: str | Path) -> dict:
         data = json.loads(files.read_text(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UserError(f"{path} is not valid JSON ({err})", str(path), "fix or remove it") from None
+    require(isinstance(data, dict), f"{path} holds a JSON {type(data).__name__}, not an object", str(path),
+            "fix or remove it")
     out = {}
     if "do_lower_case" in data:
         out["lowercase"] = bool(data["do_lower_case"])

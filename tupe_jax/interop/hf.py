@@ -17,6 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import ml_collections
 
 from tupe_jax import checkpoint as ckpt_lib
@@ -60,9 +61,16 @@ def read_hf_config(src: str, where: str = WHERE) -> dict:
             "(config.json, model.safetensors, vocab.txt)")
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            hf = json.load(f)
     except (ValueError, UnicodeDecodeError) as err:
         raise UserError(f"{path} is not valid JSON ({err})", where, "restore it from the model's source") from None
+    require(isinstance(hf, dict), f"{path} holds a JSON {type(hf).__name__}, not an object", where,
+            "restore it from the model's source")
+    section = hf.get(NATIVE)
+    require(section is None or (isinstance(section, dict) and isinstance(section.get("model", {}), dict)),
+            f"{path}: its '{NATIVE}' section is not an object with a 'model' object", where,
+            "restore it from `launch export`'s output, or remove the section from a BERT checkpoint's config.json")
+    return hf
 
 
 def bert_model_keys(hf: dict, where: str = WHERE) -> dict[str, Any]:
@@ -134,6 +142,8 @@ def read_tokenizer(src: str, where: str = WHERE) -> Tokenizer:
                 tok_cfg = json.load(f)
         except (ValueError, UnicodeDecodeError) as err:
             raise UserError(f"{cfg_path} is not valid JSON ({err})", where, "fix or remove it") from None
+        require(isinstance(tok_cfg, dict), f"{cfg_path} holds a JSON {type(tok_cfg).__name__}, not an object",
+                where, "fix or remove it")
         for key, wanted in SPECIAL_KEYS.items():
             value = tok_cfg.get(key)
             value = value.get("content") if isinstance(value, dict) else value
@@ -209,6 +219,13 @@ def native_params(tensors: dict, cfg: ModelConfig, where: str = WHERE) -> dict:
     return tensors
 
 
+def _trained_token_types(tensors: dict) -> bool:
+    """Whether the checkpoint's token-type table holds anything but zeros (an export of a model without segment
+    embeddings writes a zero table, its segment-0 row being folded into the positions)."""
+    key = next((k for k in tensors if k.endswith(names.TOKEN_TYPE)), None)
+    return key is not None and bool(np.any(np.asarray(tensors[key]) != 0))
+
+
 # ------------------------------------------------------------------------------------------------ the run
 def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, classifier_labels: int = 0):
     """(config, params tree of jnp float32, tokenizer, notes) of the HF folder `src`; nothing is written.
@@ -223,14 +240,21 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, class
         keys = dict((hf.get(NATIVE) or {}).get("model") or {})
         require(bool(keys), "config.json of a tupe_jax export lacks its 'tupe_jax.model' section", where,
                 "export the run again with `launch export`")
-    else:
+    tensors, _ = safetensors_io.read(src, where)
+    trained_segments = []
+    if not native:
         ours = (hf.get(NATIVE) or {}).get("model", {})
         keys = {**ours, **bert_model_keys(hf, where)}
-        if "type_vocab_size" in ours:   # this project's bert_a export: 0 stays 0 (export wrote a zero table)
+        # this project's bert_a export: 0 stays 0 (export wrote a zero table), unless the table was trained since
+        # (a sentence-pair fine-tune in transformers): then it is imported whole, as the checkpoint's own
+        if "type_vocab_size" in ours and not _trained_token_types(tensors):
             keys["type_vocab_size"] = ours["type_vocab_size"]
+        elif "type_vocab_size" in ours and ours["type_vocab_size"] != keys.get("type_vocab_size"):
+            trained_segments = [f"the token-type table was trained since this run's export: imported whole "
+                                f"(model.type_vocab_size {keys.get('type_vocab_size')}, not the export's "
+                                f"{ours['type_vocab_size']})"]
     config = build_config(base, keys, where, strict=native)
     tokenizer = read_tokenizer(src, where)
-    tensors, _ = safetensors_io.read(src, where)
     cfg = ModelConfig.from_config(config.model)
     require(not (native and classifier_labels), "a tupe_jax export holds no classifier", where,
             "give a BertForSequenceClassification folder")
@@ -238,6 +262,7 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, class
         flat, notes = native_params(tensors, cfg, where), []
     else:
         flat, notes = bert_params(tensors, hf, cfg, tokenizer, where, classifier_labels)
+        notes = trained_segments + notes
     require(tokenizer.vocab_size <= cfg.vocab_size, f"vocab.txt has {tokenizer.vocab_size} tokens but the model "
             f"has {cfg.vocab_size} embedding rows", where, "use the vocab.txt the checkpoint was trained with")
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), unflatten(flat))
@@ -258,6 +283,7 @@ def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert
                 flag, "import into a local folder (then `gcloud storage cp -r` it to the bucket if a pod needs it)"
                 if flag == "--workdir" else "download the folder first (`gcloud storage cp -r`)")
     workdir = os.path.abspath(os.path.expanduser(workdir))
+    workdir_lib.refuse_in_checkpoints(workdir, [], "--workdir")
     require(not (os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir))),
             f"{workdir} already exists and is not empty", "--workdir", "give a new folder for the imported run")
     config, params, tokenizer, notes = convert_fn(src, base)

@@ -74,12 +74,22 @@ def check_folder(workdir: str, writable: bool = True) -> None:
 def refuse_in_checkpoints(path: str, workdirs: Any, where: str) -> None:
     """An output folder `path` is not inside a run's checkpoints/ (a folder there named like a step is read as
     one: every command reading the newest step would then fail on it)."""
-    target = files.absolute(path).rstrip("/") + "/"
+    def resolved(p: str) -> str:       # a local path through its links (a linked --workdir is the same run)
+        return (files.absolute(p) if files.is_remote(p) else os.path.realpath(os.path.expanduser(p))).rstrip("/")
+
+    target = resolved(path) + "/"
     for workdir in [workdirs] if isinstance(workdirs, (str, os.PathLike)) else workdirs:   # one run or several
-        checkpoints = files.join(files.absolute(str(workdir)).rstrip("/"), "checkpoints") + "/"
-        if target.startswith(checkpoints):
+        if target.startswith(files.join(resolved(str(workdir)), "checkpoints") + "/"):
             raise UserError(f"{path} is inside the checkpoints of {workdir}", where,
                             "give a folder outside checkpoints/ (e.g. <workdir>/exports/NAME or another folder)")
+    if not files.is_remote(path):      # any run's: a new run (an import) names no other run to check against
+        folder = os.path.dirname(target.rstrip("/"))
+        while folder != os.path.dirname(folder):
+            if os.path.basename(folder) == "checkpoints" and os.path.isfile(os.path.join(os.path.dirname(folder),
+                                                                                         "config.json")):
+                raise UserError(f"{path} is inside the checkpoints of {os.path.dirname(folder)}", where,
+                                "give a folder outside checkpoints/")
+            folder = os.path.dirname(folder)
 
 
 def view(workdir: str) -> str:

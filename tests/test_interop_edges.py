@@ -1,0 +1,96 @@
+"""Hugging Face imports meeting what users hand them: a segment table trained in transformers after our export, an
+import or export aimed into a run's checkpoints/ (also through a linked workdir), and config files of the wrong JSON
+type. The round trips themselves are tests/test_interop.py's."""
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[test]') brings transformers")
+
+import launch  # noqa: E402
+from tests import hf_fixtures as F  # noqa: E402
+from tests.glue_fixtures import make_pretrained  # noqa: E402
+from tests.test_interop import TOL, VOCAB, max_diff, one_line_error, pair_segments  # noqa: E402
+from tupe_jax import workdir as workdir_lib  # noqa: E402
+from tupe_jax.errors import UserError  # noqa: E402
+from tupe_jax.model import TransformerLM  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A random tiny FlaxBertForMaskedLM saved by transformers."""
+    folder = tmp_path_factory.mktemp("hf") / "bert"
+    F.save_hf_bert(folder, VOCAB)
+    return folder
+
+
+@pytest.mark.slow
+def test_a_segment_table_trained_after_export_is_imported_whole(tmp_path, capsys):
+    """A bert_a run without segment embeddings exports a zero token-type table (its segment-0 row folded into the
+    positions), and a sentence-pair fine-tune in transformers then trains that table. The export's own config
+    section (kept by transformers' save_pretrained) said type_vocab_size 0, and the import folded row 0 back and
+    dropped row 1 without a word: pairs differed from transformers by logits of ~2."""
+    import transformers
+    from safetensors.numpy import load_file, save_file
+    make_pretrained(tmp_path / "run", tmp_path / "cache", pe="bert_a")
+    assert launch.main(["export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}"]) == 0
+    weights = tmp_path / "out" / "model.safetensors"
+    tensors = load_file(str(weights))
+    key = next(k for k in tensors if k.endswith("token_type_embeddings.weight"))
+    assert not tensors[key].any()                     # the export's zero table
+    tensors[key] = np.random.default_rng(7).normal(0, 0.02, tensors[key].shape).astype(np.float32)   # "trained"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert launch.main(["import-hf", f"--from={tmp_path / 'out'}", f"--workdir={tmp_path / 'back'}"]) == 0
+    assert "the token-type table was trained since this run's export: imported whole" in capsys.readouterr().out
+    back = workdir_lib.load_run(str(tmp_path / "back"))
+    assert back.model_cfg.type_vocab_size == 2
+    np.testing.assert_array_equal(back.params["encoder"]["token_type"]["embedding"], tensors[key])
+    model = transformers.FlaxBertForMaskedLM.from_pretrained(str(tmp_path / "out"))
+    ids, mask = F.padded_batch(back.tokenizer.vocab_size, seed=3)
+    types = pair_segments(mask)
+    theirs = model(ids, attention_mask=mask, token_type_ids=types, train=False).logits
+    ours = TransformerLM(back.model_cfg).apply({"params": back.params}, jnp.asarray(ids), jnp.asarray(mask),
+                                               segments=jnp.asarray(types))["logits"]
+    assert max_diff(theirs, ours) <= TOL
+
+
+def test_outputs_inside_a_runs_checkpoints_are_refused_through_links_and_for_imports(hf_folder, tmp_path, capsys):
+    """A linked --workdir got an export past the check (`--workdir=LINK --out=RUN/checkpoints/20`), and import-hf
+    had none: either wrote a folder named like a step into checkpoints/, and every later read of the newest step
+    failed on it."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "10").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    os.symlink(run, tmp_path / "link")
+    with pytest.raises(UserError, match=r"checkpoints/20 is inside the checkpoints of .*link, --out"):
+        workdir_lib.refuse_in_checkpoints(str(run / "checkpoints" / "20"), str(tmp_path / "link"), "--out")
+    workdir_lib.refuse_in_checkpoints(str(run / "exports" / "x"), str(tmp_path / "link"), "--out")
+    before = sorted(os.listdir(run / "checkpoints"))
+    err = one_line_error(capsys, ["import-hf", f"--from={hf_folder}",
+                                  f"--workdir={run / 'checkpoints' / '30'}"])
+    assert err == f"error: {run / 'checkpoints' / '30'} is inside the checkpoints of {run}, --workdir, give a folder " \
+                  "outside checkpoints/"
+    assert sorted(os.listdir(run / "checkpoints")) == before
+
+
+@pytest.mark.parametrize("name,text,expected", [
+    ("config.json", "[1, 2]", "config.json holds a JSON list, not an object"),
+    ("config.json", None, "its 'tupe_jax' section is not an object with a 'model' object"),
+    ("tokenizer_config.json", "[]", "tokenizer_config.json holds a JSON list, not an object")])
+def test_config_files_of_the_wrong_json_type_are_one_line(hf_folder, tmp_path, capsys, name, text, expected):
+    """They crashed as 'unexpected AttributeError' with a log."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    for child in os.listdir(hf_folder):
+        (src / child).write_bytes((hf_folder / child).read_bytes())
+    if text is None:
+        (src / name).write_text(json.dumps({**json.loads((src / name).read_text()), "tupe_jax": "oops"}))
+    else:
+        (src / name).write_text(text)
+    err = one_line_error(capsys, ["import-hf", f"--from={src}", f"--workdir={tmp_path / 'run'}"])
+    assert err.startswith("error: ") and expected in err, err
+    assert not (tmp_path / "run").exists()
