@@ -94,3 +94,24 @@ def test_config_files_of_the_wrong_json_type_are_one_line(hf_folder, tmp_path, c
     err = one_line_error(capsys, ["import-hf", f"--from={src}", f"--workdir={tmp_path / 'run'}"])
     assert err.startswith("error: ") and expected in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_killed_import_leaves_no_half_run_and_its_leftover_goes_at_the_next(hf_folder, tmp_path, capsys):
+    """A kill -9 during import-hf left config.json and tokenizer/ without a checkpoint in --workdir: the rerun was
+    refused ('not empty') and evaluate offered to pretrain it. The run is now written under a hidden name and
+    renamed when whole; what a killed import left there is removed by the next one."""
+    import socket
+    import subprocess
+    import sys
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    pid = int(gone.stdout)                            # a process that has exited
+    leftover = tmp_path / f".run.{socket.gethostname()}.{pid}.tmp"
+    (leftover / "tokenizer").mkdir(parents=True)
+    (leftover / "config.json").write_text("{")         # what a kill -9 midway leaves
+    other_host = tmp_path / f".run.another-host.{pid}.tmp"
+    other_host.mkdir()
+    assert launch.main(["import-hf", f"--from={hf_folder}", f"--workdir={tmp_path / 'run'}"]) == 0
+    assert f"removed {leftover}, the unfinished import of a stopped process" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == [other_host.name, "run"]     # another host's may still be writing
+    assert workdir_lib.load_run(str(tmp_path / "run")).step == 0

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from tupe_jax import data as data_lib
 from tupe_jax import sharding as sh
@@ -63,6 +64,14 @@ def _host(x: jax.Array) -> np.ndarray:
     """A replicated global array as NumPy (works when it spans several processes)."""
     return np.asarray(x.addressable_data(0))
 
+
+
+def on_every_process(ok: bool) -> bool:
+    """`ok` on every process (a collective call with several: a host whose copy of the GLUE folder lacks a file
+    must not leave the others waiting in a prediction it skips)."""
+    if jax.process_count() == 1:
+        return bool(ok)
+    return bool(np.all(multihost_utils.process_allgather(np.asarray([bool(ok)], np.int32))))
 
 class Runner:
     """Everything one fine-tuning run needs: tokenizer, mesh, model, jitted steps, and split evaluation."""
@@ -157,9 +166,15 @@ class Runner:
             else [("test", self.task)]
         for split, name in splits:
             try:
-                examples = data_lib.glue_examples(self.config, self.task, split)
-                positions, _, outputs = self.predict(params, split)
+                examples, missing = data_lib.glue_examples(self.config, self.task, split), None
             except UserError as err:
+                examples, missing = None, err
+            if not on_every_process(missing is None):   # predict is collective: all processes, or none
+                log.warning("no test predictions for %s %s: %s", self.task, split, missing or "not on every host")
+                continue
+            try:
+                positions, _, outputs = self.predict(params, split)
+            except UserError as err:      # the same on every process (the same files): all skip it
                 log.warning("no test predictions for %s %s: %s", self.task, split, err)
                 continue
             if jax.process_index() == 0:
@@ -170,7 +185,7 @@ class Runner:
 
     def _write_ax(self, params: Any, out_dir: str) -> list[str]:
         path = os.path.join(os.path.expanduser(str(self.config.data.glue_dir or "")), "diagnostic", "diagnostic.tsv")
-        if not self.config.data.glue_dir or not os.path.isfile(path):
+        if not on_every_process(bool(self.config.data.glue_dir) and os.path.isfile(path)):
             return []
         with open(path, encoding="utf-8") as f:
             header, *rows = [line.rstrip("\r\n").split("\t") for line in f if line.strip()]

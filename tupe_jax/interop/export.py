@@ -99,10 +99,7 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
     if remote:
         tmp = tempfile.mkdtemp(prefix=f".{name}.")
     else:   # the parent is made as `mkdir -p` would (exports/x in a fresh checkout)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        tmp = os.path.join(os.path.dirname(out), f".{name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        tmp = workdir_lib.staging_folder(out, "export")
     try:
         write_export(tmp, run, is_bert, name)
         if remote:

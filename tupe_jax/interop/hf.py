@@ -287,17 +287,15 @@ def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert
     require(not (os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir))),
             f"{workdir} already exists and is not empty", "--workdir", "give a new folder for the imported run")
     config, params, tokenizer, notes = convert_fn(src, base)
-    existed = os.path.isdir(workdir)
+    staging = workdir_lib.staging_folder(workdir, "import")   # written whole, then renamed: a kill leaves no half run
     try:
-        write_run(workdir, config, params, tokenizer)
-        provenance.record(workdir)   # as every command that makes a run folder
-    except BaseException:   # leave no half-written run behind (the folder was new or empty)
-        for name in (os.listdir(workdir) if os.path.isdir(workdir) else []):
-            path = os.path.join(workdir, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-        if not existed and os.path.isdir(workdir):
-            os.rmdir(workdir)
-        raise
+        write_run(staging, config, params, tokenizer)
+        if os.path.isdir(workdir):
+            os.rmdir(workdir)                                 # the empty folder given
+        os.rename(staging, workdir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    provenance.record(workdir)   # as every command that makes a run folder
     for note in notes:
         print(f"note: {note}", flush=True)
     cfg = ModelConfig.from_config(config.model)

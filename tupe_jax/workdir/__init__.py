@@ -6,7 +6,7 @@
     lock.py    one run per folder: `RunLock` (`.lock`, an exclusive flock that dies with its process);
                `refuse_if_held` (read only: a live holder is refused before the gate reads its checkpoints)
     claim.py   `claim(workdir, config)`: check, lock, write, run; after a failure undo what the command wrote
-    undo.py    `Before`: the folder as a command found it, and putting it back after a failure
+    undo.py    `Before`: the folder as a command found it, and putting it back after a failure; `staging_folder`
     provenance.py  `provenance.jsonl`: a row per command (command line, git commit, packages, devices, processes)
     meta.py    what defines a run (`RESUMABLE`, `identity_hash`) and the checkpoint's meta item (`make_meta`,
                `check_compatible`, `check_tokenizer`), `checkpoint_steps`, `read_meta`, `read_kept_step` (a step of a
@@ -31,9 +31,10 @@ from tupe_jax.workdir.lock import LeaseLost, RunLock, owns_folder, refuse_if_hel
 from tupe_jax.workdir.meta import (RESUMABLE, RUN_IDENTITY_SECTIONS, check_compatible, check_tokenizer,
                                    checkpoint_steps, make_meta, read_kept_step, read_meta)
 from tupe_jax.workdir.run import LoadedRun, load_run, load_runs
+from tupe_jax.workdir.undo import staging_folder
 
 __all__ = ["RESUMABLE", "RUN_IDENTITY_SECTIONS", "LeaseLost", "LoadedRun", "RunLock", "agree", "check_compatible",
            "check_bucket", "check_config", "check_folder", "check_tokenizer", "checkpoint_steps", "claim",
            "config_path", "differing_keys", "load_run", "load_runs", "make_meta", "owns_folder", "read_config",
-           "read_kept_step", "read_meta", "refuse_if_held", "refuse_in_checkpoints", "still_held", "tokenizer_path",
-           "write_config"]
+           "read_kept_step", "read_meta", "refuse_if_held", "refuse_in_checkpoints", "staging_folder", "still_held",
+           "tokenizer_path", "write_config"]

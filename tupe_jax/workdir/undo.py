@@ -8,12 +8,18 @@ config_history.jsonl, provenance.jsonl) get their earlier text back. So a resume
 needs the restored state (the data iterator's settings, a prepared corpus's tokenizer), changes nothing on disk.
 A command that did produce checkpoints or results keeps everything: its config and provenance rows describe them.
 `.lock` (the lock's own business) and `logs/` (the traceback an error line points at) are never removed.
+
+`staging_folder(target)`: a folder that is made whole before it appears (an export, an import) is written under
+`.NAME.HOST.PID.tmp` beside it and renamed; what a killed process of this host left there is removed first.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
+import re
+import shutil
+import socket
 from typing import Optional
 
 from tupe_jax import files
@@ -104,3 +110,32 @@ class Before:
                     files.remove(path)
             elif not files.isfile(path) or files.read_text(path) != text:
                 files.write_text(path, text)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # another user's process
+        return True
+    return True
+
+
+def staging_folder(target: str, what: str) -> str:
+    """A new, empty hidden folder beside the local folder `target` (`.NAME.HOST.PID.tmp`), to be renamed onto it when
+    complete. Folders of that form from this host whose process is gone (a `kill -9` during an export or an import)
+    are removed first, each with a line naming `what` they were; another host's, on a shared disk, are left."""
+    parent, name = os.path.split(os.path.abspath(target))
+    host = socket.gethostname()
+    os.makedirs(parent, exist_ok=True)
+    pattern = re.compile(rf"\.{re.escape(name)}\.{re.escape(host)}\.(\d+)\.tmp")
+    for entry in os.listdir(parent):
+        match = pattern.fullmatch(entry)
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+            print(f"removed {os.path.join(parent, entry)}, the unfinished {what} of a stopped process", flush=True)
+    staging = os.path.join(parent, f".{name}.{host}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    return staging
