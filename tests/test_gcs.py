@@ -82,6 +82,9 @@ def test_bucket_errors_are_one_line_before_compute(gcs, tmp_path):
     try:
         with pytest.raises(UserError, match=r"cannot reach the storage of gs://"):
             workdir_lib.check_folder(f"gs://{BUCKET}/other")
+        from tupe_jax.interop.export import export  # pylint: disable=import-outside-toplevel
+        with pytest.raises(UserError, match=r"cannot reach the storage of gs://.*, --workdir"):   # an unexpected
+            export(f"gs://{BUCKET}/other", str(tmp_path / "out"))      # DNS error after 50 s of retries before
     finally:
         os.environ["STORAGE_EMULATOR_HOST"] = saved
 

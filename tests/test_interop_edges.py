@@ -115,3 +115,15 @@ def test_a_killed_import_leaves_no_half_run_and_its_leftover_goes_at_the_next(hf
     assert f"removed {leftover}, the unfinished import of a stopped process" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path)) == [other_host.name, "run"]     # another host's may still be writing
     assert workdir_lib.load_run(str(tmp_path / "run")).step == 0
+
+
+def test_a_dangling_link_as_the_output_is_refused_before_any_work(hf_folder, tmp_path, capsys):
+    """export wrote everything and then failed in the rename (NotADirectoryError), import-hf failed with
+    FileExistsError: both 'unexpected', after the work."""
+    os.symlink(tmp_path / "nowhere", tmp_path / "out")
+    err = one_line_error(capsys, ["import-hf", f"--from={hf_folder}", f"--workdir={tmp_path / 'out'}"])
+    assert err == f"error: {tmp_path / 'out'} is a link, --workdir, give a new folder for the imported run"
+    assert launch.main(["import-hf", f"--from={hf_folder}", f"--workdir={tmp_path / 'run'}"]) == 0
+    err = one_line_error(capsys, ["export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}"])
+    assert err == f"error: {tmp_path / 'out'} already exists, --out, give a new folder (export never overwrites)"
+    assert sorted(os.listdir(tmp_path)) == ["out", "run"] and not os.path.exists(tmp_path / "nowhere")

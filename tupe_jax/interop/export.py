@@ -76,15 +76,20 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
     out = str(out).rstrip("/") if remote else os.path.abspath(os.path.expanduser(out))
     failure = None
     try:
+        if files.is_remote(workdir):    # before any read: an unreachable store is a line, not minutes of retries
+            workdir_lib.check_bucket(workdir, "--workdir")
         if remote:
             workdir_lib.check_bucket(out, "--out")
         workdir_lib.refuse_in_checkpoints(out, workdir, "--out")
-        require(not files.exists(out), f"{out} already exists", "--out", "give a new folder (export never overwrites)")
-        if not remote:   # the nearest existing ancestor must be a folder (the rest is made as `mkdir -p`)
+        require(not (files.exists(out) or (not remote and os.path.islink(out))), f"{out} already exists", "--out",
+                "give a new folder (export never overwrites)")
+        if not remote:   # the nearest existing ancestor must be a writable folder (the rest is made as `mkdir -p`)
             ancestor = os.path.dirname(out)
             while not os.path.exists(ancestor):
                 ancestor = os.path.dirname(ancestor)
             require(os.path.isdir(ancestor), f"{ancestor} is not a folder", "--out", "give a path inside a folder")
+            require(os.access(ancestor, os.W_OK | os.X_OK), f"{ancestor} is not writable", "--out",
+                    "give a path in a folder you can write")
     except Exception as err:  # pylint: disable=broad-except  # every process stops with it (`agree`)
         failure = err
     workdir_lib.agree(out, failure, "", stage="export checks")
