@@ -106,9 +106,25 @@ def test_uncased_and_cased_bert_tokenizers_still_import(hf, tmp_path, capsys):
 @pytest.mark.parametrize("config, needle", [
     ({"num_hidden_layers": 2.7}, "num_layers = 2.7, not an int"),
     ({"layer_norm_eps": "abc"}, "layer_norm_eps = 'abc', not a float"),
-    ({"num_hidden_layers": 1}, "the weights hold encoder layer 1 but config.json has num_hidden_layers=1")])
-def test_config_values_of_the_wrong_type_or_too_few_layers_are_refused(hf, tmp_path, capsys, config, needle):
+    ({"num_hidden_layers": 1}, "the weights hold 2 encoder layers (numbered 0 to 1) but config.json has "
+                               "num_hidden_layers=1"),
+    # 3000: it built a 3000-layer model first (a minute and a GB) and then named a missing layer.2 tensor
+    ({"num_hidden_layers": 3000}, "the weights hold 2 encoder layers (numbered 0 to 1) but config.json has "
+                                  "num_hidden_layers=3000")])
+def test_config_values_of_the_wrong_type_or_the_wrong_layer_count_are_refused(hf, tmp_path, capsys, config, needle):
     refused(capsys, tmp_path, copy(hf, tmp_path / "cfg", config=config), needle)
+
+
+def test_a_tensor_inside_a_layer_that_has_no_place_is_refused(hf, tmp_path, capsys):
+    """A cross-attention tensor (a decoder's) in layer 0 was reported as 'the weights hold encoder layer 0 but
+    num_hidden_layers=2'."""
+    from safetensors.numpy import load_file, save_file
+    src = copy(hf, tmp_path / "cross")
+    tensors = load_file(str(src / "model.safetensors"))
+    name = next(k for k in tensors if ".layer.0.attention.self.query." in k)     # Flax names in this file
+    tensors[name.replace("attention.self", "crossattention.self")] = tensors[name]
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "flax"})
+    refused(capsys, tmp_path, src, "encoder.layer.0.crossattention.self.query.bias of an encoder layer has no place")
 
 
 def test_a_native_exports_model_section_is_read_strictly(tmp_path, capsys):
@@ -134,3 +150,15 @@ def test_outputs_inside_a_runs_checkpoints_are_refused(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert "is inside the checkpoints of" in err and ", --out, " in err and "\n" not in err, err
     assert sorted(os.listdir(tmp_path / "pre" / "checkpoints")) == before
+
+
+def test_part_of_an_mlm_head_is_refused(hf, tmp_path, capsys):
+    """Without its dense kernel, the head's LayerNorm that the checkpoint did hold was dropped and the whole head
+    initialised fresh, with exit status 0."""
+    from safetensors.numpy import load_file, save_file
+    src = copy(hf, tmp_path / "part")
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in [k for k in tensors if k.startswith("cls.predictions.transform.dense.")]:
+        tensors.pop(name)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "flax"})
+    refused(capsys, tmp_path, src, "the checkpoint holds part of an MLM head (cls.predictions.transform.LayerNorm")

@@ -187,15 +187,21 @@ def bert_params(tensors: dict, hf: dict, cfg: ModelConfig, tokenizer: Tokenizer,
     note) when the checkpoint has none (BertModel)."""
     prefix = bert_prefix(tensors, where)
     check_vocab(tensors, prefix, hf, tokenizer, where)
+    layers = sorted({int(m.group(1)) for m in map(LAYER.match, tensors) if m})   # before building anything of N
+    require(layers == list(range(cfg.num_layers)), f"the weights hold {len(layers)} encoder layers (numbered "
+            f"{layers[0] if layers else '-'} to {layers[-1] if layers else '-'}) but config.json has "
+            f"num_hidden_layers={cfg.num_layers}", where, "fix num_hidden_layers in config.json")
     has_head = "cls.predictions.transform.dense.weight" in tensors
+    part = sorted(k for k in tensors if k.startswith("cls.predictions.transform."))
+    require(has_head or not part, f"the checkpoint holds part of an MLM head ({', '.join(part[:3])}) without "
+            "cls.predictions.transform.dense.weight", where, "use a complete checkpoint, or one without the head")
     rows = names.bert_rows(cfg.num_layers, prefix, head=has_head and not classifier_labels,
                            classifier=bool(classifier_labels), token_types=cfg.type_vocab_size > 0)
     want = names.shapes(abstract_params(cfg, classifier_labels))
     flat, unused = names.params_from_bert(tensors, want, rows, where)
-    deeper = sorted({int(m.group(1)) for m in map(LAYER.match, unused) if m})
-    require(not deeper, f"the weights hold encoder layer {deeper[-1] if deeper else ''} but config.json has "
-            f"num_hidden_layers={cfg.num_layers}", where, "fix num_hidden_layers in config.json (importing would cut "
-            "the model down)")
+    inside = [name for name in unused if LAYER.match(name)]    # a layer's tensor this model has no place for
+    require(not inside, f"tensor {inside[0] if inside else ''} of an encoder layer has no place in this model "
+            f"({len(inside)} such)", where, "only plain BERT encoder layers are supported (no cross-attention)")
     notes = [f"ignored {len(unused)} tensor(s) this model has no place for: {', '.join(unused[:4])}"] if unused else []
     if set(flat) != set(want):
         fresh = names.flatten(model_lib.init_params(cfg, jax.random.PRNGKey(0)))
