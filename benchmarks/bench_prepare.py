@@ -39,6 +39,7 @@ from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E40
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+WORKERS = 2      # prepare's data.num_threads; per-core rates divide by it
 SHARD_MB = 4.0   # >= 4 shards per worker even for the 1-copy corpus (11 MB): the last shard is not left to one core
 
 FLOOR = r"""
@@ -90,7 +91,7 @@ def corpus(scratch: Path, text: Path, copies: int) -> Path:
     return folder
 
 
-def prepare_cmd(src: Path, out: Path, vocab: Path | None, workers: int = 2) -> list[str]:
+def prepare_cmd(src: Path, out: Path, vocab: Path | None, workers: int = WORKERS) -> list[str]:
     cmd = [PY, "-m", "launch", "prepare", "--config=configs/prepare.py:max_len=128,vocab_size=8192",
            f"--workdir={out}", "--config.data.name=wikitext", f"--config.data.path={src}",
            f"--config.data.num_threads={workers}", "--config.prepare.splits=train",
@@ -128,7 +129,7 @@ def throughput(args, scratch: Path, vocab: Path) -> dict:
         rows.append(row)
         print(json.dumps(row), flush=True)
         sh(["rm", "-rf", str(out)])
-    cores = len(os.sched_getaffinity(0))       # the cores this process may run on (prepare's workers are 2)
+    cores = WORKERS                            # prepare's workers (and the floor's threads) on 2 cores
     return {"rounds": rows, "ratio": stat([x["ratio"] for x in rows]),
             "prepare_tokens_per_s_per_core": stat([x["prepare_tokens"] / x["prepare_seconds"] / cores for x in rows]),
             "floor_tokens_per_s_per_core": stat([x["floor_tokens"] / x["floor_seconds"] / cores for x in rows]),

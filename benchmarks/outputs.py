@@ -59,7 +59,7 @@ def refuse_below(args, **lowest: int) -> None:
     for name, low in lowest.items():
         value = getattr(args, name)
         if value < low:
-            sys.exit(f"error: --{name} {value} is below {low}, the command line, give --{name} {low} or more")
+            sys.exit(f"error: --{name} {value} is below {low}, --{name}, give {low} or more")
 
 
 def refuse_unknown(flag: str, given: list[str], known, what: str) -> None:
@@ -103,9 +103,11 @@ def _commit() -> str | None:
                               capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    if done.returncode != 0:
+    if done.returncode != 0 or not done.stdout.strip():
         return None
-    return done.stdout.strip() or None
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                            capture_output=True, text=True, timeout=10, check=False)
+    return done.stdout.strip() + ("+dirty" if status.returncode != 0 or status.stdout.strip() else "")
 
 
 def _version(package: str) -> str | None:

@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         for flags, kwargs in ANALYSIS_FLAGS.get(name, ()):
             p.add_argument(*flags, **kwargs)
         p.add_argument("--distributed", choices=("auto", "on", "off"), default="auto", action=_Once,
-                       help="call jax.distributed.initialize() (auto: when several processes are configured)")
+                       help="call jax.distributed.initialize() (auto: when several processes are configured, "
+                       "or on a Cloud TPU VM)")
         p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"), action=_Once)
         p.add_argument("--num_processes", type=int, default=cluster.env_int("JAX_NUM_PROCESSES"), action=_Once)
         p.add_argument("--process_id", type=int, default=cluster.env_int("JAX_PROCESS_ID"), action=_Once)

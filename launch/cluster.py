@@ -10,6 +10,7 @@ environment variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 from tupe_jax.errors import UserError
@@ -40,11 +41,16 @@ def check_processes(args: argparse.Namespace) -> None:
 
 
 def tpu_chips() -> int:
-    """The TPU chips on this machine's PCI bus (0 elsewhere), found as JAX finds them, without starting a backend.
+    """The TPU chips on this machine's PCI bus that JAX's Cloud TPU set-up would take this machine for a TPU VM by
+    (libtpu installed, the metadata server not switched off, not one of several processes sharing the VM's chips);
+    0 elsewhere. Found as JAX finds them, without starting a backend.
 
     A pod slice made with `gcloud compute tpus tpu-vm create` sets no environment variable that names its hosts
     (JAX asks the VM's metadata server), so `TPU_WORKER_HOSTNAMES` alone missed it: every host then trained without
     `jax.distributed` (no preemption notices, and Orbax's multi-host saves need its client)."""
+    if importlib.util.find_spec("libtpu") is None or any(
+            v in os.environ for v in ("TPU_SKIP_MDS_QUERY", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS")):
+        return 0
     try:
         from jax._src import hardware_utils  # pylint: disable=import-outside-toplevel
         return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
@@ -60,6 +66,9 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> None:
     if args.distributed == "off" or (args.distributed == "auto" and not explicit and len(hosts) <= 1
                                      and not tpu_chips()):
         return
+    # only TPU chips said "auto": on a VM whose slice JAX cannot read (no metadata), stay one process; several
+    # processes without jax.distributed are then refused (`refuse_undistributed_processes`)
+    by_chips_alone = args.distributed == "auto" and not explicit and len(hosts) <= 1
     import jax  # pylint: disable=import-outside-toplevel
     try:
         if explicit:
@@ -67,8 +76,12 @@ def maybe_initialize_distributed(args: argparse.Namespace) -> None:
                                        num_processes=args.num_processes, process_id=args.process_id)
         else:
             jax.distributed.initialize()
-    except (ValueError, RuntimeError) as err:   # no cluster found to fill in what the flags left out
+    except (ValueError, RuntimeError, OSError) as err:   # no cluster found to fill in what the flags left out
         first = (str(err).strip().splitlines() or [""])[0][:200]
+        if by_chips_alone:
+            print(f"warning: jax.distributed did not start on this TPU VM ({first}); running as one process "
+                  "(--distributed=on to stop instead)", flush=True)
+            return
         raise UserError(f"jax.distributed.initialize: {first}", "--coordinator_address/--num_processes/--process_id",
                         "give all three, or run where JAX detects the cluster (a TPU pod, Slurm, GKE); on one "
                         "machine alone, --distributed=off") from None

@@ -67,7 +67,9 @@ def render_errors_doc() -> str:
               " the unfinished step is removed, committed checkpoints are intact |",
               "| corrupt or truncated latest checkpoint | resuming training: a warning naming the bad step, restore falls "
               "back to the previous good one, nothing deleted (a later save of that step first moves it to "
-              "`<step>.bad-<time>`); `evaluate`, `export`, the analyses and `init_from` read only the step asked for "
+              "`<step>.bad-<time>`); with several processes (a pod) the run stops instead, naming the step to move aside "
+              "(`error: checkpoint step N ... failed to restore on process K (...)`); `evaluate`, `export`, the "
+              "analyses and `init_from` read only the step asked for "
               "(default: the newest): `error: checkpoint step N ... failed to restore (...)` naming the other steps |",
               "| kill -9 (also during an asynchronous save) | the unfinished `<step>.orbax-checkpoint-tmp` is never "
               "restored (the restart removes it); the restart resumes bitwise-exactly from the last committed step, "

@@ -104,8 +104,8 @@ def test_a_count_below_its_lowest_is_refused_before_any_work(script, name, low, 
     errors with exit status 0."""
     done = run_light(script, [f"--{name}", str(low - 1), "--json", str(tmp_path / "r.json")], heavy_stand_ins)
     assert done.returncode != 0 and os.listdir(tmp_path) == [], done.stdout[-1000:]
-    assert done.stderr.splitlines() == [f"error: --{name} {low - 1} is below {low}, the command line, give --{name} "
-                                        f"{low} or more"], done.stderr[-2000:]
+    assert done.stderr.splitlines() == [f"error: --{name} {low - 1} is below {low}, --{name}, give {low} or more"], \
+        done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -145,7 +145,9 @@ def test_a_result_says_where_it_was_made(tmp_path, monkeypatch):
     assert made["ratio"] == 1.5 and list(made) == ["ratio", "environment"]
     assert env["command"] == f"python {os.path.relpath(os.path.join(BENCH, 'bench_x.py'))} --rounds 3 --json 'a b.json'"
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    assert env["git_commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert env["git_commit"] == (head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+                                 if head.returncode == 0 else None)
     assert env["variables"]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and "XLA_FLAGS" not in env["variables"]
     assert env["packages"]["jax"] == __import__("jax").__version__ and env["cpu"] and env["python"]
     assert json.loads((tmp_path / "rows.json").read_text()) == [{"ratio": 1.5}]     # a list is written as given

@@ -339,4 +339,3 @@ def test_sweep_skips_finished_runs_and_writes_tables(env, tmp_path):
     stamp = os.path.getmtime(tmp_path / "rte" / "lr=0.001" / "seed=0" / "results.json")
     ft_sweep.sweep(config, str(tmp_path))   # everything finished: only the tables are rewritten
     assert os.path.getmtime(tmp_path / "rte" / "lr=0.001" / "seed=0" / "results.json") == stamp
-

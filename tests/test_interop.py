@@ -333,4 +333,3 @@ def test_sharded_bfloat16_safetensors_import(tmp_path, cache):
     back = workdir_lib.load_run(str(tmp_path / "back"))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(back.params)):
         np.testing.assert_array_equal(np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32), b, err_msg=str(path))
-

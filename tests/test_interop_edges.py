@@ -65,6 +65,7 @@ def test_outputs_inside_a_runs_checkpoints_are_refused_through_links_and_for_imp
     run = tmp_path / "run"
     (run / "checkpoints" / "10").mkdir(parents=True)
     (run / "config.json").write_text("{}")
+    (run / "provenance.jsonl").write_text("{}\n")
     os.symlink(run, tmp_path / "link")
     with pytest.raises(UserError, match=r"checkpoints/20 is inside the checkpoints of .*link, --out"):
         workdir_lib.refuse_in_checkpoints(str(run / "checkpoints" / "20"), str(tmp_path / "link"), "--out")

@@ -147,12 +147,37 @@ def test_auto_starts_jax_distributed_on_a_cloud_tpu_vm_and_nowhere_else(monkeypa
         assert calls == ([{}] if started else []), (chips, distributed)
 
 
-def test_tpu_chips_are_counted_as_jax_counts_them_and_zero_here(monkeypatch):
+def test_tpu_chips_count_where_jax_would_take_the_machine_for_a_tpu_vm(monkeypatch):
+    import importlib.util  # pylint: disable=import-outside-toplevel
     from jax._src import hardware_utils  # pylint: disable=import-outside-toplevel
     from launch import cluster  # pylint: disable=import-outside-toplevel
     assert cluster.tpu_chips() == hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0   # a CPU machine
     monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, "v4"))
+    real = importlib.util.find_spec
+    for name in ("TPU_SKIP_MDS_QUERY", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS"):
+        monkeypatch.delenv(name, raising=False)
+    assert cluster.tpu_chips() == 0 or real("libtpu") is not None            # chips, but no libtpu: not a TPU VM
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "libtpu" else real(name, *a))
     assert cluster.tpu_chips() == 4
+    monkeypatch.setenv("TPU_VISIBLE_CHIPS", "0,1")        # one of several processes sharing the VM's chips
+    assert cluster.tpu_chips() == 0
+
+
+def test_a_tpu_vm_whose_slice_jax_cannot_read_runs_as_one_process_with_a_warning(monkeypatch, capsys):
+    import jax  # pylint: disable=import-outside-toplevel
+    from launch import cluster  # pylint: disable=import-outside-toplevel
+    from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+
+    def no_metadata(**kwargs):
+        raise OSError("metadata.google.internal: Name or service not known")
+
+    monkeypatch.setattr(jax.distributed, "initialize", no_metadata)
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    monkeypatch.setattr(cluster, "tpu_chips", lambda: 4)
+    cluster.maybe_initialize_distributed(_flags())
+    assert capsys.readouterr().out.startswith("warning: jax.distributed did not start on this TPU VM (metadata")
+    with pytest.raises(UserError, match=r"^error: jax.distributed.initialize: metadata"):     # asked for: stop
+        cluster.maybe_initialize_distributed(_flags(distributed="on"))
 
 
 def test_several_processes_without_jax_distributed_are_refused(monkeypatch):

@@ -211,3 +211,44 @@ def test_a_sigterm_to_one_process_saves_one_step_on_both(tmp_path):
     assert len(saved[0]) == 1 and saved[0] == saved[1], saved
     step = int(saved[0][0].split()[3])
     assert os.listdir(wd / "checkpoints") == [str(step)] and step < 100000
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_a_resumed_run_compiles_stops_both_processes(tmp_path):
+    """JAX's sync point is one past the largest step reported; a notice before the first report (a resume's
+    restore or compile) put it at 1, while the loop asked about the run's steps S+1, S+2, ...: the run trained on
+    until the preemption killed it. The loop now reports its own count of steps: it stops (nothing saved at the
+    first step, else one step saved by both)."""
+    import signal
+    import time
+    wd, cache = tmp_path / "run", tmp_path / "cache"
+
+    def launch_both(extra):
+        port = free_port()
+        return [subprocess.Popen(command(wd, cache, [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                                                     f"--process_id={i}", *extra]),
+                                 cwd=ROOT, env=env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for i in range(2)]
+
+    for p in launch_both([]):                           # 5 steps, checkpoint 5
+        assert p.wait(timeout=300) == 0, p.stderr.read()[-2000:]
+    procs = launch_both(["--config.train.steps=100000", "--config.train.decay_steps=5"])
+    try:
+        seen, deadline = [], time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = procs[0].stdout.readline()
+            seen.append(line)
+            if not line or line.startswith("resumed from step 5"):
+                break
+        assert seen[-1].startswith("resumed from step 5"), (seen, procs[0].stderr.read()[-3000:])
+        procs[1].send_signal(signal.SIGTERM)             # while the first step compiles (or just after it)
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    ends = [[ln for ln in out.splitlines() if ln.startswith(("preemption", "interrupted"))] for out, _ in outs]
+    assert ends[0] == ends[1] and len(ends[0]) == 1, ends
+    assert ends[0][0].startswith(("preemption during this process's first step: nothing saved",
+                                  "preemption: saved step "))

@@ -39,6 +39,7 @@ from tupe_jax.failed_reads import describe, quiet_leftovers
 
 log = logging.getLogger(__name__)
 _STOP = {"requested": False}
+_STEPS_ASKED = {"count": 0}   # the steps this process has asked JAX's preemption sync about (`reached_preemption`)
 _ONE_PROCESS_HANDLER = {"registered": False}
 
 
@@ -230,10 +231,9 @@ class Checkpointer:
 
     def _no_fallback_on_several_processes(self, step: int, err: BaseException) -> None:
         """With several processes a step that fails to read is an error, not a fallback: a bad shard is read only
-        by the processes that hold it, so each would fall back alone (to different steps, one global state), and
-        Orbax's restore ends at a barrier that a failed process never reached (the others' next collective call
-        would meet the wrong one). This process stops with the line; the others stop when JAX's coordination service
-        finds it gone."""
+        by the processes that hold it, so each would fall back alone (to different steps), and Orbax's restore ends
+        at a barrier the failed process never reached. This process stops with the line; the others stop when JAX's
+        coordination service finds it gone."""
         if jax.process_count() > 1:
             raise UserError(f"checkpoint step {step} in {self.directory} failed to restore on process "
                             f"{jax.process_index()} ({describe(err)})", "--workdir",
@@ -268,9 +268,15 @@ class Checkpointer:
     def _meta(self, step: int) -> dict[str, Any]:
         return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {})
 
-    def reached_preemption(self, step: int) -> bool:
-        """True when the loop should save now and exit: SIGTERM arrived or JAX signalled a preemption."""
-        return stop_requested() or bool(self._manager.reached_preemption(int(step)))
+    def reached_preemption(self, step: int) -> bool:  # pylint: disable=unused-argument
+        """True when the loop should save now and exit: SIGTERM arrived, or JAX's preemption sync point. That point is
+        one past the largest step any process reported (1 for a notice during a resume's restore or compile), so
+        the report is this process's count of steps, alike on every process, not the run's step (a run resumed at
+        S asked about S+1, S+2, ... and never met 1: it trained on until the preemption killed it)."""
+        if stop_requested():
+            return True
+        _STEPS_ASKED["count"] += 1
+        return bool(self._manager.reached_preemption(_STEPS_ASKED["count"]))
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are committed (UserError if the disk filled up)."""

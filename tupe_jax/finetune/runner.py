@@ -65,13 +65,13 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_data(0))
 
 
-
 def on_every_process(ok: bool) -> bool:
     """`ok` on every process (a collective call with several: a host whose copy of the GLUE folder lacks a file
     must not leave the others waiting in a prediction it skips)."""
     if jax.process_count() == 1:
         return bool(ok)
     return bool(np.all(multihost_utils.process_allgather(np.asarray([bool(ok)], np.int32))))
+
 
 class Runner:
     """Everything one fine-tuning run needs: tokenizer, mesh, model, jitted steps, and split evaluation."""

@@ -291,6 +291,8 @@ def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert
     workdir = os.path.abspath(os.path.expanduser(workdir))
     workdir_lib.refuse_in_checkpoints(workdir, [], "--workdir")
     require(not os.path.islink(workdir), f"{workdir} is a link", "--workdir", "give a new folder for the imported run")
+    require(not os.path.ismount(workdir), f"{workdir} is a mount point", "--workdir",
+            "give a new folder inside it (an import is renamed into place when whole)")
     require(not (os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir))),
             f"{workdir} already exists and is not empty", "--workdir", "give a new folder for the imported run")
     config, params, tokenizer, notes = convert_fn(src, base)

@@ -85,8 +85,9 @@ def refuse_in_checkpoints(path: str, workdirs: Any, where: str) -> None:
     if not files.is_remote(path):      # any run's: a new run (an import) names no other run to check against
         folder = os.path.dirname(target.rstrip("/"))
         while folder != os.path.dirname(folder):
-            if os.path.basename(folder) == "checkpoints" and os.path.isfile(os.path.join(os.path.dirname(folder),
-                                                                                         "config.json")):
+            run = os.path.dirname(folder)       # a run of ours: config.json and provenance.jsonl beside it
+            if os.path.basename(folder) == "checkpoints" and all(
+                    os.path.isfile(os.path.join(run, n)) for n in ("config.json", "provenance.jsonl")):
                 raise UserError(f"{path} is inside the checkpoints of {os.path.dirname(folder)}", where,
                                 "give a folder outside checkpoints/")
             folder = os.path.dirname(folder)
