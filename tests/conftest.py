@@ -12,6 +12,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                                  f"tupe_jax_test_xla_cache_{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# A size limit turns on the cache's file lock (filelock): without one jax writes an entry in place, and another test
+# process reading it meanwhile met half a file (a warning and a recompile). 8 GiB is never reached by the suite.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 # The steps' dots on XLA's default library, not oneDNN (tupe_jax/xla_options.py): XLA cannot store an executable
 # with oneDNN calls in that compilation cache, and the suite leans on the cache. tests/test_xla_options.py runs the
 # oneDNN steps (the launcher's default on x86) and checks them against these.
