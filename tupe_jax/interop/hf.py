@@ -282,8 +282,9 @@ def import_hf(src: str, workdir: str, base: ml_collections.ConfigDict) -> str:
 
 def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert_fn: Any) -> str:
     """The import commands' shared tail: refuse a non-empty `workdir` before reading anything, run
-    `convert_fn(src, base) -> (config, params, tokenizer, notes)`, write the run at step 0 (removing a half-written
-    one on any failure), print the notes and a one-line summary; returns the absolute workdir."""
+    `convert_fn(src, base) -> (config, params, tokenizer, notes)`, write the run at step 0 under a hidden name beside
+    `workdir` and rename it into place when whole (`workdir_lib.staging_folder`: a failure or a kill leaves no half
+    run), print the notes and a one-line summary; returns the absolute workdir."""
     for flag, path in (("--workdir", workdir), ("--from", src)):
         require(not files.is_remote(path), f"{path} is a bucket path; the imports read and write local folders",
                 flag, "import into a local folder (then `gcloud storage cp -r` it to the bucket if a pod needs it)"
