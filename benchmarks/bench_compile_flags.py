@@ -26,7 +26,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
-from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
+from rounds import rotated, spread  # noqa: E402  pylint: disable=wrong-import-position
 from tests import xla_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["--config.train.steps=3", "--config.model.num_layers=2", "--config.model.hidden_size=32",
@@ -71,7 +71,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         run_once(base, cache)            # prepares the embedded corpus once, outside the rounds
         for r in range(args.rounds):
-            for name, flags in jobs.items():
+            for name, flags in rotated(jobs.items(), r):
                 rows[name].append(run_once(flags, cache))
                 print(f"round {r + 1}/{args.rounds} {name}: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in rows[name][-1].items()), flush=True)

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
-from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
+from rounds import rotated, spread  # noqa: E402  pylint: disable=wrong-import-position
 
 LIBRARIES = {"xla": "0", "onednn": "1"}
 
@@ -83,7 +83,7 @@ def main() -> None:
         row = {}
         for scheme in schemes:
             for length in lengths:
-                for library in LIBRARIES:
+                for library in rotated(LIBRARIES, r):
                     fn, fn_args, _ = built[scheme][(length, library)]
                     row[f"{scheme}/{length}/{library}"] = timed(fn, fn_args, args.reps)
         rounds.append(row)

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
-from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
+from rounds import rotated, spread  # noqa: E402  pylint: disable=wrong-import-position
 
 D, V = 256, 8192
 TORCH = "torch"
@@ -150,7 +150,7 @@ def main() -> None:
                                            atol=1e-5 * float(np.max(np.abs(ref))), err_msg=f"{name} at {m} rows")
         times = {name: [] for name in fns}
         for i in range(args.rounds):
-            for name, fn in fns.items():
+            for name, fn in rotated(fns.items(), i):
                 jax.block_until_ready(fn(*inputs))    # torch's tensors pass through: its work is done on return
                 t0 = time.perf_counter()
                 for _ in range(args.steps):

@@ -2,12 +2,12 @@
 
     python benchmarks/bench_levers.py --slots 128 --rounds 5 --json benchmarks/results_levers_cpu.json
 
-One process builds every variant (bert_a, `size=small`: 4 layers, d 256, 4 heads, MLP 1024, vocab 8192, batch
-16 × 128, float32, dropout 0.1), compiles each, then runs `--steps` synced steps of each variant in turn, `--rounds`
-times. A variant's ratio to the first one ("current") is computed within each round; reported: the median over
-rounds with its min–max (the machine may be shared: the spread is the noise) and, from 6 rounds, the median's 95%
-interval (`rounds.spread`). `--slots`: MLM head slots per row (20 = the default head on the masked positions, 128 =
-equal work with HF). Variants:
+One process builds every variant (bert_a, `size=small`: 4 layers, d 256, 4 heads, MLP 1024, vocab 8192, batch 16 ×
+128, float32, dropout 0.1), compiles each, then runs `--steps` synced steps of each variant in turn (each round one
+later first), `--rounds` times. A variant's ratio to "current" is computed within each round; reported: the median
+over rounds with its min–max (the machine may be shared: the spread is the noise) and, from 6 rounds, the median's
+95% interval (`rounds.spread`). `--slots`: MLM head slots per row (20 = the default head on the masked positions, 128
+= equal work with HF). Variants:
 - current: the code as it is;
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `head.argmax_hits`;
 - two-pass accuracy (before): `argmax_hits` as it was before its one-pass form (a max over the vocabulary, then a
@@ -73,7 +73,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from outputs import refuse_below, refuse_missing_folder, refuse_unknown, write_json  # noqa: E402  pylint: disable=wrong-import-position
-from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
+from rounds import rotated, spread  # noqa: E402  pylint: disable=wrong-import-position
 from tupe_jax.xla_options import ONEDNN_DOTS  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -323,7 +323,7 @@ def main() -> None:
     cpu = {name: [] for name in variants}
     loads = []
     for i in range(args.rounds):
-        for name, variant in variants.items():
+        for name, variant in rotated(variants.items(), i):
             per[name].append(1e3 * run(variant, args.steps))
             cpu[name].append(1e3 * run(variant, args.steps, cpu=True))
         loads.append(os.getloadavg()[0])

@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
-from rounds import spread  # noqa: E402  pylint: disable=wrong-import-position
+from rounds import rotated, spread  # noqa: E402  pylint: disable=wrong-import-position
 
 SHAPES = {  # name: (M, K, F) of the product (M, K) · (K, F)
     "qkv forward (2048×256 · 256×768)": (2048, 256, 768),
@@ -116,7 +116,7 @@ def timed_rounds(calls: dict, flops: dict, rounds: int, steps: int) -> dict:
         call()
     per = {key(name, engine): [] for name, engine in calls}
     for r in range(rounds):
-        for (name, engine), call in calls.items():
+        for (name, engine), call in rotated(calls.items(), r):
             times = []
             for _ in range(steps):
                 t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """Summaries of per-round ratios for the benchmarks: median, spread, and a distribution-free 95% interval.
 
     spread(values) -> {'median', 'min', 'max', 'per_round', 'ci95'}
+    rotated(items, r) -> the jobs of round r in their order: each round starts one later, so none always runs first
 
 `ci95` is the order-statistic confidence interval of the median: with the n values sorted,
 (x₍ₖ₎, x₍ₙ₋ₖ₊₁₎) for the largest k with P(Binomial(n, ½) ≤ k − 1) ≤ 0.025, so it covers the true median with
@@ -32,3 +33,11 @@ def spread(values: list[float]) -> dict:
     ci = [ordered[ranks[0] - 1], ordered[ranks[1] - 1]] if ranks else None
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "ci95": ci,
             "per_round": list(values)}
+
+
+def rotated(items, round_index: int) -> list:
+    """`items` (a list, or a dict's items) in round `round_index`'s order: shifted by one more each round, so no job
+    always runs first, or always right after the same one."""
+    items = list(items)
+    shift = round_index % len(items) if items else 0
+    return items[shift:] + items[:shift]

@@ -40,3 +40,14 @@ def test_the_interval_covers_the_median_at_least_95_percent_of_the_time():
         ci = spread(list(rng.lognormal(0.0, 0.3, n)))["ci95"]   # true median 1.0
         covered += ci[0] <= 1.0 <= ci[1]
     assert covered / trials > 0.95 - 3 * math.sqrt(0.05 * 0.95 / trials)
+
+
+def test_each_round_starts_one_job_later():
+    """The in-process benchmarks ran their variants in one order every round, the baseline always first."""
+    from rounds import rotated  # pylint: disable=import-outside-toplevel
+    jobs = {"current": 1, "a": 2, "b": 3}
+    orders = [[name for name, _ in rotated(jobs.items(), r)] for r in range(4)]
+    assert orders == [["current", "a", "b"], ["a", "b", "current"], ["b", "current", "a"], ["current", "a", "b"]]
+    assert rotated([], 3) == [] and rotated(("xla", "onednn"), 1) == ["onednn", "xla"]
+    firsts = [rotated(jobs.items(), r)[0][0] for r in range(30)]
+    assert all(firsts.count(name) == 10 for name in jobs)      # every job first in a third of the rounds
