@@ -166,12 +166,12 @@ def test_a_resumed_finetune_reports_the_step_its_first_start_read(made, pre, tmp
 # ================================================================================================ several processes
 def as_process_1_of_2(monkeypatch, process0_chooses, process0_reads):
     """This process as process 1 of 2 (its two collectives faked): `_agreed` gives process 0's step,
-    `process0_chooses(own choice)`, and `_gathered` puts process 0's status for each attempt (`process0_reads`, in
+    `process0_chooses(own choice)`, and `sharding.gathered` puts process 0's status for each attempt (`process0_reads`, in
     order) before this process's."""
     from tupe_jax.workdir import meta
     statuses = list(process0_reads)
     monkeypatch.setattr(meta, "_agreed", lambda own: process0_chooses(own))
-    monkeypatch.setattr(meta, "_gathered", lambda mine: [statuses.pop(0), mine])
+    monkeypatch.setattr(meta.sharding, "gathered", lambda mine: [statuses.pop(0), mine])
     return meta
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from tupe_jax.errors import require, warn_once
@@ -233,3 +234,10 @@ def global_batch(local_batch: Any, mesh: Mesh) -> Any:
 def local_batch_size(global_batch_size: int) -> int:
     """Rows this process must load for a global batch of `global_batch_size`."""
     return global_batch_size // jax.process_count()
+
+
+def gathered(value: int) -> list[int]:
+    """Every process's int `value`, in process order (a collective call with several processes: all must make it)."""
+    if jax.process_count() == 1:
+        return [value]
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.asarray([value], np.int32))).ravel()]

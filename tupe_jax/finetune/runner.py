@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 
 from tupe_jax import data as data_lib
 from tupe_jax import sharding as sh
@@ -68,9 +67,7 @@ def _host(x: jax.Array) -> np.ndarray:
 def on_every_process(ok: bool) -> bool:
     """`ok` on every process (a collective call with several: a host whose copy of the GLUE folder lacks a file
     must not leave the others waiting in a prediction it skips)."""
-    if jax.process_count() == 1:
-        return bool(ok)
-    return bool(np.all(multihost_utils.process_allgather(np.asarray([bool(ok)], np.int32))))
+    return all(sh.gathered(int(bool(ok))))
 
 
 class Runner:

@@ -13,6 +13,7 @@ from jax.experimental import multihost_utils
 from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax import config as config_lib
 from tupe_jax import files
+from tupe_jax import sharding
 from tupe_jax.errors import UserError
 
 T = TypeVar("T")
@@ -132,13 +133,6 @@ def _agreed(value: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int32)))
 
 
-def _gathered(value: int) -> list[int]:
-    """Every process's `value`, in process order."""
-    if jax.process_count() == 1:
-        return [value]
-    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.asarray([value], np.int32))).ravel()]
-
-
 READ, DELETED, FAILED = 0, 1, 2   # how a process's read of the agreed step went
 
 
@@ -179,7 +173,7 @@ def read_kept_step(workdir: str, step: Optional[int], read: Callable[[int], T], 
         gone = chosen in steps and not _step_folder(workdir, chosen)   # deleted during the read
         gone = gone or (follow and step is not None and chosen >= 0 and chosen not in steps)   # before the listing
         status = READ if failure is None else DELETED if gone else FAILED
-        statuses = _gathered(status)
+        statuses = sharding.gathered(status)
         if all(s == READ for s in statuses):
             return chosen, value
         if status == FAILED:
