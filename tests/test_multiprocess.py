@@ -3,6 +3,7 @@ same 5 steps as one process with 4 devices, evaluate a run and fine-tune from on
 launcher."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -178,12 +179,20 @@ def test_two_processes_export_a_run_once(tmp_path):
     assert all(err.strip().splitlines()[-1].startswith(f"error: {tmp_path / 'two'} already exists") for _, err in again)
 
 
+def sigterm_process_1(procs):
+    """A preemption notice to process 1 alone; both processes' (stdout, stderr), each checked to exit 0 (the
+    caller kills them on its way out, whatever happened)."""
+    procs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    return outs
+
+
 @pytest.mark.slow
 def test_a_sigterm_to_one_process_saves_one_step_on_both(tmp_path):
     """A preemption notice that reaches one host of a pod: our own SIGTERM handler replaced JAX's preemption notifier,
     so only that process stopped (at a save the other never joined: it crashed at its next collective, and no
     checkpoint was written). Now JAX tells every process, and both save the same step and exit 0."""
-    import signal
     import time
     wd = tmp_path / "run"
     port = free_port()
@@ -200,13 +209,11 @@ def test_a_sigterm_to_one_process_saves_one_step_on_both(tmp_path):
                 break
             time.sleep(0.5)
         assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-        procs[1].send_signal(signal.SIGTERM)
-        outs = [p.communicate(timeout=180) for p in procs]
+        outs = sigterm_process_1(procs)
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     saved = [[line for line in out.splitlines() if line.startswith("preemption: saved step ")] for out, _ in outs]
     assert len(saved[0]) == 1 and saved[0] == saved[1], saved
     step = int(saved[0][0].split()[3])
@@ -219,7 +226,6 @@ def test_a_sigterm_while_a_resumed_run_compiles_stops_both_processes(tmp_path):
     restore or compile) put it at 1, while the loop asked about the run's steps S+1, S+2, ...: the run trained on
     until the preemption killed it. The loop now reports its own count of steps: it stops (nothing saved at the
     first step, else one step saved by both)."""
-    import signal
     import time
     wd, cache = tmp_path / "run", tmp_path / "cache"
 
@@ -241,13 +247,11 @@ def test_a_sigterm_while_a_resumed_run_compiles_stops_both_processes(tmp_path):
             if not line or line.startswith("resumed from step 5"):
                 break
         assert seen[-1].startswith("resumed from step 5"), (seen, procs[0].stderr.read()[-3000:])
-        procs[1].send_signal(signal.SIGTERM)             # while the first step compiles (or just after it)
-        outs = [p.communicate(timeout=180) for p in procs]
+        outs = sigterm_process_1(procs)                  # while the first step compiles (or just after it)
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     ends = [[ln for ln in out.splitlines() if ln.startswith(("preemption", "interrupted"))] for out, _ in outs]
     assert ends[0] == ends[1] and len(ends[0]) == 1, ends
     assert ends[0][0].startswith(("preemption during this process's first step: nothing saved",
