@@ -3,6 +3,7 @@ same 5 steps as one process with 4 devices, evaluate a run and fine-tune from on
 launcher."""
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,10 +25,33 @@ OVERRIDES = {"model.hidden_size": 32, "model.num_layers": 2, "model.num_heads": 
              "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; IANA's range elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="utf-8") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def free_port() -> int:
+    """A free port for a coordinator, below the ephemeral range: an outgoing connection of any process (the
+    collectives' own, the storage emulator's) never takes it between this check and the coordinator's bind, as
+    it could take a port the kernel handed out for port 0. The two xdist workers draw from halves of the range."""
+    low = 10000
+    high = min(ephemeral_ports()[0], 1 << 16) - 1
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    half = (high - low) // 2
+    start = low + (half if worker.isdigit() and int(worker) % 2 else 0)
+    for port in random.Random().sample(range(start, start + half), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}..{start + half - 1}")
 
 
 def command(workdir, cache_dir, extra=()):
