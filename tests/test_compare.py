@@ -58,10 +58,20 @@ def test_seeds_parse_and_set_the_run_seed():
 
 
 @pytest.mark.parametrize("seeds,needle", [("0,x", "'x'"), ("1,1", "twice"), ("", "no seeds"), ("-1", "'-1'"),
-                                          ("0,99999999999999999999", r"\[0, 2\*\*63\)"), ("0,\u00b2", "'\u00b2'")])
+                                          ("0,99999999999999999999", r"\[0, 2\*\*32\)"), ("0,\u00b2", "'\u00b2'"),
+                                          ("0,4294967296", r"\[0, 2\*\*32\)")])
 def test_bad_seeds_are_one_line_errors(seeds, needle):
     with pytest.raises(UserError, match=needle):
         suite_lib.parse_seeds(load("suite=tupe", seeds=seeds))
+
+
+def test_seeds_are_refused_where_jax_keys_would_alias_them():
+    import jax  # pylint: disable=import-outside-toplevel
+    # the reason for the 2**32 limit: a JAX key keeps 32 bits of its seed (64-bit JAX off)
+    assert (jax.random.PRNGKey(2 ** 32 + 1) == jax.random.PRNGKey(1)).all()
+    assert suite_lib.parse_seeds(load("suite=tupe", seeds=f"{2 ** 32 - 1}")) == [2 ** 32 - 1]
+    with pytest.raises(UserError, match=r"train.seed = 4294967296 is outside \[0, 2\*\*32\)"):
+        config_lib.require_seed(load("suite=tupe", **{"train.seed": 2 ** 32}))
 
 
 def test_train_seed_is_refused_in_a_suite():

@@ -228,13 +228,18 @@ def require_finite(config: ml_collections.ConfigDict) -> None:
                 raise UserError(f"{key} = {v} is not a finite number", f"--config.{key}", "give a finite value")
 
 
+# A seed's range: `jax.random.PRNGKey` keeps the low 32 bits of its seed while 64-bit JAX is off, so seeds k and
+# k + 2**32 would share their initialisation and dropout (and differ in data order only).
+SEED_LIMIT = 2 ** 32
+
+
 def require_seed(config: ml_collections.ConfigDict, key: str = "train.seed") -> None:
-    """The seed at dotted `key` is an int in [0, 2**63) (NumPy and JAX seeds)."""
+    """The seed at dotted `key` is an int in [0, 2**32) (`SEED_LIMIT`)."""
     value = config
     for name in key.split("."):
         value = value[name]
-    require(0 <= int(value) < 2 ** 63, f"{key} = {value} is outside [0, 2**63)", f"--config.{key}",
-            "give a non-negative seed below 2**63")
+    require(0 <= int(value) < SEED_LIMIT, f"{key} = {value} is outside [0, 2**32)", f"--config.{key}",
+            "give a non-negative seed below 2**32 (JAX keys keep 32 bits of a seed)")
 
 
 def require_one_of(value: Any, known: tuple[str, ...], key: str) -> None:

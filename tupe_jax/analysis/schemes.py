@@ -85,8 +85,9 @@ def parse_seeds(config: ml_collections.ConfigDict) -> list[int]:
     for item in (x.strip() for x in str(config.seeds).split(",")):
         if not item:
             continue
-        require(item.isdecimal() and int(item) < 2 ** 63, f"seed {item!r} in seeds is not an integer in [0, 2**63)",
-                where, "write e.g. 0,1,2")
+        require(item.isdecimal() and int(item) < config_lib.SEED_LIMIT,
+                f"seed {item!r} in seeds is not an integer in [0, 2**32)", where,
+                "write e.g. 0,1,2 (JAX keys keep 32 bits of a seed)")
         require(int(item) not in out, f"seed {item} is listed twice in seeds", where, "list each seed once")
         out.append(int(item))
     require(bool(out), "no seeds given", where, "write e.g. --config.seeds=0,1,2")

@@ -7,7 +7,7 @@ import jax
 import ml_collections
 
 from tupe_jax import model, optim, sharding
-from tupe_jax.config import require_finite, require_positive, require_seed
+from tupe_jax.config import SEED_LIMIT, require_finite, require_positive, require_seed
 from tupe_jax.data import GLUE_TASKS
 from tupe_jax.data.classification import batch_widths
 from tupe_jax.errors import require
@@ -51,9 +51,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
             f"sweep.learning_rates = {config.sweep.learning_rates} needs positive values",
             "--config.sweep.learning_rates", "write e.g. '(2e-5,3e-5)'")
     require(len(config.sweep.seeds) > 0, "sweep.seeds is empty", "--config.sweep.seeds", "write e.g. '(0,1,2)'")
-    bad = [s for s in config.sweep.seeds if not 0 <= int(s) < 2 ** 63]
-    require(not bad, f"sweep.seeds holds {bad[0] if bad else ''}, outside [0, 2**63)", "--config.sweep.seeds",
-            "give non-negative seeds below 2**63, e.g. '(0,1,2)'")
+    bad = [s for s in config.sweep.seeds if not 0 <= int(s) < SEED_LIMIT]
+    require(not bad, f"sweep.seeds holds {bad[0] if bad else ''}, outside [0, 2**32)", "--config.sweep.seeds",
+            "give non-negative seeds below 2**32, e.g. '(0,1,2)'")
     for task in sweep_tasks(config):
         require(task in GLUE_TASKS, f"unknown GLUE task {task!r} in sweep.tasks", "--config.sweep.tasks",
                 "use a comma-separated list of " + "|".join(GLUE_TASKS))
