@@ -2,6 +2,7 @@
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -54,3 +55,46 @@ def test_the_scale_scan_reads_a_run_history_as_read_metrics_does(tmp_path):
     curve = scale_scan.curve(str(tmp_path))
     assert [(r["step"], r["eval_loss"]) for r in curve] == [(50, 6.0), (100, 5.5)]
     assert [round(r["minutes"] * 60, 6) for r in curve] == [12.5, 37.5]     # 0.5 s x 75 steps by step 100
+
+
+def _findings_copy(tmp_path):
+    """A copy of tools/findings_table.py, README.md and docs/experiments/ in tmp_path (the script works beside them)."""
+    (tmp_path / "tools").mkdir()
+    shutil.copy(os.path.join(ROOT, "tools", "findings_table.py"), tmp_path / "tools")
+    shutil.copy(os.path.join(ROOT, "README.md"), tmp_path)
+    shutil.copytree(os.path.join(ROOT, "docs", "experiments"), tmp_path / "docs" / "experiments")
+    return lambda *a: subprocess.run([sys.executable, str(tmp_path / "tools" / "findings_table.py"), *a],
+                                     env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                                     timeout=120, check=False)
+
+
+def test_the_findings_table_never_drops_a_suite_or_trips_on_a_bad_report(tmp_path):
+    """A missing report.json dropped its suite's rows from README.md (exit 0); bad JSON was a traceback."""
+    table = _findings_copy(tmp_path)
+    readme = (tmp_path / "README.md").read_bytes()
+    assert table("--write").returncode == 0 and (tmp_path / "README.md").read_bytes() == readme   # up to date
+    report = tmp_path / "docs" / "experiments" / "tupe" / "report.json"
+    text = report.read_text()
+    report.unlink()
+    shown = table()
+    assert shown.returncode == 0 and "no report for tupe" in shown.stderr and "(docs/experiments/tupe/" not in shown.stdout
+    refused = table("--write")
+    assert refused.returncode == 2 and refused.stderr.startswith("error: the README's findings table has rows of tupe")
+    assert (tmp_path / "README.md").read_bytes() == readme
+    for bad in (text[:200], json.dumps({**json.loads(text), "findings": [{"claim": "x"}]})):
+        report.write_text(bad)
+        out = table("--write")
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
+        assert "tupe/report.json" in out.stderr and (tmp_path / "README.md").read_bytes() == readme
+
+
+def test_run_experiments_checks_every_step_before_the_first_runs():
+    """An unknown step was found only when reached, after the steps before it had trained (hours)."""
+    script = os.path.join(ROOT, "tools", "run_experiments.sh")
+    bad = subprocess.run(["bash", script, "extrapolation", "bogus"], env={**os.environ, "PY": "echo"},
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("error: unknown step 'bogus'")
+    good = subprocess.run(["bash", script, "extrapolation probe"], env={**os.environ, "PY": "echo"},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert good.returncode == 0 and [line.split()[3] for line in good.stdout.splitlines()] == [
+        "--config=configs/compare.py:suite=extrapolation", "--config=configs/compare.py:suite=probe"]

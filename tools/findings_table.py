@@ -20,6 +20,26 @@ SUITES = ("probe", "nopos-mlm", "nopos-mlm-5k", "extrapolation", "tupe")
 BEGIN, END = "<!-- findings:begin -->", "<!-- findings:end -->"
 
 
+class Refused(Exception):
+    """A report the table cannot be made from, or a README block it would shrink: one line, exit 2."""
+
+
+def _report(root: str, suite: str) -> dict | None:
+    """docs/experiments/<suite>/report.json, None when the suite has none; unreadable JSON is refused."""
+    path = os.path.join(root, "docs", "experiments", suite, "report.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError) as err:
+        raise Refused(f"error: cannot read {path} ({type(err).__name__}: {str(err)[:80]}), {path}, rerun "
+                      f"`tools/run_experiments.sh {suite} publish` or restore it with git") from None
+    if not isinstance(report, dict):
+        raise Refused(f"error: {path} is not a compare report (a JSON object), {path}, restore it with git")
+    return report
+
+
 def _scale(report: dict) -> str:
     c = report["config"]
     m, t = c["model"], c["train"]
@@ -32,13 +52,22 @@ def scales(root: str = ROOT) -> list[str]:
     """One line per distinct run scale of the reports in the table."""
     out = []
     for suite in SUITES:
-        path = os.path.join(root, "docs", "experiments", suite, "report.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                line = _scale(json.load(f))
+        report = _report(root, suite)
+        if report is not None:
+            line = _guarded(suite, lambda r=report: _scale(r))
             if line not in out:
                 out.append(line)
     return out
+
+
+def _guarded(suite: str, make):
+    """`make()`, with a report lacking a key (or holding another type) refused in one line naming it."""
+    try:
+        return make()
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        path = os.path.join("docs", "experiments", suite, "report.json")
+        raise Refused(f"error: {path} lacks what the table reads ({type(err).__name__}: {str(err)[:80]}), {path}, "
+                      f"rerun `tools/run_experiments.sh {suite} publish` or restore it with git") from None
 
 
 def table(root: str = ROOT) -> str:
@@ -46,12 +75,19 @@ def table(root: str = ROOT) -> str:
             "|---|---|---|---|---|---|---|"]
     seen = set()
     for suite in SUITES:
-        path = os.path.join(root, "docs", "experiments", suite, "report.json")
-        if not os.path.isfile(path):
-            continue
-        with open(path) as f:
-            report = json.load(f)
-        for finding in report.get("findings", []):
+        report = _report(root, suite)
+        if report is not None:
+            rows += _guarded(suite, lambda r=report, s=suite: _rows(r, s, seen))
+    found = scales(root)
+    lead = "Scale of every run in the table: " if len(found) == 1 else \
+        "Scales of the runs in the table (the steps column tells the rows apart): "
+    head = [lead + "; ".join(found) + ".", ""] if found else []
+    return "\n".join(head + rows) + "\n"
+
+
+def _rows(report: dict, suite: str, seen: set) -> list[str]:
+    rows = []
+    for finding in report.get("findings", []):
             key = (finding["claim"], json.dumps([p["per_seed"] for p in finding["parts"]], sort_keys=True))
             if key in seen:                  # the same runs analysed by two suites (e.g. NoPos perplexity)
                 continue
@@ -62,11 +98,12 @@ def table(root: str = ROOT) -> str:
                             f"{part['unit']} | {len(part['per_seed'])} | {report['config']['train']['steps']} | "
                             f"{part['verdict']} | "
                             f"[{suite}](docs/experiments/{suite}/REPORT.md) |")
-    found = scales(root)
-    lead = "Scale of every run in the table: " if len(found) == 1 else \
-        "Scales of the runs in the table (the steps column tells the rows apart): "
-    head = [lead + "; ".join(found) + ".", ""] if found else []
-    return "\n".join(head + rows) + "\n"
+    return rows
+
+
+def linked_suites(block: str) -> set[str]:
+    """The suites whose reports a table links to."""
+    return {s for s in SUITES if f"(docs/experiments/{s}/REPORT.md)" in block}
 
 
 def replace_block(text: str, block: str) -> str:
@@ -77,20 +114,35 @@ def replace_block(text: str, block: str) -> str:
     return head + BEGIN + "\n" + block + END + tail
 
 
-def main() -> int:
+def main(root: str = ROOT) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--write", action="store_true", help="replace the block in README.md")
     args = p.parse_args()
-    block = table()
-    if not args.write:
-        sys.stdout.write(block)
-        return 0
-    readme = os.path.join(ROOT, "README.md")
-    with open(readme) as f:
-        text = f.read()
-    new = replace_block(text, block)
-    with open(readme, "w") as f:
+    try:
+        block = table(root)
+        missing = [s for s in SUITES if not os.path.isfile(os.path.join(root, "docs", "experiments", s, "report.json"))]
+        if not args.write:
+            if missing:
+                print(f"warning: no report for {', '.join(missing)} in docs/experiments/: their rows are left out",
+                      file=sys.stderr)
+            sys.stdout.write(block)
+            return 0
+        readme = os.path.join(root, "README.md")
+        with open(readme, encoding="utf-8") as f:
+            text = f.read()
+        new = replace_block(text, block)
+        lost = sorted(linked_suites(text.split(BEGIN, 1)[1].split(END, 1)[0]) - linked_suites(block))
+        if lost:
+            raise Refused(f"error: the README's findings table has rows of {', '.join(lost)}, whose report.json is "
+                          f"missing from docs/experiments/, README.md (left as it was), restore the report (git) or "
+                          f"rerun `tools/run_experiments.sh {' '.join(lost)} publish`")
+    except Refused as err:
+        print(err, file=sys.stderr)
+        return 2
+    tmp = readme + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(new)
+    os.replace(tmp, readme)
     print("wrote the findings table into README.md")
     return 0
 

@@ -45,8 +45,14 @@ step() {
           -not -name config.json -not -path './glue/*' | while read -r f; do
             mkdir -p "../../../docs/experiments/$s/$(dirname "$f")"; cp "$f" "../../../docs/experiments/$s/$f"; done)
       done ;;
-    *) echo "error: unknown step $1, tools/run_experiments.sh, use extrapolation|probe|sinusoidal|tupe|nopos-mlm|nopos-mlm-5k|publish" >&2
-       exit 2 ;;
+    *) echo "error: unknown step '$1', tools/run_experiments.sh, use one of: $STEPS" >&2; exit 2 ;;
   esac
 }
-for s in "${@:-extrapolation probe sinusoidal tupe nopos-mlm nopos-mlm-5k publish}"; do for t in $s; do step "$t"; done; done
+STEPS="extrapolation probe sinusoidal tupe nopos-mlm nopos-mlm-5k publish"
+for t in $*; do    # every step named is checked before the first one runs (hours of training)
+  case " $STEPS " in
+    *" $t "*) ;;
+    *) echo "error: unknown step '$t', tools/run_experiments.sh, use one of: $STEPS" >&2; exit 2 ;;
+  esac
+done
+for s in "${@:-$STEPS}"; do for t in $s; do step "$t"; done; done
