@@ -97,6 +97,33 @@ def test_glue_tasks_auto_finds_the_tsvs(tmp_path):
         suite_lib.validate(load("suite=tupe", **{"glue.tasks": "rte"}), 8)
 
 
+@pytest.mark.parametrize("tasks,glue_dir,needle", [
+    ("rte", "missing", "data.glue_dir .*missing is not a folder"),
+    ("wordorder,qnli", "here", "no train and dev files of glue task 'qnli'"),
+    ("auto", "empty", "holds no GLUE task with train and dev files"),
+    ("auto", "missing", "is not a folder")])
+def test_glue_tasks_the_folder_lacks_are_refused_before_any_training(tmp_path, tasks, glue_dir, needle):
+    """A missing folder or task was found after all the pretraining (hours); with 'auto' the GLUE fine-tunes were
+    dropped without a word."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "here" / "QNLI").mkdir(parents=True)
+    (tmp_path / "here" / "QNLI" / "dev.tsv").write_text("index\tquestion\tsentence\tlabel\n0\ta\tb\tentailment\n")
+    config = load("suite=tupe", **{"glue.tasks": tasks, "data.glue_dir": tmp_path / glue_dir})
+    with pytest.raises(UserError, match=needle):
+        suite_lib.validate(config, 8)
+
+
+def test_a_rerun_with_fewer_glue_tasks_is_refused(tmp_path):
+    """A rerun without a task replaced the report with one lacking its fine-tunes (its old glue.png stayed)."""
+    (tmp_path / "report.json").write_text(json.dumps({"schemes": [{"name": "tupe_a-mlm"}], "seeds": [0],
+                                                      "glue_tasks": ["wordorder"]}))
+    config = load("suite=tupe", schemes="tupe_a", seeds="0", **{"glue.tasks": ""})
+    with pytest.raises(UserError, match="covers GLUE task wordorder, which this command's suite lacks"):
+        suite_lib._refuse_to_shrink(config, str(tmp_path), suite_lib.parse_schemes(config), [0])
+    more = load("suite=tupe", schemes="tupe_a", seeds="0", **{"glue.tasks": "wordorder"})
+    suite_lib._refuse_to_shrink(more, str(tmp_path), suite_lib.parse_schemes(more), [0])
+
+
 TINY = {"model.hidden_size": 32, "model.num_layers": 2, "model.num_heads": 2, "model.mlp_dim": 64,
         "model.vocab_size": 512, "model.max_len": 32, "train.steps": 20, "train.batch_size": 8,
         "train.warmup_steps": 4, "train.eval_every": 10, "train.eval_steps": 2, "train.log_every": 5,
@@ -183,6 +210,21 @@ def test_a_finished_run_is_shared_by_suites_with_and_without_glue(tmp_path):
     with pytest.raises(UserError, match="learning_rate"):
         suite_lib._check_same_run(str(run), suite_lib.scheme_config(
             load("suite=tupe", **{"train.learning_rate": 0.5}), scheme, 0))
+    # data.cache_dir is where derived data is kept, not what it is: another one shares the run
+    suite_lib._check_same_run(str(run), suite_lib.scheme_config(
+        load("suite=tupe", **{"data.cache_dir": tmp_path / "elsewhere"}), scheme, 0))
+
+
+def test_a_run_with_checkpoints_and_no_config_is_not_reused(tmp_path, monkeypatch):
+    """Its checkpoints were reused whatever keys they were trained with ("reusing it"), and the analysis failed."""
+    config = load("suite=tupe")
+    sub = suite_lib.scheme_config(config, suite_lib.parse_schemes(config)[0], 0)
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(suite_lib.workdir_lib, "checkpoint_steps", lambda path: [20])
+    with pytest.raises(UserError, match="holds checkpoints but no config.json"):
+        suite_lib._check_same_run(str(tmp_path / "run"), sub)
+    monkeypatch.setattr(suite_lib.workdir_lib, "checkpoint_steps", lambda path: [])
+    suite_lib._check_same_run(str(tmp_path / "run"), sub)      # an empty folder: trained afresh
 
 
 def test_a_run_in_runs_dir_that_cannot_be_reused_stops_the_suite_before_any_training(tmp_path, monkeypatch):

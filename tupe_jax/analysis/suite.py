@@ -83,10 +83,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
 # ================================================================================================ pretraining
 def _check_same_run(path: str, sub: ml_collections.ConfigDict) -> None:
     """Refuse to reuse a run trained with other model/data/train keys (not identical compute; data.glue_dir is read
-    only by fine-tuning, so suites with and without GLUE share pretraining runs). train.eval_steps counts: the
-    validation losses the report sets side by side are means over that many batches."""
+    only by fine-tuning, so suites with and without GLUE share pretraining runs; data.cache_dir is where derived
+    data is kept, not what it is). train.eval_steps counts: the validation losses the report sets side by side are
+    means over that many batches. A folder with checkpoints and no config.json cannot be told apart: refused."""
+    require(not workdir_lib.checkpoint_steps(path) or files.isfile(workdir_lib.config_path(path)),
+            f"{path} holds checkpoints but no config.json, so whether it was trained with this suite's keys is "
+            "unknown", "--config.runs_dir", "move that folder aside (or restore its config.json), or use a fresh "
+            "workdir/runs_dir")
     refuse_other_config(path, sub, ("model", "data", "train"),
-                         ("train.log_every", "train.eval_every", "data.glue_dir"), "trained",
+                         ("train.log_every", "train.eval_every", "data.glue_dir", "data.cache_dir"), "trained",
                          "--config.runs_dir",
                          "use a fresh workdir/runs_dir, or the same config as that run")
 
@@ -184,28 +189,33 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         return {"preempted": True}
 
 
-def _refuse_to_shrink(workdir: str, schemes: list[Scheme], seeds: list[int]) -> None:
-    """A rerun with fewer schemes or seeds would replace the folder's report with one that covers less (a 3-seed
-    report with verdicts by a 1-seed one); more may be added."""
+def _refuse_to_shrink(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
+                      seeds: list[int]) -> None:
+    """A rerun with fewer schemes, seeds or GLUE tasks would replace the folder's report with one that covers less
+    (a 3-seed report with verdicts by a 1-seed one); more may be added."""
     path = os.path.join(workdir, "report.json")
     if not os.path.isfile(path):
         return
     try:
         old = files.read_json(path)
-        had = ([s["name"] for s in old["schemes"]], [int(k) for k in old["seeds"]])
+        had = ([s["name"] for s in old["schemes"]], [int(k) for k in old["seeds"]],
+               [str(t) for t in old.get("glue_tasks", [])])
     except (ValueError, KeyError, TypeError):
         return                             # not a report this can read: the suite writes a whole new one
     names = {s.name for s in schemes}
-    lost = [n for n in had[0] if n not in names] + [f"seed {k}" for k in had[1] if k not in seeds]
+    tasks = glue_tasks(config) if str(config.suite) == "tupe" else []
+    lost = [n for n in had[0] if n not in names] + [f"seed {k}" for k in had[1] if k not in seeds] + \
+        [f"GLUE task {t}" for t in had[2] if t not in tasks]
     require(not lost, f"{path} covers {', '.join(lost[:4])}{' ...' if len(lost) > 4 else ''}, which this command's "
-            "suite lacks: its report would replace that one with less", "--config.schemes / --config.seeds",
-            "give every scheme and seed the report has (more may be added), or use a fresh workdir")
+            "suite lacks: its report would replace that one with less", "--config.schemes / --config.seeds / "
+            "--config.glue.tasks", "give every scheme, seed and GLUE task the report has (more may be added), or "
+            "use a fresh workdir")
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     validate(config, jax.device_count())
     schemes, seeds = parse_schemes(config), parse_seeds(config)
-    _refuse_to_shrink(workdir, schemes, seeds)
+    _refuse_to_shrink(config, workdir, schemes, seeds)
     suite = str(config.suite)
     os.makedirs(workdir, exist_ok=True)
     timings: dict[str, float] = {}

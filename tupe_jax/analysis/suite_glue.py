@@ -14,6 +14,7 @@ from tupe_jax import data as data_lib
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.analysis.schemes import Scheme, parse_schemes, run_name, scheme_config
+from tupe_jax.data.cache import local_input
 from tupe_jax.data.glue_tsv import available_splits
 from tupe_jax.errors import UserError, require
 from tupe_jax.finetune.loop import finetune
@@ -77,22 +78,40 @@ def validate_finetunes(config: ml_collections.ConfigDict, seed: int, num_devices
 
 
 def glue_tasks(config: ml_collections.ConfigDict) -> list[str]:
-    """`glue.tasks` as a list; 'auto' = wordorder + each GLUE task with train and dev TSVs in data.glue_dir."""
-    raw = str(config.glue.tasks).strip()
+    """`glue.tasks` as a list; 'auto' = wordorder + each GLUE task with train and dev TSVs in data.glue_dir. Each
+    GLUE task named needs its train and dev files there (a bucket folder is mirrored first), and an 'auto' that
+    finds none in a data.glue_dir given is refused: both are found here, before any pretraining."""
+    raw, given = str(config.glue.tasks).strip(), str(config.data.glue_dir or "")
+    local = _local_glue_dir(config) if given else ""
     if raw == "auto":
-        tasks = ["wordorder"]
-        if config.data.glue_dir:
-            tasks += [t for t in GLUE_CANDIDATES
-                      if {"train", "validation"} <= set(available_splits(config.data.glue_dir, t))
-                      or {"train", "validation_matched"} <= set(available_splits(config.data.glue_dir, t))]
-        return tasks
+        found = [t for t in GLUE_CANDIDATES if _has_train_and_dev(local, t)] if given else []
+        require(not given or bool(found), f"data.glue_dir {given} holds no GLUE task with train and dev files",
+                "--config.data.glue_dir", "point it at the folder download_glue_data.py made (SST-2/, RTE/, ...), "
+                "or leave it empty for the built-in word-order task alone")
+        return ["wordorder"] + found
     tasks = [t.strip() for t in raw.split(",") if t.strip()]
     for task in tasks:
         require(task in data_lib.GLUE_TASKS, f"unknown GLUE task {task!r} in glue.tasks", "--config.glue.tasks",
                 "use 'auto' or a comma-separated list of " + "|".join(data_lib.GLUE_TASKS))
-        require(task == "wordorder" or bool(config.data.glue_dir), f"glue task {task!r} needs data.glue_dir",
+        require(task == "wordorder" or bool(given), f"glue task {task!r} needs data.glue_dir",
                 "--config.data.glue_dir", "point it at the GLUE TSVs, or use --config.glue.tasks=wordorder")
+        require(task == "wordorder" or _has_train_and_dev(local, task), f"no train and dev files of glue task "
+                f"{task!r} in data.glue_dir {given}", "--config.data.glue_dir", "point it at the folder "
+                "download_glue_data.py made, or drop the task from --config.glue.tasks")
     return tasks
+
+
+def _local_glue_dir(config: ml_collections.ConfigDict) -> str:
+    """data.glue_dir as a local folder (a bucket folder mirrored once); refused when there is no such folder."""
+    local = local_input(config, str(config.data.glue_dir), "--config.data.glue_dir")
+    require(os.path.isdir(os.path.expanduser(local)), f"data.glue_dir {config.data.glue_dir} is not a folder",
+            "--config.data.glue_dir", "point it at the folder download_glue_data.py made (SST-2/, RTE/, ...)")
+    return local
+
+
+def _has_train_and_dev(glue_dir: str, task: str) -> bool:
+    splits = set(available_splits(os.path.expanduser(glue_dir), task))
+    return {"train", "validation"} <= splits or {"train", "validation_matched"} <= splits
 
 
 def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, seed: int, pretrain_path: str, task: str
