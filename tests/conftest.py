@@ -9,8 +9,10 @@ os.environ.setdefault("XLA_FLAGS", xla_flags.SUITE)   # 8 fake CPU devices, -O0 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same tiny programs again (each pretrain() call builds fresh closures): a persistent
 # compilation cache shared by the test processes turns those recompiles into disk reads.
+# ("_lru": the folder written with the size limit below alone; entries an older suite wrote without it have no
+# access-time file, and one such entry fails jax's eviction scan, so that every later write is dropped.)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                                                                 f"tupe_jax_test_xla_cache_{os.getuid()}"))
+                                                                 f"tupe_jax_test_xla_cache_lru_{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # A size limit turns on the cache's file lock (filelock): without one jax writes an entry in place, and another test
 # process reading it meanwhile met half a file (a warning and a recompile). 8 GiB is never reached by the suite.
