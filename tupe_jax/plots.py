@@ -14,9 +14,15 @@ def save_figure(fig: Any, path: str, dpi: int = 110) -> str:
     """Write `fig` to `path` via a temporary file and rename, then close it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:   # a folder of that name, a full disk: the earlier file stays, and no temporary one
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -12,18 +12,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 from typing import Any, Optional
 
-from tupe_jax import files, plots
-from tupe_jax.errors import require
+from tupe_jax import files
+from tupe_jax.errors import UserError, require
 from tupe_jax.analysis import findings
 from tupe_jax.analysis.findings import glue_average, mean_spread, mean_std
-
-GLUE_NAMES = {"cola": "CoLA (MCC)", "sst2": "SST-2 (acc)", "mrpc": "MRPC (acc)", "stsb": "STS-B (Pearson)",
-              "qqp": "QQP (acc)", "mnli": "MNLI-m (acc)", "qnli": "QNLI (acc)", "rte": "RTE (acc)",
-              "wnli": "WNLI (acc)", "wordorder": "word order (acc)"}
-COLORS = plots.plt.rcParams["axes.prop_cycle"].by_key()["color"]
-
+from tupe_jax.analysis.report_plots import GLUE_NAMES, glue_plot, loss_curves, per_scheme_plot, runs_by_seed
 
 def _f(x: Any, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
@@ -46,57 +43,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def _runs(scheme: dict) -> list[dict]:
-    return [scheme["seeds"][k] for k in sorted(scheme["seeds"], key=int)]
-
-
 def _eval_value(run: dict, key: str) -> Optional[float]:
     return run["final_eval"].get(key)
-
-
-# ------------------------------------------------------------------------------------------------ plots
-def loss_curves(report: dict, path: str) -> str:
-    """Validation loss vs step per objective; one thin line per seed, the mean over seeds thick."""
-    objectives = sorted({s["objective"] for s in report["schemes"]})
-    fig, axes = plots.plt.subplots(1, len(objectives), figsize=(6.2 * len(objectives), 3.8), squeeze=False)
-    for ax, objective in zip(axes[0], objectives):
-        for i, s in enumerate(x for x in report["schemes"] if x["objective"] == objective):
-            color, by_step = COLORS[i % len(COLORS)], {}
-            for run in _runs(s):
-                ax.plot([r["step"] for r in run["eval"]], [r["eval_loss"] for r in run["eval"]], color=color,
-                        alpha=0.35, linewidth=0.8)
-                for r in run["eval"]:
-                    by_step.setdefault(r["step"], []).append(r["eval_loss"])
-            steps = sorted(by_step)
-            ax.plot(steps, [sum(by_step[k]) / len(by_step[k]) for k in steps], color=color, linewidth=2,
-                    label=s["label"])
-        ax.set_title(f"{'MLM' if objective == 'mlm' else 'causal LM'}: validation loss "
-                     f"({len(report['seeds'])} seeds: thin, mean: thick)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return plots.save_figure(fig, path)
-
-
-def _per_scheme_plot(report: dict, path: str, series: dict[str, list[tuple[list, list]]], xlabel: str, ylabel: str,
-                     title: str, log_y: bool = False, hline: Optional[float] = None) -> str:
-    """One thin line per seed and scheme (same colour per scheme)."""
-    fig, ax = plots.plt.subplots(figsize=(6.8, 4.0))
-    for i, (name, lines) in enumerate(series.items()):
-        for j, (xs, ys) in enumerate(lines):
-            ax.plot(xs, ys, marker="o", markersize=3, color=COLORS[i % len(COLORS)], alpha=0.7,
-                    label=name if j == 0 else None)
-    if hline is not None:
-        ax.axhline(hline, color="gray", linestyle="--", label="chance")
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return plots.save_figure(fig, path)
 
 
 def _by_scheme(report: dict, key: str) -> dict[str, list[dict]]:
@@ -107,27 +55,6 @@ def _by_scheme(report: dict, key: str) -> dict[str, list[dict]]:
         for run in report[key][seed]["runs"]:
             out.setdefault(where.get(run["workdir"], run["name"]), []).append(run)
     return out
-
-
-def glue_plot(report: dict, path: str) -> str:
-    """Bars: mean dev score over seeds per (scheme, task); dots: every seed."""
-    tasks, names = report["glue_tasks"], list(report["glue"])
-    fig, ax = plots.plt.subplots(figsize=(max(6.0, 1.5 * len(tasks)), 3.8))
-    width = 0.8 / max(len(names), 1)
-    for i, name in enumerate(names):
-        for k, task in enumerate(tasks):
-            scores = [100 * v for r in report["glue"][name].values()     # a missing score is no bar of 0
-                      for v in [r.get(task, {}).get("score")] if v is not None and math.isfinite(v)]
-            x = k + i * width
-            ax.bar(x, sum(scores) / len(scores) if scores else 0.0, width, color=COLORS[i % len(COLORS)], alpha=0.6,
-                   label=name if k == 0 else None)
-            ax.scatter([x] * len(scores), scores, color="black", s=6, zorder=3)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(tasks))], [GLUE_NAMES.get(t, t) for t in tasks], fontsize=7)
-    ax.set_ylabel("dev score x 100")
-    ax.set_title(f"fine-tuning: mean over {len(report['seeds'])} seeds (bars), each seed (dots)")
-    ax.legend(fontsize=7)
-    ax.grid(axis="y", alpha=0.3)
-    return plots.save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -173,7 +100,7 @@ def _reused(report: dict) -> str:
 def _pretraining(report: dict) -> list[str]:
     rows = []
     for s in report["schemes"]:
-        runs = _runs(s)
+        runs = runs_by_seed(s)
         extra = (f"ppl {_ms([_eval_value(r, 'eval_perplexity') for r in runs], 1)}" if s["objective"] == "clm"
                  else f"acc {_ms([_eval_value(r, 'eval_mlm_accuracy') for r in runs])}")
         minutes = _ms([(r.get("train_seconds") or 0) / 60 for r in runs], 1)
@@ -186,7 +113,7 @@ def _pretraining(report: dict) -> list[str]:
     lines += _table(["run", "seeds", "val loss", "val ppl / MLM acc", "train min", "tokens/s"], rows)
     curves = {s["name"]: {} for s in report["schemes"]}
     for s in report["schemes"]:
-        for run in _runs(s):
+        for run in runs_by_seed(s):
             for r in run["eval"]:
                 curves[s["name"]].setdefault(r["step"], []).append(r["eval_loss"])
     steps = sorted({k for v in curves.values() for k in v})
@@ -210,7 +137,7 @@ def _extrapolation(report: dict, workdir: str) -> list[str]:
         rows.append([f"`{name}`"] + cells)
         series[name] = [([x["length"] for x in r["results"] if x["defined"]],
                          [x["perplexity"] for x in r["results"] if x["defined"]]) for r in runs]
-    _per_scheme_plot(report, os.path.join(workdir, "extrapolation.png"), series, "evaluation length",
+    per_scheme_plot(report, os.path.join(workdir, "extrapolation.png"), series, "evaluation length",
                      "validation perplexity", "extrapolation, every seed", log_y=True)
     return (["## Extrapolation", "", f"Perplexity on the validation split ({p['mode']} windows"
              + (f", first {p['max_tokens']} tokens" if p.get("max_tokens") else "") + "), models trained at length "
@@ -228,7 +155,7 @@ def _probe(report: dict, workdir: str) -> list[str]:
         rows.append([f"`{name}`"] + [_ms([r["layers"][i]["mad"] for r in runs if i < len(r["layers"])], 1)
                                      for i in range(layers)] + [_f(chance, 1)])
         series[name] = [(list(range(len(r["layers"]))), [x["mad"] for x in r["layers"]]) for r in runs]
-    _per_scheme_plot(report, os.path.join(workdir, "probe.png"), series, "layer (0 = embeddings)",
+    per_scheme_plot(report, os.path.join(workdir, "probe.png"), series, "layer (0 = embeddings)",
                      "probe MAD (positions)", "absolute-position probes, every seed", hline=chance)
     s = report["config"]["probe"]
     return (["## Position probes", "", "Mean absolute distance (MAD, positions) of a 2-layer ReLU probe predicting "
@@ -286,25 +213,42 @@ def _findings(report: dict) -> list[str]:
 
 
 def write(report: dict, workdir: str) -> list[str]:
-    """Write REPORT.md and the PNGs into `workdir`; return the names written."""
-    names = ["report.json", os.path.basename(loss_curves(report, os.path.join(workdir, "loss_curves.png")))]
+    """Write REPORT.md and the PNGs into `workdir`; return the names written (and report.json, the caller's). All
+    are made in a hidden folder there first and moved in together: a report that fails half-way replaces nothing."""
+    stage = tempfile.mkdtemp(prefix=".report.", suffix=".tmp", dir=workdir)
+    try:
+        names = _write_into(report, stage)
+        for name in names:
+            target = os.path.join(workdir, name)
+            require(not os.path.isdir(target) or os.path.islink(target), f"{target} is a folder", "--workdir",
+                    "move it aside: the report writes a file of that name there")
+        for name in names:
+            os.replace(os.path.join(stage, name), os.path.join(workdir, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return [names[0], "report.json"] + names[1:]
+
+
+def _write_into(report: dict, folder: str) -> list[str]:
+    names = [os.path.basename(loss_curves(report, os.path.join(folder, "loss_curves.png")))]
     lines = _setup(report) + _findings(report) + _pretraining(report)
     if report.get("extrapolation"):
-        lines += _extrapolation(report, workdir)
+        lines += _extrapolation(report, folder)
         names.append("extrapolation.png")
     if report.get("probe"):
-        lines += _probe(report, workdir)
+        lines += _probe(report, folder)
         names.append("probe.png")
     if report.get("glue"):
         lines += _glue(report)
-        names.append(os.path.basename(glue_plot(report, os.path.join(workdir, "glue.png"))))
-    files.write_text(os.path.join(workdir, "REPORT.md"), "\n".join(lines))
+        names.append(os.path.basename(glue_plot(report, os.path.join(folder, "glue.png"))))
+    files.write_text(os.path.join(folder, "REPORT.md"), "\n".join(lines))
     return ["REPORT.md"] + names
 
 
 def render(workdir: str) -> list[str]:
     """Re-render REPORT.md and the PNGs from workdir/report.json, with the findings recomputed from its data
-    (report.json is rewritten when they changed)."""
+    (report.json is rewritten when they changed, after the rest was written). A report.json that does not hold
+    what a compare report holds (edited by hand, say) is refused, and nothing in the folder changes."""
     path = os.path.join(workdir, "report.json")
     require(os.path.isfile(path), f"{path} does not exist", "--workdir", "point it at a `launch compare` folder")
     try:
@@ -314,8 +258,31 @@ def render(workdir: str) -> list[str]:
     require(isinstance(report, dict) and {"schemes", "seeds", "config"} <= set(report),
             f"{path} is not a compare report", "--workdir", "point it at a `launch compare` folder, or restore its "
             "report.json")
-    fresh = json.loads(files.to_json(findings.evaluate(report)))       # as stored (NaN as null)
-    if fresh != report.get("findings"):
+    _require_shape(report, path)
+    try:
+        fresh = json.loads(files.to_json(findings.evaluate(report)))       # as stored (NaN as null)
+        changed = fresh != report.get("findings")
         report["findings"] = fresh
+        written = write(report, workdir)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as err:
+        if isinstance(err, UserError):
+            raise
+        raise UserError(f"{path} does not hold what a compare report holds ({type(err).__name__}: "
+                        f"{str(err)[:80]})", "--workdir", "restore its report.json, or rerun the compare command "
+                        "that made it") from None
+    if changed:
         files.write_json(path, report, indent=1)
-    return write(report, workdir)
+    return written
+
+
+def _require_shape(report: dict, path: str) -> None:
+    """The top of a compare report: seeds a list of ints, schemes a non-empty list of objects with a name and
+    per-seed runs, config an object."""
+    seeds, schemes = report["seeds"], report["schemes"]
+    ok = (isinstance(seeds, list) and seeds and all(isinstance(k, int) and not isinstance(k, bool) for k in seeds)
+          and isinstance(schemes, list) and schemes and isinstance(report["config"], dict)
+          and all(isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("seeds"), dict)
+                  for s in schemes))
+    require(bool(ok), f"{path} does not hold what a compare report holds (seeds: a list of ints; schemes: a list of "
+            "objects with a name and seeds; config: an object)", "--workdir", "restore its report.json, or rerun "
+            "the compare command that made it")

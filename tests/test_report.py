@@ -1,0 +1,75 @@
+"""`launch report` on the committed suites' report.json and on broken ones: each committed report re-renders to the
+committed REPORT.md; a report.json edited into another shape, or a folder where a PNG goes, is one line and leaves
+every file of the folder as it was (no half-written report, no temporary file)."""
+import json
+import os
+import shutil
+
+import pytest
+
+import launch
+from tests.workdir_fixtures import tree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(ROOT, "docs", "experiments")
+
+
+def suite_copy(tmp_path, suite="probe"):
+    folder = tmp_path / suite
+    folder.mkdir()
+    shutil.copy(os.path.join(EXPERIMENTS, suite, "report.json"), folder)
+    return folder
+
+
+@pytest.mark.parametrize("suite", ["probe", "tupe"])
+def test_a_committed_report_renders_to_its_committed_markdown(tmp_path, suite):
+    folder = suite_copy(tmp_path, suite)
+    assert launch.main(["report", f"--workdir={folder}"]) == 0
+    with open(os.path.join(EXPERIMENTS, suite, "REPORT.md"), encoding="utf-8") as f:
+        assert (folder / "REPORT.md").read_text() == f.read()
+    assert sorted(os.listdir(folder)) == sorted(["REPORT.md", "report.json", "loss_curves.png"]
+                                                + (["probe.png"] if suite == "probe" else ["glue.png"]))
+
+
+def _final_eval_string(r):
+    r["schemes"][0]["seeds"]["0"]["final_eval"]["eval_loss"] = "5.1"
+
+
+def _scheme_seeds_list(r):
+    r["schemes"][0]["seeds"] = [1]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda r: r.update(seeds="0,1,2"), lambda r: r.update(schemes={}), lambda r: r.update(schemes=[]),
+    lambda r: r.update(config=[]), _final_eval_string, _scheme_seeds_list,
+    lambda r: r["schemes"][0]["seeds"]["0"].update(final_eval="x"), lambda r: r.update(config={})])
+def test_a_report_json_of_another_shape_is_one_line_and_changes_nothing(tmp_path, capsys, edit):
+    """Each was a traceback ("unexpected TypeError ..."), some after report.json had been rewritten with new
+    verdicts; `seeds` as a string rendered "Seeds 0, ,, 1"."""
+    folder = suite_copy(tmp_path)
+    assert launch.main(["report", f"--workdir={folder}"]) == 0
+    report = json.loads((folder / "report.json").read_text())
+    edit(report)
+    (folder / "report.json").write_text(json.dumps(report))
+    before = tree(str(folder))
+    capsys.readouterr()
+    assert launch.main(["report", f"--workdir={folder}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "does not hold what a compare report holds" in err
+    assert tree(str(folder)) == before
+
+
+def test_a_folder_named_like_a_plot_is_refused_before_any_file_is_replaced(tmp_path, capsys):
+    """The folder made `report` crash half-way: loss_curves.png replaced, a .tmp.png left behind."""
+    folder = suite_copy(tmp_path)
+    assert launch.main(["report", f"--workdir={folder}"]) == 0
+    os.remove(folder / "probe.png")
+    (folder / "probe.png").mkdir()
+    (folder / "REPORT.md").write_text("an older report\n")
+    before = tree(str(folder))
+    capsys.readouterr()
+    assert launch.main(["report", f"--workdir={folder}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {folder / 'probe.png'} is a folder, --workdir, move it aside")
+    assert tree(str(folder)) == before and sorted(os.listdir(folder)) == ["REPORT.md", "loss_curves.png",
+                                                                          "probe.png", "report.json"]
