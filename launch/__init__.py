@@ -287,7 +287,7 @@ def run(argv: Sequence[str]) -> int:
     from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
     cluster.refuse_undistributed_processes()
     resolve(command.validator)(config, jax.device_count())
-    with workdir_lib.claim(args.workdir, config, overwrite=args.overwrite_config):
+    with workdir_lib.claim(args.workdir, config, overwrite=args.overwrite_config, kind=args.command):
         command.call(fn, config, args)
     return 0
 

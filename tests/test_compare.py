@@ -99,7 +99,7 @@ def test_glue_tasks_auto_finds_the_tsvs(tmp_path):
 
 @pytest.mark.parametrize("tasks,glue_dir,needle", [
     ("rte", "missing", "data.glue_dir .*missing is not a folder"),
-    ("wordorder,qnli", "here", "no train and dev files of glue task 'qnli'"),
+    ("wordorder,qnli", "here", "no train and dev files of GLUE task 'qnli'"),
     ("auto", "empty", "holds no GLUE task with train and dev files"),
     ("auto", "missing", "is not a folder")])
 def test_glue_tasks_the_folder_lacks_are_refused_before_any_training(tmp_path, tasks, glue_dir, needle):

@@ -111,6 +111,18 @@ def test_malformed_rows_name_file_and_line(tmp_path, task, stem, body, line, mat
     assert str(err.value).startswith("error: ")
 
 
+@pytest.mark.parametrize("task,header", [("rte", "sentence1\tsentence2"), ("qqp", "question1\tquestion2")])
+def test_a_test_file_without_its_id_column_is_refused(tmp_path, task, header):
+    """Its rows were numbered 0, 1, ... instead: a submission file misaligned with the official ids, exit 0."""
+    from tupe_jax.data import glue_tsv  # pylint: disable=import-outside-toplevel
+    path = tmp_path / "test.tsv"
+    path.write_text(f"{header}\nA.\tB.\n")
+    with pytest.raises(UserError, match=r"GLUE header lacks column\(s\) \['(index|id)'\]"):
+        list(glue_tsv.parse_tsv(path, task, "test"))
+    path.write_text(f"{'index' if task == 'rte' else 'id'}\t{header}\n23\tA.\tB.\n")
+    assert [e["idx"] for e in glue_tsv.parse_tsv(path, task, "test")] == [23]
+
+
 def test_missing_split_is_user_error(tmp_path):
     c = make_config(tmp_path, write_glue(tmp_path / "glue", {"rte": LAYOUTS["rte"]}))
     (tmp_path / "glue" / "RTE" / "test.tsv").unlink()

@@ -14,8 +14,8 @@ from tupe_jax import data as data_lib
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.analysis.schemes import Scheme, parse_schemes, run_name, scheme_config
-from tupe_jax.data.cache import local_input
-from tupe_jax.data.glue_tsv import available_splits
+from tupe_jax.data.builders import check_glue_task, local_glue_dir
+from tupe_jax.data.glue_tsv import has_train_and_dev
 from tupe_jax.errors import UserError, require
 from tupe_jax.finetune.loop import finetune
 from tupe_jax.finetune.validate import validate as validate_finetune
@@ -82,10 +82,12 @@ def glue_tasks(config: ml_collections.ConfigDict) -> list[str]:
     GLUE task named needs its train and dev files there (a bucket folder is mirrored first), and an 'auto' that
     finds none in a data.glue_dir given is refused: both are found here, before any pretraining."""
     raw, given = str(config.glue.tasks).strip(), str(config.data.glue_dir or "")
-    local = _local_glue_dir(config) if given else ""
     if raw == "auto":
-        found = [t for t in GLUE_CANDIDATES if _has_train_and_dev(local, t)] if given else []
-        require(not given or bool(found), f"data.glue_dir {given} holds no GLUE task with train and dev files",
+        if not given:
+            return ["wordorder"]
+        local = local_glue_dir(config)
+        found = [t for t in GLUE_CANDIDATES if has_train_and_dev(local, t)]
+        require(bool(found), f"data.glue_dir {given} holds no GLUE task with train and dev files",
                 "--config.data.glue_dir", "point it at the folder download_glue_data.py made (SST-2/, RTE/, ...), "
                 "or leave it empty for the built-in word-order task alone")
         return ["wordorder"] + found
@@ -95,23 +97,9 @@ def glue_tasks(config: ml_collections.ConfigDict) -> list[str]:
                 "use 'auto' or a comma-separated list of " + "|".join(data_lib.GLUE_TASKS))
         require(task == "wordorder" or bool(given), f"glue task {task!r} needs data.glue_dir",
                 "--config.data.glue_dir", "point it at the GLUE TSVs, or use --config.glue.tasks=wordorder")
-        require(task == "wordorder" or _has_train_and_dev(local, task), f"no train and dev files of glue task "
-                f"{task!r} in data.glue_dir {given}", "--config.data.glue_dir", "point it at the folder "
-                "download_glue_data.py made, or drop the task from --config.glue.tasks")
+        if task != "wordorder":
+            check_glue_task(config, task, "--config.glue.tasks")
     return tasks
-
-
-def _local_glue_dir(config: ml_collections.ConfigDict) -> str:
-    """data.glue_dir as a local folder (a bucket folder mirrored once); refused when there is no such folder."""
-    local = local_input(config, str(config.data.glue_dir), "--config.data.glue_dir")
-    require(os.path.isdir(os.path.expanduser(local)), f"data.glue_dir {config.data.glue_dir} is not a folder",
-            "--config.data.glue_dir", "point it at the folder download_glue_data.py made (SST-2/, RTE/, ...)")
-    return local
-
-
-def _has_train_and_dev(glue_dir: str, task: str) -> bool:
-    splits = set(available_splits(os.path.expanduser(glue_dir), task))
-    return {"train", "validation"} <= splits or {"train", "validation_matched"} <= splits
 
 
 def glue_config(config: ml_collections.ConfigDict, scheme: Scheme, seed: int, pretrain_path: str, task: str

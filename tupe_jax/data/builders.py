@@ -235,6 +235,26 @@ def glue_builder(config, task: str):
     return local_builder(config, "glue_tsv", spec, splits, _glue_features(task == "stsb"), make)
 
 
+def check_glue_task(config, task: str, where: str) -> None:
+    """Before any compute: a task read from data.glue_dir has its train and dev TSVs there (a bucket folder is
+    mirrored first); one read from tfds has data.name to match (`glue_source_name`)."""
+    if glue_source_name(config, task) != "tsv":
+        return
+    if not glue_tsv.has_train_and_dev(local_glue_dir(config), task):
+        raise UserError(f"no train and dev files of GLUE task {task!r} in data.glue_dir {config.data.glue_dir}",
+                        where, "point data.glue_dir at the folder download_glue_data.py made, or drop the task")
+
+
+def local_glue_dir(config) -> str:
+    """data.glue_dir as a local folder (a bucket folder mirrored once); refused when there is no such folder."""
+    given = str(config.data.glue_dir)
+    glue_dir = os.path.expanduser(local_input(config, given, "--config.data.glue_dir"))
+    if not os.path.isdir(glue_dir):
+        raise UserError(f"data.glue_dir {given} is not a folder", "--config.data.glue_dir",
+                        "point it at the folder download_glue_data.py made (SST-2/, RTE/, ...)")
+    return glue_dir
+
+
 def glue_fingerprint(config, task: str) -> str:
     """What a task's examples are, as a key: the prepared builder's (its spec digests the TSVs' contents) or the
     TFDS dataset's name and data_dir. A fine-tune stores it and refuses to resume on other examples."""

@@ -79,6 +79,12 @@ def available_splits(glue_dir: str | Path, task: str) -> list[str]:
     return [s for s in names if split_file(glue_dir, task, s).is_file()]
 
 
+def has_train_and_dev(glue_dir: str | Path, task: str) -> bool:
+    """The task's train file and a dev file (MNLI: dev_matched) are in `glue_dir`."""
+    splits = set(available_splits(glue_dir, task))
+    return {"train", "validation"} <= splits or {"train", "validation_matched"} <= splits
+
+
 def check_has_rows(path: str | Path, task: str, split: str) -> None:
     """A GLUE file must hold at least one example row (below its header, where it has one)."""
     spec = task_spec(task)
@@ -120,7 +126,8 @@ def parse_tsv(path: str | Path, task: str, split: str) -> Iterator[dict]:
             raise UserError("GLUE file is empty", f"{path}:1", _FIX)
         header = first[1].split("\t")
     cols = {name: i for i, name in enumerate(header)}
-    needed = [spec.text_a] + ([spec.text_b] if spec.text_b else []) + ([] if is_test else [spec.label])
+    needed = [spec.text_a] + ([spec.text_b] if spec.text_b else []) + ([] if is_test else [spec.label]) + \
+        ([spec.idx] if is_test and spec.idx else [])     # a test row's id is its line of the submission file
     missing = [n for n in needed if n not in cols]
     if missing:
         raise UserError(f"GLUE header lacks column(s) {missing} (has {header})", f"{path}:1", _FIX)
@@ -157,6 +164,42 @@ def parse_tsv(path: str | Path, task: str, split: str) -> Iterator[dict]:
                 raise UserError(f"GLUE id {row[idx_col]!r} is not an integer", f"{path}:{lineno}", _FIX) from None
         yield {"idx": idx, "sentence1": row[cols[spec.text_a]],
                "sentence2": row[cols[spec.text_b]] if spec.text_b else "", "label": label}
+
+
+def diagnostic_path(glue_dir: str | Path) -> Path:
+    """MNLI's diagnostic set (GLUE's AX), predicted with MNLI's test splits."""
+    return Path(glue_dir).expanduser() / "diagnostic" / "diagnostic.tsv"
+
+
+def parse_diagnostic(path: str | Path) -> list[dict]:
+    """{'idx', 'sentence1', 'sentence2', 'label': 0} per row of diagnostic.tsv (header index, sentence1, sentence2),
+    with the checks of `parse_tsv`: a short row, a non-integer index or bad bytes is an error naming `file:line`."""
+    path = Path(path)
+    lines = _decoded_lines(path)
+    first = next(lines, None)
+    if first is None:
+        raise UserError("GLUE diagnostic file is empty", f"{path}:1", "use the GLUE diagnostic.tsv")
+    header = first[1].split("\t")
+    cols = {name: i for i, name in enumerate(header)}
+    missing = [n for n in ("index", "sentence1", "sentence2") if n not in cols]
+    if missing:
+        raise UserError(f"GLUE header lacks column(s) {missing} (has {header})", f"{path}:1",
+                        "use the GLUE diagnostic.tsv")
+    out = []
+    for lineno, line in lines:
+        if not line.strip():
+            continue
+        row = line.split("\t")
+        if len(row) != len(header):
+            raise UserError(f"GLUE row has {len(row)} columns, expected {len(header)}", f"{path}:{lineno}", _FIX)
+        try:
+            idx = int(row[cols["index"]])
+        except ValueError:
+            raise UserError(f"GLUE id {row[cols['index']]!r} is not an integer", f"{path}:{lineno}", _FIX) from None
+        out.append({"idx": idx, "sentence1": row[cols["sentence1"]], "sentence2": row[cols["sentence2"]], "label": 0})
+    if not out:
+        raise UserError("GLUE diagnostic file has a header and no rows", str(path), "use the GLUE diagnostic.tsv")
+    return out
 
 
 def num_labels(task: str) -> int:

@@ -45,7 +45,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str, devices: list | No
     """
     devices = list(devices) if devices is not None else jax.devices()
     validate(config, len(devices))
-    with workdir_lib.claim(workdir, config):   # the gate: same run, one process, cleanup after a failure
+    with workdir_lib.claim(workdir, config, kind="finetune"):   # the gate: same run, one process, undo on failure
         return _finetune(config, workdir, devices)
 
 
@@ -134,6 +134,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
         "batch_size": runner.batch_size, "learning_rate": float(t.learning_rate), "seed": runner.seed,
         "init_from": init["workdir"] if init else "", "init_step": init["step"] if init else None,
         "majority_baseline": runner.majority_baseline(), "predictions": progress.get("predictions", []),
+        "data": progress["data"],      # the examples' key (`glue_fingerprint`): a sweep reuses the run on them alone
     }
     if jax.process_index() == 0:
         files.write_json(os.path.join(workdir, "results.json"), results)

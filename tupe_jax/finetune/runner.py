@@ -24,7 +24,8 @@ from tupe_jax import trainer as trainer_lib
 from tupe_jax import xla_options
 from tupe_jax.data import classification
 from tupe_jax.data.batch import ClassificationBatch
-from tupe_jax.data.builders import glue_fingerprint
+from tupe_jax.data import glue_tsv
+from tupe_jax.data.builders import glue_fingerprint, local_glue_dir
 from tupe_jax.data.tokenizer import Tokenizer
 from tupe_jax.errors import UserError, require
 from tupe_jax.finetune import scores
@@ -97,6 +98,7 @@ class Runner:
                     f"the {self.task} {split} split has no examples", f"data.glue_dir={config.data.glue_dir}",
                     "give the task's dev file with at least one row")
         self.data_key = glue_fingerprint(config, self.task)     # stored with the checkpoints: resume on the same data
+        self.diagnostic = self._read_diagnostic() if self.task == "mnli" and bool(t.predict_test) else None
         self.tx, self.schedule = make_optimizer(schedule_section(config, self.total_steps))
         self.init_fn = trainer_lib.init_state_fn(self.model, self.tx, int(config.model.max_len))
         self.step_fn = trainer_lib.make_train_step(make_loss_fn(self.model), self.tx, self.schedule,
@@ -180,17 +182,28 @@ class Runner:
             written += self._write_ax(params, out_dir)
         return written
 
+    def _read_diagnostic(self) -> list[dict] | None:
+        """MNLI's diagnostic set (AX), read and checked before training (a bad row found after it would cost the
+        run); None where data.glue_dir has none."""
+        if not self.config.data.glue_dir:
+            return None
+        path = glue_tsv.diagnostic_path(local_glue_dir(self.config))
+        if not on_every_process(path.is_file()):
+            return None
+        examples, failure = None, None
+        try:
+            examples = glue_tsv.parse_diagnostic(path)
+        except UserError as err:
+            failure = err
+        if not on_every_process(failure is None):   # the same verdict on every host: predicting is collective
+            raise failure or UserError(f"{path} could not be read on another host", str(path),
+                                       "give every host the same data.glue_dir")
+        return examples
+
     def _write_ax(self, params: Any, out_dir: str) -> list[str]:
-        path = os.path.join(os.path.expanduser(str(self.config.data.glue_dir or "")), "diagnostic", "diagnostic.tsv")
-        if not on_every_process(bool(self.config.data.glue_dir) and os.path.isfile(path)):
+        if self.diagnostic is None:
             return []
-        with open(path, encoding="utf-8") as f:
-            header, *rows = [line.rstrip("\r\n").split("\t") for line in f if line.strip()]
-        col = {name: i for i, name in enumerate(header)}
-        require(all(k in col for k in ("index", "sentence1", "sentence2")), f"{path} lacks index/sentence1/sentence2",
-                str(path), "use the GLUE diagnostic.tsv")
-        examples = [{"sentence1": r[col["sentence1"]], "sentence2": r[col["sentence2"]], "label": 0} for r in rows]
-        enc = classification.encode_glue(self.tokenizer, examples, int(self.config.model.max_len), False)
+        enc = classification.encode_glue(self.tokenizer, self.diagnostic, int(self.config.model.max_len), False)
         batches = classification.GlueBatches(enc, batch_size=int(self.config.train.eval_batch_size),
                                         max_len=int(self.config.model.max_len),
                                         buckets=tuple(self.config.data.glue_buckets), shuffle=False, seed=0, epoch=0,
@@ -199,7 +212,7 @@ class Runner:
         positions, _, outputs = self.predict_batches(params, batches)
         if jax.process_index() != 0:
             return []
-        return [scores.write_submission(out_dir, "ax", [int(rows[i][col["index"]]) for i in positions], outputs)]
+        return [scores.write_submission(out_dir, "ax", [self.diagnostic[i]["idx"] for i in positions], outputs)]
 
     def majority_baseline(self) -> dict[str, float]:
         """Accuracy of the train set's majority class on each dev split (not for STS-B)."""

@@ -12,8 +12,12 @@ import jax
 import ml_collections
 
 from tupe_jax import files
+from tupe_jax import workdir as workdir_lib
 from tupe_jax.config import lock
+from tupe_jax.data.builders import check_glue_task, glue_fingerprint
+from tupe_jax.errors import UserError, require
 from tupe_jax.finetune import scores
+from tupe_jax.finetune.init_from import resolve_init_from
 from tupe_jax.finetune.loop import finetune
 from tupe_jax.finetune.validate import paper_epochs, sweep_tasks, validate
 
@@ -38,6 +42,11 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     lrs = [float(x) for x in config.sweep.learning_rates]
     seeds = [int(s) for s in config.sweep.seeds]
     grid = [(t, lr, s) for t in tasks for lr in lrs for s in seeds]
+    for task in tasks:              # every task's files, before the first sub-run trains
+        check_glue_task(sub_config(config, task, lrs[0], seeds[0]), task, "--config.sweep.tasks")
+    init = _init_step(config)
+    for task, lr, seed in grid:     # finished sub-runs are reused only if this sweep would make them the same
+        check_finished(sub_config(config, task, lr, seed), run_dir(workdir, task, lr, seed), init)
     for i, (task, lr, seed) in enumerate(grid, 1):
         path = run_dir(workdir, task, lr, seed)
         if os.path.isfile(os.path.join(path, "results.json")):
@@ -49,8 +58,45 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             print("sweep stopped by preemption; rerun the same command to continue", flush=True)
             return {"preempted": True}
     summary = scores.summarize_sweep(workdir, tasks, lrs, seeds, run_dir)
+    summary["init"] = {"workdir": init[0], "step": init[1]} if init else None
     if jax.process_index() == 0:
         files.write_json(os.path.join(workdir, "sweep.json"), summary)
         files.write_text(os.path.join(workdir, "sweep.md"), scores.sweep_markdown(summary))
         print(scores.sweep_markdown(summary), flush=True)
     return summary
+
+
+def _init_step(config: ml_collections.ConfigDict) -> tuple[str, int] | None:
+    """(pretraining run, step) the sweep's new sub-runs start from (init_step -1: its newest checkpoint now)."""
+    if not str(config.init_from):
+        return None
+    source, step = resolve_init_from(str(config.init_from), int(config.init_step))
+    steps = workdir_lib.checkpoint_steps(source)
+    require(step is not None or bool(steps), f"init_from {source} has no checkpoint", "--config.init_from",
+            "point it at a pretraining run with a checkpoint")
+    return source, int(step if step is not None else steps[-1])
+
+
+def check_finished(sub: ml_collections.ConfigDict, path: str, init: tuple[str, int] | None) -> None:
+    """A finished sub-run (results.json) in `path` must be what `sub` would make now: the keys a resume may not
+    change, the pretraining checkpoint it started from and the task's examples (the sweep ranks them side by
+    side; a rerun with other settings skipped them and ranked old and new runs together)."""
+    done = os.path.join(path, "results.json")
+    if not os.path.isfile(done):
+        return
+    fix = "sweep with the settings of its finished sub-runs, or into a fresh workdir"
+    try:
+        workdir_lib.check_config(path, sub)
+    except UserError as err:
+        raise UserError(f"the finished sub-run {path} was made otherwise: {err.what}", err.where, fix) from None
+    results = files.read_json(done)
+    made = (results.get("init_from") or "", results.get("init_step"))
+    now = (init[0], init[1]) if init else ("", None)
+    require(made == now, f"the finished sub-run {path} started from {made[0] or 'scratch'} step {made[1]}, this "
+            f"sweep's new ones from {now[0] or 'scratch'} step {now[1]}", "--config.init_step",
+            (f"give --config.init_step={made[1]} (the step its finished sub-runs read), or " if made[1] is not None
+             else "") + "sweep into a fresh workdir")
+    if "data" in results:          # results.json of earlier versions lack it
+        require(results["data"] == glue_fingerprint(sub, str(sub.task)), f"the {sub.task} examples differ from "
+                f"those the finished sub-run {path} was scored on (the files in data.glue_dir changed since)",
+                "--config.data.glue_dir", "restore the files it was made with, or sweep into a fresh workdir")

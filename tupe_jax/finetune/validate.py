@@ -54,6 +54,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     bad = [s for s in config.sweep.seeds if not 0 <= int(s) < SEED_LIMIT]
     require(not bad, f"sweep.seeds holds {bad[0] if bad else ''}, outside [0, 2**32)", "--config.sweep.seeds",
             "give non-negative seeds below 2**32, e.g. '(0,1,2)'")
+    require(bool(sweep_tasks(config)), f"sweep.tasks = {config.sweep.tasks!r} names no task", "--config.sweep.tasks",
+            "give e.g. rte,mrpc, or leave it empty to sweep config.task")
     for task in sweep_tasks(config):
         require(task in GLUE_TASKS, f"unknown GLUE task {task!r} in sweep.tasks", "--config.sweep.tasks",
                 "use a comma-separated list of " + "|".join(GLUE_TASKS))

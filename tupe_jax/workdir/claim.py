@@ -202,9 +202,11 @@ _CLAIMED: set[str] = set()   # folders this process is inside a claim of
 
 
 @contextlib.contextmanager
-def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[bool] = None) -> Iterator[None]:
+def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[bool] = None,
+          kind: Optional[str] = None) -> Iterator[None]:
     """Check, lock and write `workdir` for a command that runs `config` there (see the module doc). `overwrite`:
-    the launcher's --overwrite_config (None from library callers, which have no such option)."""
+    the launcher's --overwrite_config (None from library callers, which have no such option); `kind`: the
+    command, for the gate (`check_config`)."""
     lead = jax.process_index() == 0
     key = files.absolute(workdir)
     if key in _CLAIMED:   # nested (the launcher's claim, then the loop's), on every process alike: Orbax's reads
@@ -220,7 +222,7 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
     except Exception as err:  # pylint: disable=broad-except  # shared by `agree`, which raises it here again
         failure = err
     agree(workdir, failure, sees, stage="checks")
-    changes = check_config(workdir, config, overwrite=overwrite)   # refuse before anything (even the lock) is written
+    changes = check_config(workdir, config, overwrite=overwrite, kind=kind)   # refuse before anything is written
     wait_for_all_processes(workdir)
     before = Before.take(workdir) if lead else None
     try:

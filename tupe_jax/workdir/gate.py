@@ -128,15 +128,28 @@ def _refuse_new_schedule(old: dict[str, Any], new: dict[str, Any], finetune: boo
                     f"after step {total}), or train a fresh run of the new length")
 
 
+def _refuse_other_finetune_kind(workdir: str, kind: Optional[str], step: Optional[int]) -> None:
+    """`finetune` into a sweep's root, or `glue-sweep` into a fine-tuning run: each would write its files among
+    the other's (checkpoints beside sweep.json, sub-runs inside a run)."""
+    sweep_root = files.exists(files.join(workdir, "sweep.json")) or holds_runs(workdir)
+    a_run = step is not None or files.exists(files.join(workdir, "results.json"))
+    for this, other, holds in (("finetune", "a glue-sweep folder", sweep_root),
+                               ("glue-sweep", "a fine-tuning run", a_run)):
+        require(kind != this or not holds, f"{workdir} holds {other}; this command makes "
+                f"{'a fine-tuning run' if this == 'finetune' else 'a glue-sweep folder'}", "--workdir",
+                "give each command its own workdir")
+
+
 def _shown(key: str, old: Any, new: Any) -> str:
     return f"{key}={old!r} (this command: {new!r})"
 
 
-def check_config(workdir: str, config: ml_collections.ConfigDict,
-                 overwrite: Optional[bool] = None) -> list[tuple[str, Any, Any]]:
+def check_config(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[bool] = None,
+                 kind: Optional[str] = None) -> list[tuple[str, Any, Any]]:
     """The gate: [(key, old, new)] of the allowed changes against the folder's run; UserError for anything else.
     Reads only. `overwrite=True` replaces a config.json that no checkpoint or result depends on; `None` = the
-    caller offers no such option (its messages do not suggest it)."""
+    caller offers no such option (its messages do not suggest it). `kind`: the command ('finetune', 'glue-sweep'),
+    which tells a fine-tuning run from a sweep's root (their configs have the same keys)."""
     path = config_path(workdir)
     step, meta = latest_meta(workdir)
     new = json.loads(config_lib.to_json(config))
@@ -154,6 +167,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict,
         raise UserError(f"{workdir} holds {folder_kind(old)}; this command makes {folder_kind(new)}", "--workdir",
                         "give each command its own workdir" + (" (init_from reads the pretraining run, it is not "
                                                                "written)" if "task" in new else ""))
+    _refuse_other_finetune_kind(workdir, kind, step)
     if overwrite:
         require(step is None and not _has_results(workdir) and not holds_runs(workdir),
                 f"--overwrite_config would misrepresent {workdir}: its checkpoints/results were made with the "

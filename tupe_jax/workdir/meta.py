@@ -32,6 +32,7 @@ RESUMABLE = (
     "model.attention_backend",                                          # same maths, another kernel
     "data.cache_dir", "data.tfds_data_dir", "data.prefetch", "data.num_threads",   # where/how data is read
     "sweep.", "schemes", "seeds", "glue.", "eval.", "probe.",           # a sweep's or suite's grid and analyses
+    "init_step",          # read once, when a fine-tune starts (results.json names the step; a sweep checks it)
 )
 # Keys added after runs were already made, with the value that reproduces those runs: a stored config.json without
 # the key is read as having that value (so old runs resume, are reused and keep their identity hash).
