@@ -6,6 +6,7 @@ import os
 import pytest
 
 import launch
+from tupe_jax.analysis import findings
 from tupe_jax.analysis import report as report_lib
 from tupe_jax.analysis import suite as suite_lib
 from tupe_jax import config as config_lib
@@ -240,3 +241,32 @@ def test_a_run_in_runs_dir_that_cannot_be_reused_stops_the_suite_before_any_trai
     with pytest.raises(UserError, match=r"was trained with other keys \(model.max_len"):
         suite_lib.pretrain_all(config, str(tmp_path / "suite"), suite_lib.parse_schemes(config), [0])
     assert trained == []
+
+
+@pytest.mark.slow
+def test_a_diverged_run_is_recorded_and_its_comparisons_get_no_verdict(tmp_path, monkeypatch):
+    """One diverged run stopped the whole suite (no report for the others), though the verdict rule says a diverged
+    seed gives no verdict."""
+    real = suite_lib.pretrain
+
+    def pretrain(sub, path):
+        if os.path.basename(path) == "nopos-clm-s1":       # this run alone, at a rate that diverges
+            sub = sub.copy_and_resolve_references()
+            sub.train.learning_rate = 1e4
+        return real(sub, path)
+
+    monkeypatch.setattr(suite_lib, "pretrain", pretrain)
+    config = load("suite=extrapolation", schemes="alibi,nopos", seeds="0,1",
+                  **TINY, **{"data.cache_dir": tmp_path / "cache"})
+    report = suite_lib.run(config, str(tmp_path / "cmp"))
+    nopos = report["schemes"][1]["seeds"]
+    assert nopos["1"]["diverged"].startswith("training diverged at step") and nopos["1"]["final_eval"] == {}
+    assert "diverged" not in nopos["0"] and nopos["0"]["final_eval"]["eval_loss"] > 0
+    assert [os.path.basename(r["workdir"]) for r in report["extrapolation"]["1"]["runs"]] == ["alibi-clm-s1"]
+    verdicts = {f["claim"]: f["verdict"] for f in report["findings"]}
+    assert verdicts and set(verdicts.values()) == {findings.UNDEFINED}, verdicts
+    text = (tmp_path / "cmp" / "REPORT.md").read_text()
+    assert "Diverged, so without final values" in text and "`nopos-clm` seed 1: training diverged" in text
+    written = {p.name: p.read_bytes() for p in (tmp_path / "cmp").iterdir() if p.is_file()}
+    report_lib.render(str(tmp_path / "cmp"))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "cmp").iterdir() if p.is_file()} == written

@@ -17,6 +17,15 @@ class UserError(ValueError):
         self.what, self.where, self.fix = what, where, fix
 
 
+class Diverged(UserError):
+    """Training met a non-finite loss, gradient or parameter at `step` (the trainer's); a comparison suite records
+    the run as diverged and goes on (its comparisons get no verdict), other callers stop with the line."""
+
+    def __init__(self, step: int, what: str, where: str = "", fix: str = ""):
+        super().__init__(what, where, fix)
+        self.step = step
+
+
 def require(condition: bool, what: str, where: str = "", fix: str = "") -> None:
     """Raise `UserError(what, where, fix)` unless `condition` holds."""
     if not condition:

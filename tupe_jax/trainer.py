@@ -37,7 +37,7 @@ from tupe_jax import files
 from tupe_jax import sharding as sharding_lib
 from tupe_jax import workdir as workdir_lib
 from tupe_jax import xla_options
-from tupe_jax.errors import UserError
+from tupe_jax.errors import Diverged, UserError
 from tupe_jax.optim import accumulate_gradients, dropout_key
 
 # loss_fn(params, batch, dropout_rng) -> (Σ per-example loss, {'weight': Σ weights, other sums...})
@@ -200,7 +200,7 @@ class Trainer:
     def _diverged(self, step: int, what: str) -> None:
         self.checkpointer.wait()   # let an in-flight save of a good step commit before we stop
         kept = self.checkpointer.latest_step()
-        raise UserError(f"training diverged at step {step} ({what})", self.checkpointer.directory,
+        raise Diverged(step, f"training diverged at step {step} ({what})", self.checkpointer.directory,
                         "lower --config.train.learning_rate or raise warmup; "
                         + (f"the last good checkpoint (step {kept}) is kept" if kept is not None
                            else "no checkpoint had been written yet"))

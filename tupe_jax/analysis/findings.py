@@ -128,7 +128,15 @@ def growth(report: dict) -> dict[str, dict[str, Optional[float]]]:
             value = ((math.log(ppl[0]) - math.log(ppl[1]) if all(_finite(p) and p > 0 for p in ppl) else float("nan"))
                      if at[longest]["defined"] else None)
             out.setdefault(where.get(run["workdir"], run["name"]), {})[seed] = value
+    for name, seed in diverged(report):        # left out of the analysis: no value, so no verdict
+        if seed in report.get("extrapolation", {}) and name in out:
+            out[name][seed] = float("nan")
     return out
+
+
+def diverged(report: dict) -> list[tuple[str, str]]:
+    """(scheme, seed) of the runs whose training diverged (`analysis.suite`: no final values, no analyses)."""
+    return [(s["name"], seed) for s in report["schemes"] for seed, r in s["seeds"].items() if r.get("diverged")]
 
 
 # ------------------------------------------------------------------------------------------------ the findings
@@ -160,6 +168,7 @@ def _nopos_findings(report: dict) -> list[dict]:
                 if where.get(run["workdir"]) == "nopos-clm":
                     mads = [layer["mad"] for layer in run["layers"]]
                     x[seed] = PROBE_FRACTION - mads[len(mads) // 2] / run["chance_mad"]
+        x.update({seed: float("nan") for name, seed in diverged(report) if name == "nopos-clm"})
         if x:
             out.append(_finding("Causal NoPos hidden states encode absolute position (middle layer)",
                                 "NoPos Fig. 2", [_part(f"{PROBE_FRACTION} − MAD / chance MAD", x, "fraction")],

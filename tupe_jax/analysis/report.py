@@ -110,6 +110,11 @@ def _pretraining(report: dict) -> list[str]:
     lines = ["## Pretraining", "", "Validation metrics at the last step, mean ± std over seeds. Train min: the "
              "training steps' own time (no compile, eval or checkpointing); tokens/s: median over seeds of each "
              "run's median. ![loss curves](loss_curves.png)", ""]
+    gone = [f"`{s['name']}` seed {seed}: {r['diverged']}" for s in report["schemes"] for seed, r in
+            sorted(s["seeds"].items(), key=lambda kv: int(kv[0])) if r.get("diverged")]
+    if gone:
+        lines += ["Diverged, so without final values and left out of every analysis and fine-tune (the comparisons "
+                  "with them get no verdict): " + "; ".join(gone) + ".", ""]
     lines += _table(["run", "seeds", "val loss", "val ppl / MLM acc", "train min", "tokens/s"], rows)
     curves = {s["name"]: {} for s in report["schemes"]}
     for s in report["schemes"]:
@@ -126,7 +131,7 @@ def _pretraining(report: dict) -> list[str]:
 
 def _extrapolation(report: dict, workdir: str) -> list[str]:
     by = _by_scheme(report, "extrapolation")
-    first = report["extrapolation"][str(report["seeds"][0])]
+    first = next(iter(report["extrapolation"].values()))
     lengths, p = first["lengths"], first["protocol"]
     rows, series = [], {}
     for name, runs in by.items():
@@ -181,7 +186,7 @@ def _glue(report: dict) -> list[str]:
         cells = [_ms([r.get(t, {}).get("score") for r in by_seed.values()], 1, 100) for t in tasks]
         avgs = [glue_average(r, tasks) for r in by_seed.values()]
         rows.append([f"`{name}`"] + cells + [_ms(avgs, 1)])
-    first = next(iter(next(iter(glue.values())).values()))
+    first = next((r for by_seed in glue.values() for r in by_seed.values() if r), {})   # a diverged run has none
     rows.append(["majority class"] + [_majority_cell(t, first.get(t, {})) for t in tasks] + [""])
     steps = ", ".join(f"{t} {first[t]['steps']}" for t in tasks if t in first)
     g = report["config"]["glue"]

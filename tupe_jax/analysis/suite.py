@@ -3,7 +3,8 @@ trained with identical data, seeds and compute, once per seed of `config.seeds`,
 the seed statistics and verdicts (`analysis.findings`), then `REPORT.md` + PNGs + `report.json` (`analysis.report`).
 
     run(config, workdir) -> dict          the whole suite (resumable: finished pretraining / fine-tuning runs are
-                                          reused, so rerunning the command only does what is missing)
+                                          reused, so rerunning the command only does what is missing; a run that
+                                          diverges is recorded as such and the others go on)
     parse_schemes / parse_seeds / scheme_config   the (scheme, seed) grid (analysis/schemes.py)
     glue_tasks(config) -> [str]           `config.glue.tasks` resolved ('auto': what data.glue_dir holds;
                                           the fine-tunes: analysis/suite_glue.py)
@@ -37,7 +38,7 @@ from tupe_jax.analysis import extrapolate, findings, probe, report
 from tupe_jax.analysis.schemes import Scheme, parse_schemes, parse_seeds, run_name, scheme_config
 from tupe_jax.analysis.suite_glue import (Preempted, finetune_all, glue_tasks, refuse_other_config,
                                           validate_finetunes)
-from tupe_jax.errors import require
+from tupe_jax.errors import Diverged, require
 from tupe_jax.metrics import has_eval_at, read_metrics
 from tupe_jax.pretrain.loop import pretrain
 from tupe_jax.pretrain.validate import validate as validate_pretrain
@@ -118,7 +119,14 @@ def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
         else:
             print(f"{head}: pretraining {total} steps -> {path}", flush=True)
             start = time.time()
-            final = pretrain(sub, path)
+            try:
+                final = pretrain(sub, path)
+            except Diverged as err:   # a finding of the suite, not a failure of it: recorded, the others go on
+                info.update(seconds=time.time() - start, reused=False, diverged=err.what)
+                print(f"{head}: {err.what}; left out of every analysis (its comparisons get no verdict; a rerun "
+                      "trains it again from its last checkpoint)", flush=True)
+                out.setdefault(seed, []).append(info)
+                continue
             info.update(seconds=time.time() - start, reused=False)
             if int(final.get("step", total)) < total:   # preempted (SIGTERM): stop here, the run resumes next time
                 raise Preempted(f"pretraining {run_name(scheme, seed)} stopped at step {final.get('step')} of {total}")
@@ -149,6 +157,17 @@ def pretrain_summary(path: str) -> dict:
             "train_seconds": seconds}
 
 
+def _summary(info: dict) -> dict:
+    """A run's entry in the report: `pretrain_all`'s info and its metrics; a diverged run has no final values (and
+    no folder when it diverged before its first checkpoint: the failed command removed what it had made)."""
+    if info.get("diverged") and not files.exists(os.path.join(info["path"], "metrics.jsonl")):
+        return {**info, "train": [], "eval": [], "final_eval": {}, "median_tokens_per_sec": None, "train_seconds": 0.0}
+    out = {**info, **pretrain_summary(info["path"])}
+    if info.get("diverged"):
+        out["final_eval"] = {}
+    return out
+
+
 # ================================================================================================ the suite
 def _command() -> str:
     """The command line that started this process (as `python -m launch ...` when it was the launcher)."""
@@ -161,15 +180,18 @@ def _command() -> str:
 def _analyses(config: ml_collections.ConfigDict, schemes: list[Scheme], infos: list[dict], out: str) -> dict:
     """The suite's analyses of one seed's runs, written into `out`; {'extrapolation': ..., 'probe': ...}."""
     suite, result = str(config.suite), {}
-    paths = [r["path"] for r in infos]
+    kept = [(s, r["path"]) for s, r in zip(schemes, infos) if not r.get("diverged")]
+    paths = [p for _, p in kept]
     if suite == "extrapolation":
-        causal = [p for s, p in zip(schemes, paths) if s.objective == "clm"]
+        causal = [p for s, p in kept if s.objective == "clm"]
+        if not causal:                # every causal run of this seed diverged
+            return result
         print(f"[compare {suite}] extrapolation of {out}: {len(causal)} runs at lengths "
               f"{tuple(config.eval.lengths)}", flush=True)
         result["extrapolation"] = extrapolate.run(causal, [int(x) for x in config.eval.lengths],
                                                   mode=str(config.eval.mode), out=out,
                                                   max_tokens=int(config.eval.max_tokens) or None)
-    if suite == "probe":
+    if suite == "probe" and paths:
         settings = probe.ProbeSettings(steps=int(config.probe.steps), train_tokens=int(config.probe.train_tokens),
                                        eval_tokens=int(config.probe.eval_tokens),
                                        learning_rate=float(config.probe.learning_rate), seed=0)
@@ -230,7 +252,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         "suite": suite, "command": _command(), "config": json.loads(config_lib.to_json(config)), "seeds": seeds,
         "schemes": [], "timings": timings}
     for i, scheme in enumerate(schemes):
-        per_seed = {str(seed): {**runs[seed][i], **pretrain_summary(runs[seed][i]["path"])} for seed in seeds}
+        per_seed = {str(seed): _summary(runs[seed][i]) for seed in seeds}
         result["schemes"].append({**dataclasses.asdict(scheme), "name": scheme.name, "label": scheme.label,
                                   "seeds": per_seed})
 

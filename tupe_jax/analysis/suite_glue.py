@@ -141,9 +141,9 @@ def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
     results: dict[str, dict] = {}
     for seed, infos in runs.items():
         for scheme, info in zip(schemes, infos):
-            if scheme.objective == "mlm":
-                results.setdefault(scheme.name, {})[str(seed)] = _finetune_tasks(config, workdir, scheme, seed,
-                                                                                 info["path"], tasks)
+            if scheme.objective == "mlm":       # a diverged run has nothing to fine-tune: no scores, no verdict
+                results.setdefault(scheme.name, {})[str(seed)] = {} if info.get("diverged") else _finetune_tasks(
+                    config, workdir, scheme, seed, info["path"], tasks)
     return results
 
 
