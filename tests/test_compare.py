@@ -270,3 +270,17 @@ def test_a_diverged_run_is_recorded_and_its_comparisons_get_no_verdict(tmp_path,
     written = {p.name: p.read_bytes() for p in (tmp_path / "cmp").iterdir() if p.is_file()}
     report_lib.render(str(tmp_path / "cmp"))
     assert {p.name: p.read_bytes() for p in (tmp_path / "cmp").iterdir() if p.is_file()} == written
+
+
+def test_an_unreadable_checkpoint_in_the_analyses_names_the_suites_flag(tmp_path, monkeypatch):
+    """The line said `--step`, a flag compare refuses."""
+    from tupe_jax import checkpoint  # pylint: disable=import-outside-toplevel
+    config = load("suite=extrapolation", schemes="alibi", seeds="0")
+    run = {"scheme": "alibi-clm", "seed": 0, "path": str(tmp_path / "alibi-clm-s0"), "seconds": None, "reused": True}
+    monkeypatch.setattr(suite_lib, "pretrain_all", lambda *a: {0: [run]})
+    monkeypatch.setattr(suite_lib, "pretrain_summary", lambda path: {"train": [], "eval": [], "final_eval": {}})
+    monkeypatch.setattr(suite_lib, "_analyses", lambda *a: (_ for _ in ()).throw(
+        checkpoint.unreadable(run["path"] + "/checkpoints", 20, [20], OSError("bad"), "--step")))
+    with pytest.raises(UserError, match=r"step 20 in .*alibi-clm-s0/checkpoints failed to restore .*, "
+                                        r"--config.runs_dir, move that run's folder aside"):
+        suite_lib.run(config, str(tmp_path / "cmp"))

@@ -38,7 +38,7 @@ from tupe_jax.analysis import extrapolate, findings, probe, report
 from tupe_jax.analysis.schemes import Scheme, parse_schemes, parse_seeds, run_name, scheme_config
 from tupe_jax.analysis.suite_glue import (Preempted, finetune_all, glue_tasks, refuse_other_config,
                                           validate_finetunes)
-from tupe_jax.errors import Diverged, require
+from tupe_jax.errors import Diverged, UserError, require
 from tupe_jax.metrics import has_eval_at, read_metrics
 from tupe_jax.pretrain.loop import pretrain
 from tupe_jax.pretrain.validate import validate as validate_pretrain
@@ -258,7 +258,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
     start = time.time()
     for seed in seeds:
-        for key, value in _analyses(config, schemes, runs[seed], os.path.join(workdir, f"seed{seed}")).items():
+        try:
+            analyses = _analyses(config, schemes, runs[seed], os.path.join(workdir, f"seed{seed}"))
+        except UserError as err:      # a run's unreadable checkpoint: `--step` is no flag of compare
+            if err.where != "--step":
+                raise
+            raise UserError(err.what, "--config.runs_dir", "move that run's folder aside (a rerun trains it "
+                            "again), or restore its checkpoint") from None
+        for key, value in analyses.items():
             result.setdefault(key, {})[str(seed)] = value
     if suite in ("extrapolation", "probe"):
         timings[f"{suite}_s"] = time.time() - start
