@@ -5,6 +5,7 @@ each worker in its own subprocess (`--worker KIND`); importing this module impor
 """
 from __future__ import annotations
 
+import ast
 import os
 import sys
 import time
@@ -16,8 +17,17 @@ SHAPES = {  # layers, hidden, heads, mlp, vocab, seq, batch
     "small": (4, 256, 4, 1024, 8192, 128, 16),
     "base": (12, 768, 12, 3072, 30522, 128, 4),
 }
-ALL_SCHEMES = ("bert_a", "sinusoidal", "rope", "alibi", "t5", "bert_r", "nopos", "tupe_a", "tupe_r", "bert_ad",
-               "tupe_a:concat", "tupe_r:concat")
+
+
+def _schemes() -> tuple[str, ...]:
+    """tupe_jax.positional.SCHEMES, read from its source (importing it would import flax here)."""
+    with open(os.path.join(ROOT, "tupe_jax", "positional", "__init__.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", "") == "SCHEMES" for t in node.targets))
+
+
+ALL_SCHEMES = _schemes() + ("tupe_a:concat", "tupe_r:concat")
 
 
 # ================================================================================================ shared

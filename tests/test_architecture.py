@@ -4,6 +4,7 @@ import ast
 import contextlib
 import gc
 import os
+import re
 import traceback
 from collections import defaultdict
 
@@ -180,3 +181,13 @@ def test_the_source_parses_while_garbage_formats_tracebacks():
         garbage = [Leftover() for _ in range(300)]
         del garbage
         assert any(isinstance(node, ast.ClassDef) and node.name == "Trainer" for node in ast.walk(parse(path)))
+
+
+def test_the_readme_layout_names_every_module():
+    """The README's layout section is the map a newcomer reads: every module of tupe_jax/ is named in it."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        block = f.read().split("## Layout", 1)[1].split("```", 2)[1]
+    missing = [path for path in sorted(modules().values()) if not path.endswith("__init__.py")
+               and os.sep + "tupe_jax" + os.sep in path
+               and not re.search(r"\b" + re.escape(os.path.basename(path)[:-3]) + r"\b", block)]
+    assert not missing, f"README.md's layout section does not name {missing}"

@@ -85,3 +85,20 @@ def test_every_tried_patch_is_listed_and_applies_at_its_commit():
             check = subprocess.run(["git", "apply", "--cached", "--check", os.path.join(folder, name)], cwd=ROOT,
                                    env=env, capture_output=True, text=True)
             assert check.returncode == 0, (name, commit, check.stderr)
+
+
+def test_the_scheme_lists_of_the_docs_name_every_scheme():
+    """A scheme added to tupe_jax/positional must get its README row and its place in configs/pretrain.py's list
+    (the steps: README, "Adding a positional scheme")."""
+    from tupe_jax.positional import SCHEMES  # pylint: disable=import-outside-toplevel
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        table = f.read().split("| `pe=` |", 1)[1].split("\n\n", 1)[0]      # the table's rows, to its blank line
+    rows = re.findall(r"^\| `(\w+)`", table, flags=re.M)
+    assert sorted(rows) == sorted(SCHEMES), "README.md's scheme table: one row per tupe_jax.positional.SCHEMES"
+    with open(os.path.join(ROOT, "configs", "pretrain.py"), encoding="utf-8") as f:
+        line = next(x for x in f if x.startswith("Schemes (`pe=`):"))
+    listed = [w.split(" ")[0] for w in line.split(":", 1)[1].strip().rstrip(".").split(", ")]
+    assert listed == list(SCHEMES), "configs/pretrain.py's docstring: 'Schemes (`pe=`): ...' names every scheme"
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import train_workers  # pylint: disable=import-outside-toplevel
+    assert set(SCHEMES) <= set(train_workers.ALL_SCHEMES)

@@ -9,7 +9,10 @@ A scheme acts on the Transformer at four points and only these:
 4. **logit scale** the factor on q·k: 1/√d_h normally, 1/√(2·d_h) for TUPE   -> `logit_scale`
 
 Each scheme is a Linen module called ONCE at the top of a forward pass as `scheme(length, offset)`; it returns
-a `PositionalTerms` that the model threads through its layers. Nothing positional happens anywhere else.
+a `PositionalTerms` that the model threads through its layers. Nothing positional happens anywhere else. A
+scheme's parameters get AdamW's weight decay unless their name contains `bias` or is `scale` (`optim.decays`):
+name a parameter accordingly when decay would pull it somewhere it should not go. Adding a scheme: the README's
+steps under "Layout".
 """
 from __future__ import annotations
 
