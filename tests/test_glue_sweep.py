@@ -101,10 +101,12 @@ def test_finished_sub_runs_made_otherwise_are_refused_before_anything_trains(env
     shutil.copytree(env / "pre", pre)
     shutil.copytree(env / "glue", glue)
     config = make_config(env)
-    config.init_from, config.data.glue_dir = str(pre), str(glue)
+    config.init_from, config.data.glue_dir, config.train.steps = str(pre), str(glue), 3
     sweep = tmp_path / "sweep"
     ft_sweep.sweep(config, str(sweep))
     assert json.loads((sweep / "sweep.json").read_text())["init"] == {"workdir": str(pre), "step": 10}
+    results = json.loads((sweep / "rte" / "lr=0.001" / "seed=0" / "results.json").read_text())
+    assert (results["steps"], results["steps_per_epoch"], results["epochs"]) == (3, 2, 1.5)   # epochs trained
     before = tree(str(sweep))
 
     def refused(cfg, needle):
@@ -113,10 +115,10 @@ def test_finished_sub_runs_made_otherwise_are_refused_before_anything_trains(env
         assert tree(str(sweep)) == before          # nothing trained, nothing rewritten
 
     more = make_config(env, learning_rates=(1e-3, 2e-3))      # one more lr: the finished one must still fit
-    more.init_from, more.data.glue_dir = str(pre), str(glue)
+    more.init_from, more.data.glue_dir, more.train.steps = str(pre), str(glue), 3
     longer = more.copy_and_resolve_references()
     longer.train.steps = 4
-    refused(longer, r"the finished sub-run .*seed=0 was made otherwise: train.steps/epochs 2/.* -> 4/")
+    refused(longer, r"the finished sub-run .*seed=0 was made otherwise: train.steps/epochs 3/.* -> 4/")
     make_pretrained(tmp_path / "pre20", tmp_path / "cache20", steps=(20,))
     shutil.copytree(tmp_path / "pre20" / "checkpoints" / "20", pre / "checkpoints" / "20")   # the run trained on
     refused(more, r"started from .*pre step 10, this sweep's new ones from .*pre step 20, --config.init_step, "

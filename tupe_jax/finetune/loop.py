@@ -130,7 +130,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
     best, last = progress["best"], progress["last_eval"]
     results = {
         "task": task, "headline_key": key, "score": best["metrics"][key] if best else None,
-        "best": best, "final": last, "steps": total, "epochs": runner.epochs, "steps_per_epoch": spe,
+        "best": best, "final": last, "steps": total, "epochs": total / spe, "steps_per_epoch": spe,   # epochs trained
         "batch_size": runner.batch_size, "learning_rate": float(t.learning_rate), "seed": runner.seed,
         "init_from": init["workdir"] if init else "", "init_step": init["step"] if init else None,
         "majority_baseline": runner.majority_baseline(), "predictions": progress.get("predictions", []),
