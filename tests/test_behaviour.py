@@ -24,9 +24,9 @@ def check(kind: str, got: dict, recordings: list = RECORDINGS) -> None:
 def test_golden_covers_every_scheme_and_family():
     for recording in RECORDINGS:
         assert set(recording["pretrain"]) == {f"{pe}-{o}" for pe in SCHEMES for o in B.OBJECTIVES}, (
-            f"a recording in tests/data/ ({recording['stack']}) does not hold every scheme of tupe_jax/positional in both families (a scheme was "
-            "added or removed): re-record with `python tests/behaviour.py --write` (about 5 min on 2 cores), then "
-            "`python tests/behaviour.py --add-fast`")
+            f"a recording in tests/data/ ({recording['stack']}) does not hold every scheme of tupe_jax/positional "
+            "in both families (a scheme was added or removed): re-record with `python tests/behaviour.py --write` "
+            "(about 5 min on 2 cores), then `python tests/behaviour.py --add-fast`")
         assert set(recording["finetune"]) == set(PRIMARY["finetune"])
         assert all(len(r["losses"]) == B.STEPS for r in recording["pretrain"].values())
         # what is pinned is training: every scheme's recorded loss falls (first 5 steps' mean to the last 5's)

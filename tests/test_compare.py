@@ -211,9 +211,18 @@ def test_a_finished_run_is_shared_by_suites_with_and_without_glue(tmp_path):
     with pytest.raises(UserError, match="learning_rate"):
         suite_lib._check_same_run(str(run), suite_lib.scheme_config(
             load("suite=tupe", **{"train.learning_rate": 0.5}), scheme, 0))
-    # data.cache_dir is where derived data is kept, not what it is: another one shares the run
+    # data.cache_dir is where derived data is kept, not what it is: another one shares the run and its fine-tunes
     suite_lib._check_same_run(str(run), suite_lib.scheme_config(
         load("suite=tupe", **{"data.cache_dir": tmp_path / "elsewhere"}), scheme, 0))
+    from tupe_jax.analysis import suite_glue  # pylint: disable=import-outside-toplevel
+    ft = tmp_path / "ft"
+    ft.mkdir()
+    (ft / "config.json").write_text(config_lib.to_json(suite_glue._glue_base(config, scheme, 0, str(run), "rte")))
+    suite_glue._check_same_finetune(str(ft), suite_glue._glue_base(
+        load("suite=tupe", **{"data.glue_dir": tmp_path / "glue", "data.cache_dir": tmp_path / "elsewhere"}),
+        scheme, 0, str(run), "rte"))
+    with pytest.raises(UserError, match=r"was fine-tuned with other keys \(data.glue_dir"):
+        suite_glue._check_same_finetune(str(ft), suite_glue._glue_base(load("suite=tupe"), scheme, 0, str(run), "rte"))
 
 
 def test_a_run_with_checkpoints_and_no_config_is_not_reused(tmp_path, monkeypatch):

@@ -124,3 +124,31 @@ def test_a_seed_without_its_final_value_or_with_a_null_perplexity_gives_no_verdi
                                                                                    ("rope-clm", 60.0))]}}}
     assert math.isnan(F.growth(report)["alibi-clm"]["0"])
     assert F.evaluate(report)[0]["verdict"] == F.UNDEFINED
+
+
+@pytest.mark.parametrize("gone", [[("nopos-clm", s) for s in "012"],
+                                  [(n, "2") for n in ("alibi-clm", "nopos-clm", "rope-clm")]])
+def test_diverged_runs_give_no_verdict_when_a_whole_scheme_or_seed_is_gone(gone):
+    """Every seed of one scheme, or every causal run of one seed, diverged: the analyses had nothing of them, and
+    the extrapolation finding was judged on the rest ("reproduced")."""
+    def ex(seed, names):
+        return {"runs": [{"workdir": f"/r/{n}-s{seed}", "name": n, "results": [
+            {"length": 128, "defined": True, "perplexity": 10.0}, {"length": 1024, "defined": True,
+                                                                   "perplexity": 12.0 if n == "alibi-clm" else 30.0}]}
+            for n in names if (n, seed) not in gone]}
+    names = ("alibi-clm", "nopos-clm", "rope-clm")
+    report = {"config": {"model": {"max_len": 128}}, "schemes": [_scheme(n, "clm", {0: 4.0, 1: 4.0, 2: 4.0})
+                                                                  for n in names]}
+    for s in report["schemes"]:
+        for seed, run in s["seeds"].items():
+            if (s["name"], seed) in gone:
+                run.update(diverged="training diverged at step 4 (loss=nan)", final_eval={})
+    report["extrapolation"] = {seed: ex(seed, names) for seed in "012" if ex(seed, names)["runs"]}
+    (finding,) = [f for f in F.evaluate(report) if "ALiBi" in f["claim"]]
+    assert finding["verdict"] == F.UNDEFINED
+    for s in report["schemes"]:      # the same numbers, no run diverged: reproduced (the test can tell)
+        for run in s["seeds"].values():
+            run.pop("diverged", None)
+    gone.clear()
+    report["extrapolation"] = {seed: ex(seed, names) for seed in "012"}
+    assert [f for f in F.evaluate(report) if "ALiBi" in f["claim"]][0]["verdict"] == F.REPRODUCED

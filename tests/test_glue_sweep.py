@@ -107,9 +107,9 @@ def test_finished_sub_runs_made_otherwise_are_refused_before_anything_trains(env
     assert json.loads((sweep / "sweep.json").read_text())["init"] == {"workdir": str(pre), "step": 10}
     results = json.loads((sweep / "rte" / "lr=0.001" / "seed=0" / "results.json").read_text())
     assert (results["steps"], results["steps_per_epoch"], results["epochs"]) == (3, 2, 1.5)   # epochs trained
-    before = tree(str(sweep))
 
     def refused(cfg, needle):
+        before = tree(str(sweep))
         with pytest.raises(UserError, match=needle):
             ft_sweep.sweep(cfg, str(sweep))
         assert tree(str(sweep)) == before          # nothing trained, nothing rewritten
@@ -121,8 +121,13 @@ def test_finished_sub_runs_made_otherwise_are_refused_before_anything_trains(env
     refused(longer, r"the finished sub-run .*seed=0 was made otherwise: train.steps/epochs 3/.* -> 4/")
     make_pretrained(tmp_path / "pre20", tmp_path / "cache20", steps=(20,))
     shutil.copytree(tmp_path / "pre20" / "checkpoints" / "20", pre / "checkpoints" / "20")   # the run trained on
-    refused(more, r"started from .*pre step 10, this sweep's new ones from .*pre step 20, --config.init_step, "
-                  r"give --config.init_step=10")
+    refused(more, r"the finished sub-run .* started from .*pre step 10, this sweep's new ones from .*pre step 20, "
+                  r"--config.init_step, give --config.init_step=10")
+    done = sweep / "rte" / "lr=0.001" / "seed=0" / "results.json"
+    kept = done.read_bytes()
+    done.unlink()                                  # as if preempted after its last checkpoint: its progress says
+    refused(more, r"the started sub-run .* started from .*pre step 10, this sweep's new ones from .*pre step 20")
+    done.write_bytes(kept)
     dev = glue / DIRS["rte"] / "dev.tsv"
     rows = dev.read_text()
     dev.write_text("\n".join(rows.splitlines()[:-1]) + "\n")

@@ -18,18 +18,6 @@ def test_the_shared_compilation_cache_locks_its_entries(tmp_path):
     assert cache.get("key") == b"entry"
 
 
-def test_every_entry_of_the_shared_cache_has_its_access_time():
-    """An entry without its -atime file (written without the size limit) fails jax's eviction scan: every later
-    write of the suite was dropped with a warning."""
-    folder = os.environ["JAX_COMPILATION_CACHE_DIR"]
-    if not os.path.isdir(folder):
-        return
-    with filelock.FileLock(os.path.join(folder, ".lockfile"), timeout=60):   # jax's: no write half done
-        names = set(os.listdir(folder))
-    lacking = [n for n in names if n.endswith("-cache") and n[:-len("-cache")] + "-atime" not in names]
-    assert not lacking, f"{len(lacking)} entries of {folder} lack their -atime file, e.g. {lacking[:2]}"
-
-
 def test_a_coordinator_port_is_free_and_outside_the_ephemeral_range():
     from tests.test_multiprocess import ephemeral_ports, free_port  # pylint: disable=import-outside-toplevel
     low, _ = ephemeral_ports()

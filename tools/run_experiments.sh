@@ -42,13 +42,14 @@ step() {
         [ -f runs/cmp/$s/report.json ] || continue
         mkdir -p docs/experiments/$s
         (cd runs/cmp/$s && find . -maxdepth 2 \( -name '*.md' -o -name '*.json' -o -name '*.png' \) \
-          -not -name config.json -not -path './glue/*' | while read -r f; do
+          -not -name config.json -not -path './glue/*' -not -path './.*' | while read -r f; do
             mkdir -p "../../../docs/experiments/$s/$(dirname "$f")"; cp "$f" "../../../docs/experiments/$s/$f"; done)
       done ;;
     *) echo "error: unknown step '$1', tools/run_experiments.sh, use one of: $STEPS" >&2; exit 2 ;;
   esac
 }
 STEPS="extrapolation probe sinusoidal tupe nopos-mlm nopos-mlm-5k publish"
+set -f               # a step is a word, never a file pattern
 for t in $*; do    # every step named is checked before the first one runs (hours of training)
   case " $STEPS " in
     *" $t "*) ;;

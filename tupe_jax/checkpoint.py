@@ -240,15 +240,15 @@ class Checkpointer:
                             f"move {files.join(self.directory, str(step))} aside (e.g. to {step}.bad) and rerun: "
                             "several processes do not fall back to an earlier step by themselves") from None
 
-    def restore_meta(self, step: int | None = None, where: str = "--step") -> dict[str, Any]:
-        """The `meta` JSON of `step` (default: latest); a meta item that does not read is a UserError naming the
-        step (`unreadable`)."""
+    def restore_meta(self, step: int | None = None, where: str = "--step", item: str = "meta") -> dict[str, Any]:
+        """The `meta` JSON of `step` (default: latest; `item='data'`: the data item); an item that does not read is
+        a UserError naming the step (`unreadable`)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise UserError(f"no checkpoint in {self.directory}", "--workdir", "pretrain first")
         steps = self.all_steps()   # listed before the read: a transport failure there must not raise again below
         try:
-            return self._meta(step)
+            return self._meta(step, item)
         except Exception as err:  # pylint: disable=broad-except
             raise unreadable(self.directory, step, steps, err, where) from None
 
@@ -265,8 +265,8 @@ class Checkpointer:
                             "deleting nothing", step, self.directory, describe(err))
         return (steps[-1], {}) if steps else (None, {})
 
-    def _meta(self, step: int) -> dict[str, Any]:
-        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {})
+    def _meta(self, step: int, item: str = "meta") -> dict[str, Any]:
+        return dict(self._manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item] or {})
 
     def reached_preemption(self, step: int) -> bool:  # pylint: disable=unused-argument
         """True when the loop should save now and exit: SIGTERM arrived, or JAX's preemption sync point. That point is

@@ -128,9 +128,10 @@ def growth(report: dict) -> dict[str, dict[str, Optional[float]]]:
             value = ((math.log(ppl[0]) - math.log(ppl[1]) if all(_finite(p) and p > 0 for p in ppl) else float("nan"))
                      if at[longest]["defined"] else None)
             out.setdefault(where.get(run["workdir"], run["name"]), {})[seed] = value
-    for name, seed in diverged(report):        # left out of the analysis: no value, so no verdict
-        if seed in report.get("extrapolation", {}) and name in out:
-            out[name][seed] = float("nan")
+    clm = set(_names(report, "clm"))
+    for name, seed in diverged(report) if report.get("extrapolation") else []:   # not analysed: no value, no verdict
+        if name in clm:          # (also when every seed of the scheme, or every causal run of the seed, diverged)
+            out.setdefault(name, {})[seed] = float("nan")
     return out
 
 

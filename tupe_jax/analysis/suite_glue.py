@@ -130,8 +130,9 @@ def _glue_base(config: ml_collections.ConfigDict, scheme: Scheme, seed: int, pre
 
 def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:
     """Refuse to reuse a fine-tuning run made with other keys (e.g. another glue.max_steps or learning rate)."""
-    refuse_other_config(path, g, ("model", "data", "train", "init_from"), ("train.log_every",), "fine-tuned",
-                         "--workdir", "use a fresh compare workdir for other glue.* settings")
+    refuse_other_config(path, g, ("model", "data", "train", "init_from"), ("train.log_every", "data.cache_dir"),
+                         "fine-tuned", "--workdir", "use a fresh compare workdir for other settings of the fine-tunes "
+                         "(glue.*, finetune.*, the data)")
 
 
 def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],

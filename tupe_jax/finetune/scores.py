@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 from typing import Mapping, Sequence
 
@@ -146,10 +145,9 @@ def summarize_sweep(workdir: str, tasks: Sequence[str], lrs: Sequence[float], se
         for lr in lrs:
             runs = {}
             for seed in seeds:
-                path = os.path.join(run_dir(workdir, task, lr, seed), "results.json")
-                if os.path.isfile(path):
-                    with open(path, encoding="utf-8") as f:
-                        best = (json.load(f).get("best") or {}).get("metrics") or {}
+                path = files.join(run_dir(workdir, task, lr, seed), "results.json")
+                if files.isfile(path):           # a bucket sweep's too
+                    best = (files.read_json(path).get("best") or {}).get("metrics") or {}
                     runs[str(seed)] = {name: 100.0 * best[key] for name, key in columns if key in best}
             medians = {name: float(np.median([r[name] for r in runs.values() if name in r]))
                        for name, _ in columns if any(name in r for r in runs.values())}

@@ -45,11 +45,12 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     for task in tasks:              # every task's files, before the first sub-run trains
         check_glue_task(sub_config(config, task, lrs[0], seeds[0]), task, "--config.sweep.tasks")
     init = _init_step(config)
-    for task, lr, seed in grid:     # finished sub-runs are reused only if this sweep would make them the same
-        check_finished(sub_config(config, task, lr, seed), run_dir(workdir, task, lr, seed), init)
+    config = _pinned(config, init)  # every sub-run of this command reads that step, even while the run trains on
+    for task, lr, seed in grid:     # sub-runs already there are reused only if this sweep would make them the same
+        check_existing(sub_config(config, task, lr, seed), run_dir(workdir, task, lr, seed), init)
     for i, (task, lr, seed) in enumerate(grid, 1):
         path = run_dir(workdir, task, lr, seed)
-        if os.path.isfile(os.path.join(path, "results.json")):
+        if files.isfile(files.join(path, "results.json")):
             print(f"[{i}/{len(grid)}] {task} lr={lr:g} seed={seed}: done, skipping", flush=True)
             continue
         print(f"[{i}/{len(grid)}] {task} lr={lr:g} seed={seed} -> {path}", flush=True)
@@ -60,14 +61,14 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     summary = scores.summarize_sweep(workdir, tasks, lrs, seeds, run_dir)
     summary["init"] = {"workdir": init[0], "step": init[1]} if init else None
     if jax.process_index() == 0:
-        files.write_json(os.path.join(workdir, "sweep.json"), summary)
-        files.write_text(os.path.join(workdir, "sweep.md"), scores.sweep_markdown(summary))
+        files.write_json(files.join(workdir, "sweep.json"), summary)
+        files.write_text(files.join(workdir, "sweep.md"), scores.sweep_markdown(summary))
         print(scores.sweep_markdown(summary), flush=True)
     return summary
 
 
 def _init_step(config: ml_collections.ConfigDict) -> tuple[str, int] | None:
-    """(pretraining run, step) the sweep's new sub-runs start from (init_step -1: its newest checkpoint now)."""
+    """(pretraining run, step) the sweep's sub-runs start from (init_step -1: its newest checkpoint now)."""
     if not str(config.init_from):
         return None
     source, step = resolve_init_from(str(config.init_from), int(config.init_step))
@@ -77,26 +78,43 @@ def _init_step(config: ml_collections.ConfigDict) -> tuple[str, int] | None:
     return source, int(step if step is not None else steps[-1])
 
 
-def check_finished(sub: ml_collections.ConfigDict, path: str, init: tuple[str, int] | None) -> None:
-    """A finished sub-run (results.json) in `path` must be what `sub` would make now: the keys a resume may not
-    change, the pretraining checkpoint it started from and the task's examples (the sweep ranks them side by
-    side; a rerun with other settings skipped them and ranked old and new runs together)."""
-    done = os.path.join(path, "results.json")
-    if not os.path.isfile(done):
-        return
-    fix = "sweep with the settings of its finished sub-runs, or into a fresh workdir"
+def _pinned(config: ml_collections.ConfigDict, init: tuple[str, int] | None) -> ml_collections.ConfigDict:
+    """`config` with init_step set to the step resolved once (a pretraining run still training would give the
+    sub-runs of one command different steps)."""
+    if init is None:
+        return config
+    out = ml_collections.ConfigDict(config.to_dict())
+    out.init_step = init[1]
+    return lock(out)
+
+
+def check_existing(sub: ml_collections.ConfigDict, path: str, init: tuple[str, int] | None) -> None:
+    """A sub-run already in `path` (finished: results.json; started: a checkpoint) must be what `sub` would make
+    now: the keys a resume may not change, the pretraining checkpoint it started from and the task's examples (the
+    sweep ranks them side by side; a rerun with other settings ranked old and new runs together)."""
+    done = files.join(path, "results.json")
+    if files.isfile(done):
+        made = files.read_json(done)
+        source = {"workdir": made.get("init_from"), "step": made.get("init_step")} if made.get("init_from") else None
+    else:
+        steps = workdir_lib.checkpoint_steps(path)
+        if not steps:
+            return                 # nothing trained there yet: the sub-run's own gate checks it when it starts
+        made = workdir_lib.read_meta(path, steps[-1], "--workdir", item="data")   # the fine-tune's progress
+        source = made.get("init")
+    what = "finished" if files.isfile(done) else "started"
     try:
         workdir_lib.check_config(path, sub)
     except UserError as err:
-        raise UserError(f"the finished sub-run {path} was made otherwise: {err.what}", err.where, fix) from None
-    results = files.read_json(done)
-    made = (results.get("init_from") or "", results.get("init_step"))
-    now = (init[0], init[1]) if init else ("", None)
-    require(made == now, f"the finished sub-run {path} started from {made[0] or 'scratch'} step {made[1]}, this "
+        raise UserError(f"the {what} sub-run {path} was made otherwise: {err.what}", err.where,
+                        f"sweep with the settings of its {what} sub-runs, or into a fresh workdir") from None
+    had = (source["workdir"], int(source["step"])) if source else ("", None)
+    now = init or ("", None)
+    require(had == now, f"the {what} sub-run {path} started from {had[0] or 'scratch'} step {had[1]}, this "
             f"sweep's new ones from {now[0] or 'scratch'} step {now[1]}", "--config.init_step",
-            (f"give --config.init_step={made[1]} (the step its finished sub-runs read), or " if made[1] is not None
-             else "") + "sweep into a fresh workdir")
-    if "data" in results:          # results.json of earlier versions lack it
-        require(results["data"] == glue_fingerprint(sub, str(sub.task)), f"the {sub.task} examples differ from "
-                f"those the finished sub-run {path} was scored on (the files in data.glue_dir changed since)",
-                "--config.data.glue_dir", "restore the files it was made with, or sweep into a fresh workdir")
+            (f"give --config.init_step={had[1]} (the step its sub-runs read), or " if had[1] is not None else "")
+            + "sweep into a fresh workdir")
+    if "data" in made:             # results.json of earlier versions lack it
+        require(made["data"] == glue_fingerprint(sub, str(sub.task)), f"the {sub.task} examples differ from those "
+                f"the {what} sub-run {path} was scored on (its GLUE files or tfds dataset changed since)",
+                "--config.data.glue_dir", "restore the examples it was made with, or sweep into a fresh workdir")

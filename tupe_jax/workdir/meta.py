@@ -111,10 +111,11 @@ def checkpoint_steps(workdir: str) -> list[int]:
         return checkpointer.all_steps()
 
 
-def read_meta(workdir: str, step: int, where: str = "--step") -> dict[str, Any]:
-    """The meta item of `workdir`'s checkpoint `step` (a UserError naming `where` if it does not read)."""
+def read_meta(workdir: str, step: int, where: str = "--step", item: str = "meta") -> dict[str, Any]:
+    """The meta item of `workdir`'s checkpoint `step` (`item='data'`: its data item, e.g. a fine-tune's progress);
+    a UserError naming `where` if it does not read."""
     with ckpt_lib.Checkpointer(workdir, read_only=True, async_=False) as checkpointer:
-        return checkpointer.restore_meta(step, where)
+        return checkpointer.restore_meta(step, where, item)
 
 
 def latest_meta(workdir: str) -> tuple[int | None, dict[str, Any]]:
