@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import ml_collections
 import pytest
 
 import launch
@@ -119,6 +120,20 @@ def test_a_data_path_the_corpus_would_not_read_and_a_negative_holdout_are_refuse
         config = run_config(done)
         config.data.name = reads_path
         sources.check_source(config.data)
+
+
+def test_a_file_pattern_beside_a_file_or_a_glob_path_is_refused(tmp_path):
+    """The pattern was ignored without a word: a file or glob data.path read whatever it named."""
+    (tmp_path / "a.txt").write_text("one\n")
+    data = ml_collections.ConfigDict({"name": "text_files", "path": str(tmp_path / "a.txt"), "holdout": 0,
+                                      "file_pattern": "*.md"})
+    with pytest.raises(UserError, match=r"data.file_pattern='\*.md' is set but data.path .*a.txt' is a file"):
+        sources.check_source(data)
+    data.path = str(tmp_path / "*.txt")
+    with pytest.raises(UserError, match=r"is a glob: the pattern applies inside a data.path folder only"):
+        sources.check_source(data)
+    data.path = str(tmp_path)
+    sources.check_source(data)              # a folder: the pattern applies there
 
 
 def test_no_leftover_in_the_prepared_folder_after_a_refusal(made, tmp_path, capsys):

@@ -81,7 +81,8 @@ def default_data_config() -> ml_collections.ConfigDict:
                     i%20==19 → validation, i%20==9 → test.
     path            text_files / wikitext: a directory, a glob, or a file. Files named *train*/*valid*|*dev*/
                     *test* (name cut at . _ -) form those splits; otherwise all files are training text.
-    file_pattern    glob inside a `path` directory; '' = files ending .txt .tokens .raw .text.
+    file_pattern    glob inside a `path` directory (refused with a file or glob path); '' = files ending .txt .tokens
+                    .raw .text.
     split_by        text_files: 'blank_line' (BERT format: one sentence per line, blank line between documents)
                     or 'file' (one document per file). wikitext always splits at ` = Title = ` lines.
     holdout         with no validation file: document i → validation when i % holdout == holdout-1 (TUPE's

@@ -42,6 +42,11 @@ def check_source(data: Any) -> None:
             "leave data.path empty")
     require(int(data.get("holdout", 0)) >= 0, f"data.holdout = {data.holdout} is negative", "--config.data.holdout",
             "use 0 (no validation split) or e.g. 200 (1 document in 200)")
+    pattern = str(data.get("file_pattern", "") or "")
+    named = "a glob" if any(c in path for c in "*?[") else "a file" if os.path.isfile(os.path.expanduser(path)) else ""
+    require(not pattern or not named, f"data.file_pattern={pattern!r} is set but data.path {path!r} is {named}: the "
+            "pattern applies inside a data.path folder only", "--config.data.file_pattern",
+            "drop data.file_pattern, or point data.path at the folder the pattern applies in")
 
 
 def find_files(path: str, pattern: str = "") -> list[Path]:
