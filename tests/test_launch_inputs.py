@@ -193,3 +193,16 @@ def test_several_processes_without_jax_distributed_are_refused(monkeypatch):
         cluster.refuse_undistributed_processes()
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
     cluster.refuse_undistributed_processes()
+
+
+@pytest.mark.parametrize("key,value", [("data.mask_prob", "0.2"), ("data.max_predictions", "10"),
+                                       ("data.packing", "contiguous")])
+def test_an_mlm_key_given_to_a_causal_run_is_refused_not_ignored(tmp_path, capsys, key, value):
+    """A causal LM reads none of them: the run trained as if they were not given, exit 0."""
+    clm = PRETRAIN.replace("size=tiny", "size=tiny,objective=clm")
+    assert launch.main(["pretrain", clm, f"--workdir={tmp_path / 'run'}", f"--config.{key}={value}"] + TINY) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {key} is read by MLM") and f", --config.{key}, drop it" in err
+    assert not (tmp_path / "run").exists()
+    mlm = ["pretrain", PRETRAIN, f"--workdir={tmp_path / 'mlm'}", f"--config.{key}={value}", "--config.train.steps=0"]
+    assert launch.main(mlm + TINY) == 2 and "train.steps" in capsys.readouterr().err   # an MLM reads it: not this refusal

@@ -6,7 +6,7 @@ import ml_collections
 
 from tupe_jax import data, model, optim, sharding, trainer
 from tupe_jax.config import require_finite, require_positive, require_seed
-from tupe_jax.errors import require, warn_once
+from tupe_jax.errors import UserError, require, warn_once
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
@@ -36,3 +36,18 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
         require_positive(config, ("metrics.peak_tflops",), allow_zero=True)   # 0: looked up from the device kind
     data.validate_config(config)
     return mesh
+
+
+# Keys a causal LM does not read (its examples are contiguous windows, every token a target): given on the command
+# line with objective=clm they would change nothing, so they are refused rather than ignored.
+MLM_ONLY = {"data.mask_prob": "masking", "data.max_predictions": "masking", "data.packing": "MLM packing"}
+
+
+def refuse_unread_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset) -> list:
+    """The launcher's hook: an override of a key `config`'s objective does not read is refused; nothing is set."""
+    del arg_keys
+    if str(config.model.objective) == "clm":
+        for key in sorted(override_keys & set(MLM_ONLY)):
+            raise UserError(f"{key} is read by MLM {MLM_ONLY[key]} only; objective=clm trains on contiguous windows "
+                            "with every token a target", f"--config.{key}", "drop it, or pretrain an MLM (objective=mlm)")
+    return []
