@@ -293,3 +293,19 @@ def test_an_unreadable_checkpoint_in_the_analyses_names_the_suites_flag(tmp_path
     with pytest.raises(UserError, match=r"step 20 in .*alibi-clm-s0/checkpoints failed to restore .*, "
                                         r"--config.runs_dir, move that run's folder aside"):
         suite_lib.run(config, str(tmp_path / "cmp"))
+
+
+def test_a_fine_tune_made_otherwise_stops_the_suite_before_any_pretraining(tmp_path, monkeypatch):
+    """It was found at its turn, after every pretraining run had trained."""
+    from tupe_jax.analysis import suite_glue  # pylint: disable=import-outside-toplevel
+    keys = {**TINY, "data.cache_dir": tmp_path / "cache", "glue.tasks": "wordorder", "glue.max_steps": 3}
+    config = load("suite=tupe", schemes="tupe_a", seeds="0", **keys)
+    other = load("suite=tupe", schemes="tupe_a", seeds="0", **keys, **{"glue.learning_rate": 0.5})
+    scheme = suite_lib.parse_schemes(config)[0]
+    ft = tmp_path / "cmp" / "glue" / "tupe_a-mlm-s0" / "wordorder"
+    ft.mkdir(parents=True)
+    (ft / "config.json").write_text(config_lib.to_json(suite_glue.glue_config(
+        other, scheme, 0, os.path.abspath(tmp_path / "cmp" / "tupe_a-mlm-s0"), "wordorder")))
+    monkeypatch.setattr(suite_lib, "pretrain", lambda sub, path: pytest.fail("pretrained"))
+    with pytest.raises(UserError, match=r"wordorder was fine-tuned with other keys \(train.learning_rate"):
+        suite_lib.run(config, str(tmp_path / "cmp"))

@@ -36,8 +36,8 @@ from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.analysis import extrapolate, findings, probe, report
 from tupe_jax.analysis.schemes import Scheme, parse_schemes, parse_seeds, run_name, scheme_config
-from tupe_jax.analysis.suite_glue import (Preempted, finetune_all, glue_tasks, refuse_other_config,
-                                          validate_finetunes)
+from tupe_jax.analysis.suite_glue import (Preempted, check_finetunes, finetune_all, glue_tasks,
+                                          refuse_other_config, validate_finetunes)
 from tupe_jax.errors import Diverged, UserError, require
 from tupe_jax.metrics import has_eval_at, read_metrics
 from tupe_jax.pretrain.loop import pretrain
@@ -245,6 +245,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           f"{config.train.steps} steps x batch {config.train.batch_size} x {config.model.max_len} tokens each, "
           f"seeds {','.join(map(str, seeds))}, data {config.data.name}", flush=True)
 
+    if suite == "tupe" and glue_tasks(config):
+        check_finetunes(config, workdir, schemes, seeds, runs_root(config, workdir))
     start = time.time()
     runs = pretrain_all(config, workdir, schemes, seeds)
     timings["pretrain_s"] = time.time() - start

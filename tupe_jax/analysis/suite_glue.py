@@ -135,6 +135,19 @@ def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:
                          "(glue.*, finetune.*, the data)")
 
 
+def check_finetunes(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme], seeds: list[int],
+                    runs_root: str) -> None:
+    """Before any pretraining: every fine-tune already in the suite folder must be the one this suite would make
+    (one made with other glue.* settings was found at its turn, after hours of pretraining)."""
+    for seed in seeds:
+        for scheme in (s for s in schemes if s.objective == "mlm"):
+            pretrained = os.path.abspath(os.path.join(runs_root, run_name(scheme, seed)))
+            for task in glue_tasks(config):
+                path = os.path.join(workdir, "glue", run_name(scheme, seed), task)
+                if files.isfile(workdir_lib.config_path(path)):
+                    _check_same_finetune(path, glue_config(config, scheme, seed, pretrained, task))
+
+
 def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
                  runs: dict[int, list[dict]]) -> dict:
     """Fine-tune every (scheme, seed, task) not done yet; {scheme: {str(seed): {task: results.json dict}}}."""
