@@ -276,6 +276,8 @@ def test_a_diverged_run_is_recorded_and_its_comparisons_get_no_verdict(tmp_path,
     assert verdicts and set(verdicts.values()) == {findings.UNDEFINED}, verdicts
     text = (tmp_path / "cmp" / "REPORT.md").read_text()
     assert "Diverged, so without final values" in text and "`nopos-clm` seed 1: training diverged" in text
+    extrapolation = text.split("## Extrapolation", 1)[1]
+    assert next(r for r in extrapolation.splitlines() if r.startswith("| `nopos-clm`")).count("(1 of 2)") == 3
     written = {p.name: p.read_bytes() for p in (tmp_path / "cmp").iterdir() if p.is_file()}
     report_lib.render(str(tmp_path / "cmp"))
     assert {p.name: p.read_bytes() for p in (tmp_path / "cmp").iterdir() if p.is_file()} == written

@@ -47,6 +47,11 @@ def _eval_value(run: dict, key: str) -> Optional[float]:
     return run["final_eval"].get(key)
 
 
+def _gone(report: dict, name: str) -> list[None]:
+    """A None per diverged seed of scheme `name` (not analysed): the tables count them ("2 of 3")."""
+    return [None for s in report["schemes"] if s["name"] == name for r in s["seeds"].values() if r.get("diverged")]
+
+
 def _by_scheme(report: dict, key: str) -> dict[str, list[dict]]:
     """{scheme name: [the analysis' run dict for each seed]} for key 'extrapolation' or 'probe'."""
     where = {r["path"]: s["name"] for s in report["schemes"] for r in s["seeds"].values()}
@@ -138,7 +143,7 @@ def _extrapolation(report: dict, workdir: str) -> list[str]:
         cells = []
         for k, length in enumerate(lengths):
             vals = [r["results"][k]["perplexity"] for r in runs if r["results"][k]["defined"]]
-            cells.append(_ms(vals, 1) if vals else "n/a")
+            cells.append(_ms(vals + _gone(report, name), 1) if vals else "n/a")
         rows.append([f"`{name}`"] + cells)
         series[name] = [([x["length"] for x in r["results"] if x["defined"]],
                          [x["perplexity"] for x in r["results"] if x["defined"]]) for r in runs]
@@ -157,8 +162,8 @@ def _probe(report: dict, workdir: str) -> list[str]:
     rows, series, chance = [], {}, None
     for name, runs in by.items():
         chance = runs[0]["chance_mad"]
-        rows.append([f"`{name}`"] + [_ms([r["layers"][i]["mad"] for r in runs if i < len(r["layers"])], 1)
-                                     for i in range(layers)] + [_f(chance, 1)])
+        rows.append([f"`{name}`"] + [_ms([r["layers"][i]["mad"] for r in runs if i < len(r["layers"])]
+                                         + _gone(report, name), 1) for i in range(layers)] + [_f(chance, 1)])
         series[name] = [(list(range(len(r["layers"]))), [x["mad"] for x in r["layers"]]) for r in runs]
     per_scheme_plot(report, os.path.join(workdir, "probe.png"), series, "layer (0 = embeddings)",
                      "probe MAD (positions)", "absolute-position probes, every seed", hline=chance)
