@@ -311,3 +311,16 @@ def test_a_fine_tune_made_otherwise_stops_the_suite_before_any_pretraining(tmp_p
     monkeypatch.setattr(suite_lib, "pretrain", lambda sub, path: pytest.fail("pretrained"))
     with pytest.raises(UserError, match=r"wordorder was fine-tuned with other keys \(train.learning_rate"):
         suite_lib.run(config, str(tmp_path / "cmp"))
+
+
+def test_only_process_0_writes_the_report(tmp_path, monkeypatch):
+    """Every process wrote report.json and REPORT.md (their command lines differ): the folder held one process's
+    report.json and another's REPORT.md."""
+    config = load("suite=extrapolation", schemes="alibi", seeds="0")
+    run = {"scheme": "alibi-clm", "seed": 0, "path": str(tmp_path / "alibi-clm-s0"), "seconds": None, "reused": True}
+    monkeypatch.setattr(suite_lib, "pretrain_all", lambda *a: {0: [run]})
+    monkeypatch.setattr(suite_lib, "pretrain_summary", lambda path: {"train": [], "eval": [], "final_eval": {}})
+    monkeypatch.setattr(suite_lib, "_analyses", lambda *a: {})
+    monkeypatch.setattr(suite_lib.jax, "process_index", lambda: 1)
+    assert suite_lib.run(config, str(tmp_path / "cmp"))["schemes"][0]["name"] == "alibi-clm"
+    assert sorted(os.listdir(tmp_path / "cmp")) == []

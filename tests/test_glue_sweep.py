@@ -91,6 +91,11 @@ def test_a_bad_diagnostic_row_stops_an_mnli_fine_tune_before_training(env, tmp_p
     config.data.glue_dir, config.train.predict_test = str(glue), True
     with pytest.raises(UserError, match=needle + r", .*diagnostic.tsv:9"):
         ft_runner.Runner(config, str(tmp_path / "ft"))
+    sweep = make_config(env, tasks="rte,mnli")     # a sweep reads it before its first sub-run (RTE's) trains
+    sweep.data.glue_dir, sweep.train.predict_test = str(glue), True
+    with pytest.raises(UserError, match=needle + r", .*diagnostic.tsv:9"):
+        ft_sweep.sweep(sweep, str(tmp_path / "sweep"))
+    assert not (tmp_path / "sweep").exists()
     diag.write_bytes(b"\xef\xbb\xbf" + good.encode())
     assert [e["idx"] for e in ft_runner.Runner(config, str(tmp_path / "ft2")).diagnostic] == list(range(7))
 
@@ -136,3 +141,15 @@ def test_finished_sub_runs_made_otherwise_are_refused_before_anything_trains(env
     dev.write_text(rows)
     summary = ft_sweep.sweep(more, str(sweep))       # the same settings, step and files: reused, one more lr trained
     assert sorted(summary["tasks"]["rte"]["lrs"]) == ["0.001", "0.002"] and summary["init"]["step"] == 10
+
+
+def test_a_diagnostic_file_that_does_not_read_is_one_line(env, tmp_path, monkeypatch):
+    """An I/O error skipped the hosts' agreement (the others waited in it until JAX's timeout) and was a traceback."""
+    def failing(path):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(ft_runner.glue_tsv, "parse_diagnostic", failing)
+    config = make_config(env, "mnli")
+    config.train.predict_test = True
+    with pytest.raises(UserError, match=r"cannot read .*diagnostic.tsv \(Input/output error\), .*diagnostic.tsv, "
+                                        r"check the file, or move it aside"):
+        ft_runner.Runner(config, str(tmp_path / "ft"))

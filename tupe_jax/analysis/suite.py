@@ -278,8 +278,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         timings["glue_s"] = time.time() - start
     result["findings"] = findings.evaluate(result)
 
-    # report.json first, so a report can be re-rendered from it (report.render())
-    files.write_json(os.path.join(workdir, "report.json"), result, indent=1)
-    written = report.write(files.read_json(os.path.join(workdir, "report.json")), workdir)   # as `render` reads it
-    print(f"[compare {suite}] wrote {', '.join(written)} in {workdir}", flush=True)
+    if jax.process_index() == 0:   # one writer (the processes' command lines and timings differ)
+        # report.json first, so a report can be re-rendered from it (report.render())
+        files.write_json(os.path.join(workdir, "report.json"), result, indent=1)
+        written = report.write(files.read_json(os.path.join(workdir, "report.json")), workdir)   # as `render` reads
+        print(f"[compare {suite}] wrote {', '.join(written)} in {workdir}", flush=True)
     return result

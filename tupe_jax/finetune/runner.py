@@ -193,7 +193,10 @@ class Runner:
         examples, failure = None, None
         try:
             examples = glue_tsv.parse_diagnostic(path)
-        except UserError as err:
+        except OSError as err:    # a disk or network error: every host must still reach the vote below
+            failure = UserError(f"cannot read {path} ({err.strerror or type(err).__name__})", str(path),
+                                "check the file, or move it aside to predict no AX set")
+        except Exception as err:  # pylint: disable=broad-except  # as above
             failure = err
         if not on_every_process(failure is None):   # the same verdict on every host: predicting is collective
             raise failure or UserError(f"{path} could not be read on another host", str(path),
