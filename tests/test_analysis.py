@@ -33,13 +33,13 @@ def corpus(tmp_path_factory):
     return config, D.get_tokenizer(config, None)
 
 
-def make_run(corpus, pe, objective, noise=0.05, seed=0):
+def make_run(corpus, pe, objective, noise=0.05, seed=0, **model):
     """A tiny model with every parameter perturbed (so LN gains/biases and q/k biases are non-trivial)."""
     config, tok = corpus
     config = config.copy_and_resolve_references()
     config.model.objective = objective
     cfg = ModelConfig(vocab_size=512, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, max_len=MAX_LEN, pe=pe,
-                      objective=objective, untie_cls=objective == "mlm")
+                      objective=objective, untie_cls=objective == "mlm", **model)
     params = init_params(cfg, jax.random.PRNGKey(seed))
     leaves, tree = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
@@ -215,6 +215,14 @@ def test_decomposition_adds_up_to_the_model_logits(corpus, pe, objective, kind, 
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     np.testing.assert_allclose(probs, common.attention_probs(run, tokens)[layer], atol=1e-5)
+
+
+def test_the_additive_split_of_a_model_with_segment_embeddings_adds_up(corpus):
+    """An imported BERT adds segment 0's row to every token: the split left it out (off by ~2 logits there)."""
+    run = make_run(corpus, "bert_a", "mlm", noise=0.2, type_vocab_size=2)
+    tokens = common.model_windows(run, "validation", MAX_LEN, count=2)
+    total = sum(C.decompose(run, tokens, 0)["terms"].values())
+    np.testing.assert_allclose(total, C.model_logits(run, tokens, 0), atol=1e-5, rtol=0)
 
 
 def test_additive_split_puts_everything_in_word_word_without_positions(corpus):

@@ -4,8 +4,8 @@ Every decomposition is exact: its terms add up to the model's real pre-mask logi
 (`logit_scale · q·k + logit_bias`), computed here in float64 from the raw params.
 
 - **additive** (input-vector schemes: bert_a, sinusoidal, bert_r; layer 0 only — deeper layers mix words and
-  positions irrecoverably). The attention input is LN(s), s = w + p (w: token embedding, p: the scheme's input
-  vector; LN = `embed_ln` in the MLM encoder, the block's `ln_attention` in the pre-LN decoder). With the LN's
+  positions irrecoverably). The attention input is LN(s), s = w + p (w: token embedding, plus segment 0's row in
+  a model with segment embeddings, e.g. an imported BERT; p: the scheme's input vector; LN = `embed_ln` in the MLM encoder, the block's `ln_attention` in the pre-LN decoder). With the LN's
   own statistics of the sum (μ_s = μ_w + μ_p, σ_s):
 
       LN(s) = a_w + a_p,   a_w = γ ⊙ (w − μ_w)/σ_s + β,   a_p = γ ⊙ (p − μ_p)/σ_s
@@ -128,6 +128,8 @@ def decompose(run: common.Run, tokens: np.ndarray, layer: int = 0) -> dict:
     note = ""
     if terms.input_vector is not None and terms.qk_transform is None and layer == 0:
         w = np.asarray(enc["embed"]["embedding"], np.float64)[tokens]
+        if "token_type" in enc:    # segment 0's row, which the model adds to every token here: on the word side
+            w = w + np.asarray(enc["token_type"]["embedding"], np.float64)[0]
         p = np.asarray(terms.input_vector, np.float64)[None]
         ln = enc[f"blocks_{layer}"]["ln_attention"] if cfg.causal else enc["embed_ln"]
         _, sigma = _ln_stats(w + p, cfg.layer_norm_eps)
