@@ -237,6 +237,9 @@ def test_another_architecture_is_one_line_and_writes_nothing(hf_mlm, tmp_path, c
     err = one_line_error(capsys, ["import-hf", f"--from={src}", f"--workdir={tmp_path / 'run'}"])
     assert "'roberta' model" in err and "RobertaForMaskedLM" in err and "not BERT" in err
     assert not (tmp_path / "run").exists()
+    src = copy_with_config(hf_mlm, tmp_path / "no_types", lambda cfg: cfg.update(type_vocab_size=0))   # a traceback
+    err = one_line_error(capsys, ["import-hf", f"--from={src}", f"--workdir={tmp_path / 'run'}"])
+    assert "type_vocab_size=0" in err and not (tmp_path / "run").exists()
 
 
 def test_vocab_size_disagreeing_with_the_embeddings_is_one_line(hf_mlm, tmp_path, capsys):

@@ -128,3 +128,20 @@ def test_a_dangling_link_as_the_output_is_refused_before_any_work(hf_folder, tmp
     err = one_line_error(capsys, ["export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}"])
     assert err == f"error: {tmp_path / 'out'} already exists, --out, give a new folder (export never overwrites)"
     assert sorted(os.listdir(tmp_path)) == ["out", "run"] and not os.path.exists(tmp_path / "nowhere")
+
+
+def test_pretraining_an_imported_run_is_one_line_and_changes_nothing(hf_folder, tmp_path):
+    """It failed blaming 'different data settings' (an import saves no data-iterator state, and its data and train
+    keys are this project's defaults, not the model's)."""
+    from tests.workdir_fixtures import tree  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain.loop import pretrain  # pylint: disable=import-outside-toplevel
+    run = tmp_path / "run"
+    assert launch.main(["import-hf", f"--from={hf_folder}", f"--workdir={run}"]) == 0
+    config = workdir_lib.read_config(str(run))
+    with config.unlocked():
+        config.data.cache_dir = str(tmp_path / "cache")
+    before = tree(str(run))
+    with pytest.raises(UserError, match=r"holds an imported model \(checkpoint 0 has no data-iterator state\): "
+                                        r"pretraining does not continue an import, --workdir, fine-tune it"):
+        pretrain(config, str(run))
+    assert tree(str(run)) == before

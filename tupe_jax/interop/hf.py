@@ -85,6 +85,9 @@ def bert_model_keys(hf: dict, where: str = WHERE) -> dict[str, Any]:
                          ("is_decoder", (False, None), "only BERT encoders are supported"),
                          ("tie_word_embeddings", (True, None), "only BERTs whose output layer is the embedding")):
         require(hf.get(key) in ok, f"config.json has {key}={hf.get(key)!r}", where, fix)
+    require(not isinstance(hf["type_vocab_size"], int) or hf["type_vocab_size"] >= 1, f"config.json has "
+            f"type_vocab_size={hf['type_vocab_size']!r}: a BERT adds its token-type row 0 to every token, so it has "
+            "at least one", where, "fix that value in config.json (BERT's is 2)")
     return {**{ours: hf[theirs] for theirs, ours in BERT_KEYS.items()}, "pe": "bert_a", "objective": "mlm"}
 
 

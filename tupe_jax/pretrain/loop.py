@@ -78,6 +78,12 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
                                             seed=int(config.train.seed))
     state, data_state = trainer.restore_or_init()
     start_step = int(state["step"])
+    if data_state == {}:     # import-hf / import-fairseq save none: the data and train keys there are placeholders
+        checkpointer.close()
+        raise UserError(f"{workdir} holds an imported model (checkpoint {start_step} has no data-iterator state): "
+                        "pretraining does not continue an import", "--workdir", "fine-tune it "
+                        "(--config.init_from) or analyse it; its config.json keeps this project's default data and "
+                        "train keys, not the model's own")
     finished = start_step >= total_steps
     if finished and not _final_eval_missing(config, workdir, tokenizer, start_step, batch_size):
         print(f"{workdir} is at step {start_step} (train.steps = {total_steps}): nothing to train; evaluate it with "
