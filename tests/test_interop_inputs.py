@@ -96,6 +96,21 @@ def test_a_tokenizer_our_wordpiece_does_not_reproduce_is_refused(hf, tmp_path, c
     refused(capsys, tmp_path, copy(hf, tmp_path / "tok", tokenizer=tokenizer), needle)
 
 
+@pytest.mark.parametrize("name, text", [
+    ("added_tokens.json", lambda n: {"zzfoo": n, "zzbar": n + 1}),
+    ("tokenizer_config.json", lambda n: {"added_tokens_decoder": {str(n): {"content": "zzfoo", "special": False}}}),
+    ("tokenizer.json", lambda n: {"added_tokens": [{"id": n, "content": "zzfoo"}]})])
+def test_tokens_added_beyond_vocab_txt_are_refused(hf, tmp_path, capsys, name, text):
+    """transformers keeps them whole; our WordPiece split them (other ids), and the import said nothing."""
+    src = copy(hf, tmp_path / "added")
+    (src / name).write_text(json.dumps(text(len(VOCAB))))
+    refused(capsys, tmp_path, src, f"adds {1 + (name == 'added_tokens.json')} token(s) beyond vocab.txt ('zz")
+    specials = {str(VOCAB.index(t)): {"content": t, "special": True} for t in ("[PAD]", "[UNK]", "[MASK]")}
+    (src / name).unlink()   # the specials at their vocab.txt ids (what transformers writes for BERT) are fine
+    (src / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": specials}))
+    assert launch.main(["import-hf", f"--from={src}", f"--workdir={tmp_path / 'run'}"]) == 0, capsys.readouterr()
+
+
 def test_uncased_and_cased_bert_tokenizers_still_import(hf, tmp_path, capsys):
     for i, tokenizer in enumerate(({"tokenizer_class": "BertTokenizer", "do_lower_case": False},
                                    {"tokenizer_class": "BertTokenizerFast", "tokenize_chinese_chars": True})):

@@ -25,7 +25,8 @@ from tupe_jax import workdir as workdir_lib
 from tupe_jax.data.tokenizer import CONFIG_NAME, SPECIALS
 from tupe_jax.errors import require
 from tupe_jax.interop import names, safetensors_io
-from tupe_jax.interop.hf import NATIVE, SPECIAL_KEYS
+from tupe_jax.interop.hf import NATIVE
+from tupe_jax.interop.hf_tokenizer import SPECIAL_KEYS
 
 README = """# A tupe_jax export ({pe}, {objective})
 

@@ -27,10 +27,10 @@ from tupe_jax import model as model_lib
 from tupe_jax import optim
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.workdir import provenance
-from tupe_jax.data.fairseq_bpe import KIND as FAIRSEQ_KIND
-from tupe_jax.data.tokenizer import CONFIG_NAME, SPECIALS, Tokenizer
+from tupe_jax.data.tokenizer import Tokenizer
 from tupe_jax.errors import UserError, require
 from tupe_jax.interop import names, safetensors_io
+from tupe_jax.interop.hf_tokenizer import read_tokenizer
 from tupe_jax.model import ModelConfig, SequenceClassifier, TransformerLM
 
 WHERE = "--from"
@@ -46,13 +46,6 @@ BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 1
                  "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
                  "position_embedding_type": "absolute", "type_vocab_size": 2}
 LAYER = re.compile(r"(?:bert\.)?encoder\.layer\.(\d+)\.")   # an encoder block's tensors, by layer number
-SPECIAL_KEYS = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIALS))
-# tokenizer_config.json keys whose other values our tokenizer does not reproduce (None: the key left out)
-TOKENIZER_AS_BERTS = {"tokenizer_class": (None, "BertTokenizer", "BertTokenizerFast", FAIRSEQ_KIND),
-                      "tokenize_chinese_chars": (None, True), "do_basic_tokenize": (None, True),
-                      "never_split": (None, [])}
-
-
 # ------------------------------------------------------------------------------------------------ config.json
 def read_hf_config(src: str, where: str = WHERE) -> dict:
     require(os.path.isdir(src), f"{src} is not a folder", where, "point it at a Hugging Face model folder")
@@ -134,31 +127,6 @@ def build_config(base: ml_collections.ConfigDict, model_keys: dict[str, Any], wh
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
-def read_tokenizer(src: str, where: str = WHERE) -> Tokenizer:
-    """The folder's vocab.txt with the casing of its tokenizer_config.json; refuses renamed special tokens."""
-    path = os.path.join(src, "vocab.txt")
-    require(os.path.isfile(path), f"{src} has no vocab.txt", where, "add the model's WordPiece vocab.txt")
-    cfg_path = os.path.join(src, CONFIG_NAME)
-    if os.path.isfile(cfg_path):
-        try:
-            with open(cfg_path, encoding="utf-8") as f:
-                tok_cfg = json.load(f)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise UserError(f"{cfg_path} is not valid JSON ({err})", where, "fix or remove it") from None
-        require(isinstance(tok_cfg, dict), f"{cfg_path} holds a JSON {type(tok_cfg).__name__}, not an object",
-                where, "fix or remove it")
-        for key, wanted in SPECIAL_KEYS.items():
-            value = tok_cfg.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            require(value in (None, wanted), f"{cfg_path} names {key} {value!r}, not {wanted!r}", where,
-                    f"only the BERT special tokens {' '.join(SPECIALS)} are supported")
-        for key, ok in TOKENIZER_AS_BERTS.items():   # what our WordPiece does; anything else would change the ids
-            require(tok_cfg.get(key) in ok, f"{cfg_path} has {key}={tok_cfg.get(key)!r}", where,
-                    "only BERT's own tokenizer (BertTokenizer: basic tokenization with Chinese characters split, "
-                    "then WordPiece) is supported")
-    return Tokenizer.from_file(path)
-
-
 # ------------------------------------------------------------------------------------------------ weights
 def abstract_params(cfg: ModelConfig, classifier_labels: int = 0) -> Any:
     """ShapeDtypeStructs of a TransformerLM's params (or a SequenceClassifier's with `classifier_labels`)."""

@@ -1,0 +1,83 @@
+"""The tokenizer of a Hugging Face BERT folder for `import-hf` (`hf.py`): its vocab.txt with the casing of its
+tokenizer_config.json, refusing what our WordPiece would tokenize otherwise than transformers' BertTokenizer
+(renamed special tokens, another tokenizer class or basic tokenization, added tokens beyond vocab.txt)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tupe_jax.data.fairseq_bpe import KIND as FAIRSEQ_KIND
+from tupe_jax.data.tokenizer import CONFIG_NAME, SPECIALS, Tokenizer
+from tupe_jax.errors import UserError, require
+
+WHERE = "--from"
+SPECIAL_KEYS = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), SPECIALS))
+# tokenizer_config.json keys whose other values our tokenizer does not reproduce (None: the key left out)
+TOKENIZER_AS_BERTS = {"tokenizer_class": (None, "BertTokenizer", "BertTokenizerFast", FAIRSEQ_KIND),
+                      "tokenize_chinese_chars": (None, True), "do_basic_tokenize": (None, True),
+                      "never_split": (None, [])}
+
+
+def read_tokenizer(src: str, where: str = WHERE) -> Tokenizer:
+    """The folder's vocab.txt with the casing of its tokenizer_config.json; refuses renamed special tokens."""
+    path = os.path.join(src, "vocab.txt")
+    require(os.path.isfile(path), f"{src} has no vocab.txt", where, "add the model's WordPiece vocab.txt")
+    cfg_path = os.path.join(src, CONFIG_NAME)
+    if os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                tok_cfg = json.load(f)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise UserError(f"{cfg_path} is not valid JSON ({err})", where, "fix or remove it") from None
+        require(isinstance(tok_cfg, dict), f"{cfg_path} holds a JSON {type(tok_cfg).__name__}, not an object",
+                where, "fix or remove it")
+        for key, wanted in SPECIAL_KEYS.items():
+            value = tok_cfg.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            require(value in (None, wanted), f"{cfg_path} names {key} {value!r}, not {wanted!r}", where,
+                    f"only the BERT special tokens {' '.join(SPECIALS)} are supported")
+        for key, ok in TOKENIZER_AS_BERTS.items():   # what our WordPiece does; anything else would change the ids
+            require(tok_cfg.get(key) in ok, f"{cfg_path} has {key}={tok_cfg.get(key)!r}", where,
+                    "only BERT's own tokenizer (BertTokenizer: basic tokenization with Chinese characters split, "
+                    "then WordPiece) is supported")
+    _refuse_added_tokens(src, path, where)
+    return Tokenizer.from_file(path)
+
+
+def _refuse_added_tokens(src: str, vocab_path: str, where: str) -> None:
+    """Tokens a transformers tokenizer adds beyond vocab.txt (added_tokens.json, tokenizer_config.json's
+    added_tokens_decoder, tokenizer.json's added_tokens) are whole tokens there; our WordPiece reads vocab.txt alone
+    and would split them, giving other ids. Ones that are vocab.txt's own lines at their ids (BERT's specials) are
+    fine."""
+    with open(vocab_path, encoding="utf-8") as f:
+        index = {line.rstrip("\r\n"): i for i, line in reversed(list(enumerate(f)))}
+    added: list[tuple[str, Any]] = []
+    for name in ("added_tokens.json", CONFIG_NAME, "tokenizer.json"):
+        file = os.path.join(src, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                data = json.load(f)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise UserError(f"{file} is not valid JSON ({err})", where, "fix or remove it") from None
+        if name == "added_tokens.json" and isinstance(data, dict):
+            added += list(data.items())
+        elif name == CONFIG_NAME and isinstance(data, dict) and isinstance(data.get("added_tokens_decoder"), dict):
+            added += [(t.get("content"), _int(i)) for i, t in data["added_tokens_decoder"].items()
+                      if isinstance(t, dict)]
+        elif name == "tokenizer.json" and isinstance(data, dict) and isinstance(data.get("added_tokens"), list):
+            added += [(t.get("content"), t.get("id")) for t in data["added_tokens"] if isinstance(t, dict)]
+    extra = sorted({(str(tok), i) for tok, i in added if index.get(tok) != i}, key=str)
+    shown = ", ".join(f"{t!r} id {i}" for t, i in extra[:3])
+    require(not extra, f"{src}'s tokenizer adds {len(extra)} token(s) beyond vocab.txt ({shown}): our WordPiece "
+            "reads vocab.txt alone and would split them", where,
+            "add them to vocab.txt at the ids the embeddings give them, or import a folder without added tokens")
+
+
+def _int(value: Any) -> Any:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return value
