@@ -115,7 +115,8 @@ def test_import_of_a_bert_model_without_mlm_head_initialises_the_head(tmp_path, 
     F.save_hf_bert(tmp_path / "bare", VOCAB, "FlaxBertModel", seed=4)
     assert launch.main(["import-hf", f"--from={tmp_path / 'bare'}", f"--workdir={tmp_path / 'run'}"]) == 0
     assert "no MLM head" in capsys.readouterr().out
-    run = workdir_lib.load_run(str(tmp_path / "run"))
+    run = workdir_lib.load_run(str(tmp_path / "run"))      # and every later read says so (evaluate reported its loss)
+    assert "its MLM head was initialised at import" in capsys.readouterr().out
     assert set(run.params) == {"encoder", "head_dense", "head_ln", "head_bias"}
 
 

@@ -34,6 +34,7 @@ from tupe_jax.interop.hf_tokenizer import read_tokenizer
 from tupe_jax.model import ModelConfig, SequenceClassifier, TransformerLM
 
 WHERE = "--from"
+FRESH_HEAD = "the checkpoint has no MLM head"   # a note the run keeps (its meta: `fresh_mlm_head`)
 NATIVE = "tupe_jax"   # model_type of this project's exports of non-BERT schemes
 # HF BertConfig key -> config.model key
 BERT_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
@@ -178,7 +179,7 @@ def bert_params(tensors: dict, hf: dict, cfg: ModelConfig, tokenizer: Tokenizer,
         fresh = names.flatten(model_lib.init_params(cfg, jax.random.PRNGKey(0)))
         missing = sorted(set(want) - set(flat))
         flat.update({k: fresh[k] for k in missing})
-        notes.append(f"the checkpoint has no MLM head ({', '.join(sorted({m.split('.')[0] for m in missing}))} "
+        notes.append(f"{FRESH_HEAD} ({', '.join(sorted({m.split('.')[0] for m in missing}))} "
                      "initialised fresh): fine for fine-tuning, MLM scores are meaningless until trained")
     return flat, notes
 
@@ -270,7 +271,7 @@ def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert
     config, params, tokenizer, notes = convert_fn(src, base)
     staging = workdir_lib.staging_folder(workdir, "import")   # written whole, then renamed: a kill leaves no half run
     try:
-        write_run(staging, config, params, tokenizer)
+        write_run(staging, config, params, tokenizer, fresh_head=any(n.startswith(FRESH_HEAD) for n in notes))
         if os.path.isdir(workdir):
             os.rmdir(workdir)                                 # the empty folder given
         os.rename(staging, workdir)
@@ -287,8 +288,10 @@ def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert
 
 
 def write_run(workdir: str, config: ml_collections.ConfigDict, params: Any, tokenizer: Tokenizer,
-              step: int = 0) -> None:
-    """config.json, tokenizer/ and checkpoints/<step>/ (params, a fresh optimizer state, meta) in `workdir`."""
+              step: int = 0, fresh_head: bool = False) -> None:
+    """config.json, tokenizer/ and checkpoints/<step>/ (params, a fresh optimizer state, meta) in `workdir`;
+    `fresh_head`: the MLM head was initialised here (meta `fresh_mlm_head`: the commands that read MLM scores say
+    so)."""
     os.makedirs(workdir, exist_ok=True)
     workdir_lib.write_config(workdir, config)
     tokenizer.save(os.path.dirname(workdir_lib.tokenizer_path(workdir)))
@@ -297,4 +300,5 @@ def write_run(workdir: str, config: ml_collections.ConfigDict, params: Any, toke
              "rng": jax.random.PRNGKey(int(config.train.seed))}
     with ckpt_lib.Checkpointer(workdir, async_=False) as checkpointer:
         checkpointer.save(step, state, data_state={}, force=True,
-                          meta=workdir_lib.make_meta(config, params, tokenizer.fingerprint))
+                          meta={**workdir_lib.make_meta(config, params, tokenizer.fingerprint),
+                                **({"fresh_mlm_head": True} if fresh_head else {})})

@@ -82,6 +82,9 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
         return meta, ckpt_lib.restore_params(workdir, at, abstract)
 
     step, (meta, params) = read_kept_step(workdir, step, read, follow=step is None)
+    if meta.get("fresh_mlm_head"):          # an import without one (interop/hf.py)
+        print(f"note: {workdir}: its MLM head was initialised at import (the checkpoint had none): its MLM losses "
+              "and accuracies mean nothing until it is trained", flush=True)
     tokenizer = get_tokenizer(config, workdir)
     check_tokenizer(meta, tokenizer.fingerprint, tokenizer_path(workdir))
     return LoadedRun(config, cfg, params, tokenizer, step, str(workdir))
