@@ -29,8 +29,8 @@ class Command:
     """A launcher command: the library function it calls, how to call it, and (for commands that take --config)
     the validator that checks the config before any compute (`module:function`), and what fills the keys the
     command line left to the config file's presets from elsewhere first, or refuses overrides the command would
-    replace (`adopt`: `module:function`, called with the config, the config-arg keys given and the override keys
-    given; it returns the keys it set, printed)."""
+    replace or not read (`adopt`: `module:function`, called with the config, the config-arg keys given, the
+    override keys given and `workdir=`; it returns the keys it set, printed)."""
     module: str
     function: str
     help: str
@@ -271,7 +271,8 @@ def run(argv: Sequence[str]) -> int:
         config = config_lib.load_config(args.config, command.reference())
         config_lib.apply_overrides(config, overrides)
         if command.adopt:
-            adopted = resolve(command.adopt)(config, config_lib.arg_keys(args.config), frozenset(overrides))
+            adopted = resolve(command.adopt)(config, config_lib.arg_keys(args.config), frozenset(overrides),
+                                             workdir=args.workdir)
             if adopted:
                 print(f"from {config.init_from}: " + ", ".join(adopted), flush=True)
     elif overrides:

@@ -234,7 +234,7 @@ CASES = [
          lambda e: pretrain(e, "t22", train__profile_steps="\u00b9,\u00b2"), "--config.train.profile_steps"),
     Case("prefetch_negative", "a negative data.prefetch (grain's own error)",
          lambda e: pretrain(e, "t23", data__prefetch=-1), "--config.data.prefetch"),
-    Case("clm_mask_prob", "mask_prob outside (0, 1) in a causal run (MLM keys were not checked there)",
+    Case("clm_mask_prob", "an MLM key (data.mask_prob) given to a new causal run, which does not read it",
          lambda e: pretrain(e, "t24", "pe=nopos,objective=clm", model__untie_cls="false", data__mask_prob=1.5),
          "--config.data.mask_prob"),
     Case("peak_tflops_negative", "a negative metrics.peak_tflops (MFU was dropped)",

@@ -150,6 +150,10 @@ def test_a_diagnostic_file_that_does_not_read_is_one_line(env, tmp_path, monkeyp
     monkeypatch.setattr(ft_runner.glue_tsv, "parse_diagnostic", failing)
     config = make_config(env, "mnli")
     config.train.predict_test = True
-    with pytest.raises(UserError, match=r"cannot read .*diagnostic.tsv \(Input/output error\), .*diagnostic.tsv, "
-                                        r"check the file, or move it aside"):
+    needle = r"cannot read .*diagnostic.tsv \(Input/output error\), .*diagnostic.tsv, check the file, or move it aside"
+    with pytest.raises(UserError, match=needle):
         ft_runner.Runner(config, str(tmp_path / "ft"))
+    sweep = make_config(env, tasks="rte,mnli")      # the sweep's early read: the same line (it was a traceback)
+    sweep.train.predict_test = True
+    with pytest.raises(UserError, match=needle):
+        ft_sweep.sweep(sweep, str(tmp_path / "sweep"))

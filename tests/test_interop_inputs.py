@@ -106,8 +106,9 @@ def test_tokens_added_beyond_vocab_txt_are_refused(hf, tmp_path, capsys, name, t
     (src / name).write_text(json.dumps(text(len(VOCAB))))
     refused(capsys, tmp_path, src, f"adds {1 + (name == 'added_tokens.json')} token(s) beyond vocab.txt ('zz")
     specials = {str(VOCAB.index(t)): {"content": t, "special": True} for t in ("[PAD]", "[UNK]", "[MASK]")}
-    (src / name).unlink()   # the specials at their vocab.txt ids (what transformers writes for BERT) are fine
+    (src / name).unlink()   # the specials at their vocab.txt ids (what transformers writes for BERT) are fine,
     (src / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": specials}))
+    (src / "vocab.txt").write_bytes(b"\xef\xbb\xbf" + (src / "vocab.txt").read_bytes())   # read as the tokenizer does
     assert launch.main(["import-hf", f"--from={src}", f"--workdir={tmp_path / 'run'}"]) == 0, capsys.readouterr()
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import launch
-from glue_fixtures import make_pretrained
+from glue_fixtures import load_config_module, make_pretrained
 from tests import xla_flags
 from tupe_jax import workdir as workdir_lib
 
@@ -206,3 +206,8 @@ def test_an_mlm_key_given_to_a_causal_run_is_refused_not_ignored(tmp_path, capsy
     assert not (tmp_path / "run").exists()
     mlm = ["pretrain", PRETRAIN, f"--workdir={tmp_path / 'mlm'}", f"--config.{key}={value}", "--config.train.steps=0"]
     assert launch.main(mlm + TINY) == 2 and "train.steps" in capsys.readouterr().err   # an MLM reads it: not this refusal
+    from tupe_jax.pretrain import validate  # pylint: disable=import-outside-toplevel
+    (tmp_path / "old").mkdir()       # a causal run made with the key before this check: it resumes with its keys
+    (tmp_path / "old" / "config.json").write_text("{}")
+    config = load_config_module("pretrain").get_config("pe=rope,objective=clm")
+    assert validate.refuse_unread_keys(config, frozenset(), frozenset({key}), workdir=str(tmp_path / "old")) == []

@@ -51,9 +51,10 @@ SET_PER_RUN = {"finetune.task": "use --config.glue.tasks",
                "finetune.sweep": "drop it, and run `launch glue-sweep` on a scheme's run for a sweep"}
 
 
-def refuse_set_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset) -> list:
+def refuse_set_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset,
+                    workdir: str = "") -> list:
     """Refuse overrides of keys the suite sets per run (`SET_PER_RUN`); nothing is adopted."""
-    del config, arg_keys
+    del config, arg_keys, workdir
     for key in sorted(override_keys):
         hit = next((k for k in SET_PER_RUN if key == k or key.startswith(k + ".")), None)
         require(hit is None, f"{key} is set by the suite for each fine-tune", f"--config.{key}",

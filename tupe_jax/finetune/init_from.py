@@ -86,16 +86,18 @@ def open_init_source(config: ml_collections.ConfigDict) -> InitSource:
 
 
 def adopt_model_keys(config: ml_collections.ConfigDict, arg_keys: frozenset[str] = frozenset(),
-                     override_keys: frozenset[str] = frozenset()) -> list[str]:
+                     override_keys: frozenset[str] = frozenset(), workdir: str = "") -> list[str]:
     """With `config.init_from`, set the MUST_MATCH model keys that the command line left to their presets to the
     pretraining run's values (its config.json); return them as `model.key=value`. A key counts as given when
     `override_keys` holds `model.<key>` or `arg_keys` holds a config-arg key that sets it (`ARG_KEYS`: `pe`,
     `objective`, `size`); a given key is kept, and `check_model_keys` refuses it if it differs from the run's.
-    Without init_from, or a run without a readable config.json, nothing changes."""
+    Without init_from, or a run without a readable config.json, nothing changes. (`workdir`, the fine-tune's own
+    folder, is the launcher's to give; not read.)"""
+    del workdir
     if not config.init_from:
         return []
-    workdir, _ = resolve_init_from(str(config.init_from), int(config.init_step))
-    path = workdir_lib.config_path(workdir)
+    source, _ = resolve_init_from(str(config.init_from), int(config.init_step))
+    path = workdir_lib.config_path(source)
     if not files.isfile(path):
         return []
     try:

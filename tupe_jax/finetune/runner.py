@@ -71,6 +71,28 @@ def on_every_process(ok: bool) -> bool:
     return all(sh.gathered(int(bool(ok))))
 
 
+def read_diagnostic(config: ml_collections.ConfigDict) -> list[dict] | None:
+    """MNLI's diagnostic set (AX) in data.glue_dir, read and checked before training (a bad row found after it
+    would cost the run), with the same verdict on every process; None where the folder has none."""
+    if not config.data.glue_dir:
+        return None
+    path = glue_tsv.diagnostic_path(local_glue_dir(config))
+    if not on_every_process(path.is_file()):
+        return None
+    examples, failure = None, None
+    try:
+        examples = glue_tsv.parse_diagnostic(path)
+    except OSError as err:    # a disk or network error: every host must still reach the vote below
+        failure = UserError(f"cannot read {path} ({err.strerror or type(err).__name__})", str(path),
+                            "check the file, or move it aside to predict no AX set")
+    except Exception as err:  # pylint: disable=broad-except  # as above
+        failure = err
+    if not on_every_process(failure is None):   # the same verdict on every host: predicting is collective
+        raise failure or UserError(f"{path} could not be read on another host", str(path),
+                                   "give every host the same data.glue_dir")
+    return examples
+
+
 class Runner:
     """Everything one fine-tuning run needs: tokenizer, mesh, model, jitted steps, and split evaluation."""
 
@@ -98,7 +120,7 @@ class Runner:
                     f"the {self.task} {split} split has no examples", f"data.glue_dir={config.data.glue_dir}",
                     "give the task's dev file with at least one row")
         self.data_key = glue_fingerprint(config, self.task)     # stored with the checkpoints: resume on the same data
-        self.diagnostic = self._read_diagnostic() if self.task == "mnli" and bool(t.predict_test) else None
+        self.diagnostic = read_diagnostic(config) if self.task == "mnli" and bool(t.predict_test) else None
         self.tx, self.schedule = make_optimizer(schedule_section(config, self.total_steps))
         self.init_fn = trainer_lib.init_state_fn(self.model, self.tx, int(config.model.max_len))
         self.step_fn = trainer_lib.make_train_step(make_loss_fn(self.model), self.tx, self.schedule,
@@ -181,27 +203,6 @@ class Runner:
         if self.task == "mnli":
             written += self._write_ax(params, out_dir)
         return written
-
-    def _read_diagnostic(self) -> list[dict] | None:
-        """MNLI's diagnostic set (AX), read and checked before training (a bad row found after it would cost the
-        run); None where data.glue_dir has none."""
-        if not self.config.data.glue_dir:
-            return None
-        path = glue_tsv.diagnostic_path(local_glue_dir(self.config))
-        if not on_every_process(path.is_file()):
-            return None
-        examples, failure = None, None
-        try:
-            examples = glue_tsv.parse_diagnostic(path)
-        except OSError as err:    # a disk or network error: every host must still reach the vote below
-            failure = UserError(f"cannot read {path} ({err.strerror or type(err).__name__})", str(path),
-                                "check the file, or move it aside to predict no AX set")
-        except Exception as err:  # pylint: disable=broad-except  # as above
-            failure = err
-        if not on_every_process(failure is None):   # the same verdict on every host: predicting is collective
-            raise failure or UserError(f"{path} could not be read on another host", str(path),
-                                       "give every host the same data.glue_dir")
-        return examples
 
     def _write_ax(self, params: Any, out_dir: str) -> list[str]:
         if self.diagnostic is None:

@@ -14,12 +14,12 @@ import ml_collections
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.config import lock
-from tupe_jax.data import glue_tsv
-from tupe_jax.data.builders import check_glue_task, glue_fingerprint, local_glue_dir
+from tupe_jax.data.builders import check_glue_task, glue_fingerprint
 from tupe_jax.errors import UserError, require
 from tupe_jax.finetune import scores
 from tupe_jax.finetune.init_from import resolve_init_from
 from tupe_jax.finetune.loop import finetune
+from tupe_jax.finetune.runner import read_diagnostic
 from tupe_jax.finetune.validate import paper_epochs, sweep_tasks, validate
 
 
@@ -46,10 +46,8 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     for task in tasks:              # every task's files, before the first sub-run trains
         first = sub_config(config, task, lrs[0], seeds[0])
         check_glue_task(first, task, "--config.sweep.tasks")
-        if task == "mnli" and bool(first.train.predict_test) and str(first.data.glue_dir):   # and MNLI's AX set
-            diagnostic = glue_tsv.diagnostic_path(local_glue_dir(first))
-            if diagnostic.is_file():
-                glue_tsv.parse_diagnostic(diagnostic)
+        if task == "mnli" and bool(first.train.predict_test):   # and MNLI's AX set
+            read_diagnostic(first)
     init = _init_step(config)
     config = _pinned(config, init)  # every sub-run of this command reads that step, even while the run trains on
     for task, lr, seed in grid:     # sub-runs already there are reused only if this sweep would make them the same

@@ -290,7 +290,7 @@ def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert
 def write_run(workdir: str, config: ml_collections.ConfigDict, params: Any, tokenizer: Tokenizer,
               step: int = 0, fresh_head: bool = False) -> None:
     """config.json, tokenizer/ and checkpoints/<step>/ (params, a fresh optimizer state, meta) in `workdir`;
-    `fresh_head`: the MLM head was initialised here (meta `fresh_mlm_head`: the commands that read MLM scores say
+    `fresh_head`: the MLM head was initialised here (meta `fresh_mlm_head`: every command that loads the run says
     so)."""
     os.makedirs(workdir, exist_ok=True)
     workdir_lib.write_config(workdir, config)

@@ -41,17 +41,17 @@ def read_tokenizer(src: str, where: str = WHERE) -> Tokenizer:
             require(tok_cfg.get(key) in ok, f"{cfg_path} has {key}={tok_cfg.get(key)!r}", where,
                     "only BERT's own tokenizer (BertTokenizer: basic tokenization with Chinese characters split, "
                     "then WordPiece) is supported")
-    _refuse_added_tokens(src, path, where)
-    return Tokenizer.from_file(path)
+    tokenizer = Tokenizer.from_file(path)
+    _refuse_added_tokens(src, list(getattr(tokenizer, "vocab", [])), where)
+    return tokenizer
 
 
-def _refuse_added_tokens(src: str, vocab_path: str, where: str) -> None:
+def _refuse_added_tokens(src: str, vocab: list[str], where: str) -> None:
     """Tokens a transformers tokenizer adds beyond vocab.txt (added_tokens.json, tokenizer_config.json's
     added_tokens_decoder, tokenizer.json's added_tokens) are whole tokens there; our WordPiece reads vocab.txt alone
     and would split them, giving other ids. Ones that are vocab.txt's own lines at their ids (BERT's specials) are
     fine."""
-    with open(vocab_path, encoding="utf-8") as f:
-        index = {line.rstrip("\r\n"): i for i, line in reversed(list(enumerate(f)))}
+    index = {token: i for i, token in reversed(list(enumerate(vocab)))}   # vocab.txt as the tokenizer read it
     added: list[tuple[str, Any]] = []
     for name in ("added_tokens.json", CONFIG_NAME, "tokenizer.json"):
         file = os.path.join(src, name)

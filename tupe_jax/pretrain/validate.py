@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from tupe_jax import data, model, optim, sharding, trainer
+from tupe_jax import data, files, model, optim, sharding, trainer
 from tupe_jax.config import require_finite, require_positive, require_seed
 from tupe_jax.errors import UserError, require, warn_once
 
@@ -39,14 +39,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
 
 
 # Keys a causal LM does not read (its examples are contiguous windows, every token a target): given on the command
-# line with objective=clm they would change nothing, so they are refused rather than ignored.
-MLM_ONLY = {"data.mask_prob": "masking", "data.max_predictions": "masking", "data.packing": "MLM packing"}
+# line for a new causal run they would change nothing, so they are refused rather than ignored.
+MLM_ONLY = {"data.mask_prob": "masking", "data.max_predictions": "masking", "data.packing": "packing"}
 
 
-def refuse_unread_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset) -> list:
-    """The launcher's hook: an override of a key `config`'s objective does not read is refused; nothing is set."""
+def refuse_unread_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset,
+                       workdir: str = "") -> list:
+    """The launcher's hook: an override of a key `config`'s objective does not read is refused for a new run; a run
+    already in `workdir` (made before this check) resumes with its own keys, which the workdir gate compares.
+    Nothing is set."""
     del arg_keys
-    if str(config.model.objective) == "clm":
+    if str(config.model.objective) == "clm" and not (workdir and files.isfile(files.join(workdir, "config.json"))):
         for key in sorted(override_keys & set(MLM_ONLY)):
             raise UserError(f"{key} is read by MLM {MLM_ONLY[key]} only; objective=clm trains on contiguous windows "
                             "with every token a target", f"--config.{key}", "drop it, or pretrain an MLM (objective=mlm)")
