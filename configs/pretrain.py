@@ -19,7 +19,7 @@ Ready-to-paste commands:
 Schemes (`pe=`): bert_a (alias learned), sinusoidal, rope, alibi, t5, bert_r, nopos, tupe_a, tupe_r, bert_ad.
 In causal configs (`objective=clm`) `model.untie_cls` is forced to False (there is no [CLS] token to untie) and
 the model uses pre-LN blocks; MLM configs use post-LN as in TUPE's code. The MLM keys data.mask_prob,
-data.max_predictions and data.packing given on the command line of a causal run are refused (it reads none of them).
+data.max_predictions and data.packing given on the command line for a new causal run are refused (it reads none).
 """
 from __future__ import annotations
 
