@@ -42,8 +42,9 @@ Keys beyond configs/pretrain.py's (model/data/train/mesh/checkpoint are shared b
   probe.steps / probe.train_tokens / probe.eval_tokens / probe.learning_rate   the position probes;
   glue.tasks     comma-separated tasks; 'auto' = wordorder + every GLUE task with train and dev TSVs under
                  data.glue_dir (WNLI excluded, as in the TUPE paper; a data.glue_dir holding none is refused);
-                 '' = no fine-tuning; every task named must have its train and dev TSVs there (checked before
-                 any pretraining), and a rerun may add tasks but not drop ones its report.json has;
+                 '' = no fine-tuning; every GLUE task named (not wordorder) must have its train and dev TSVs
+                 there (checked before any pretraining), and a rerun may add tasks but not drop ones its
+                 report.json has;
   glue.epochs / glue.learning_rate / glue.batch_size   one fine-tuning run per (scheme, seed, task);
   finetune       configs/glue.py's remaining sections (train, sweep, checkpoint, ...) for the fine-tunes;
   glue.max_steps fine-tuning steps per task are min(epochs x examples // batch, max_steps) (0 = no cap): a

@@ -210,8 +210,8 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: python tests/behaviour.py --write|--add|--add-fast   (module docstring)")
     if mode == "--add-fast":    # before jax reads the flags (nothing here has started a backend yet)
         os.environ["XLA_FLAGS"] = COMPILES["fast"]
-    if mode == "--write":       # the primary is recorded as the suite runs (XLA's dots: tests/conftest.py), so that
-        os.environ[xla_options.OPT_OUT] = "0"   # the suite's stack can match it bit for bit
+    if mode in ("--write", "--add-fast"):   # recorded as the suite runs (XLA's dots: tests/conftest.py), so that
+        os.environ[xla_options.OPT_OUT] = "0"   # the suite's stack can match them bit for bit
     primary = recordings()[0] if mode != "--write" else None
     if primary is not None and primary["stack"] == stack():
         sys.exit(f"error: this stack is the primary recording's, {GOLDEN}, nothing to add (--write re-records it)")

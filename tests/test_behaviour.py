@@ -180,7 +180,7 @@ def test_add_refuses_a_scheme_the_primary_lacks_before_recording(tmp_path, monke
     assert golden.read_bytes() == before and len(B.recordings()) == 1
 
 
-def test_write_records_on_the_suites_dots(tmp_path, monkeypatch):
+def test_write_and_add_fast_record_on_the_suites_dots(tmp_path, monkeypatch):
     """Recorded from a shell, the primary used oneDNN dots, which the suite (TUPE_JAX_ONEDNN=0) never matches bit
     for bit."""
     _fake_golden(tmp_path, monkeypatch, PRIMARY)
@@ -188,4 +188,10 @@ def test_write_records_on_the_suites_dots(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(B, "record", lambda root: seen.append(B.os.environ[B.xla_options.OPT_OUT]) or PRIMARY)
     B.main(["behaviour.py", "--write"])
-    assert seen == ["0"]
+    monkeypatch.setenv(B.xla_options.OPT_OUT, "1")
+    fast = B.json.loads(B.json.dumps(PRIMARY))
+    fast["stack"]["compile"] = "fast"
+    monkeypatch.setattr(B, "record", lambda root: seen.append(B.os.environ[B.xla_options.OPT_OUT]) or fast)
+    monkeypatch.setattr(B, "stack", lambda: fast["stack"])
+    B.main(["behaviour.py", "--add-fast"])          # the every-scheme test's recording: the suite's dots too
+    assert seen == ["0", "0"]

@@ -10,7 +10,8 @@ A scheme acts on the Transformer at four points and only these:
 
 Each scheme is a Linen module called ONCE at the top of a forward pass as `scheme(length, offset)`; it returns
 a `PositionalTerms` that the model threads through its layers. Nothing positional happens anywhere else. A
-scheme's parameters get AdamW's weight decay unless their name contains `bias` or is `scale` (`optim.decays`):
+scheme's parameters get AdamW's weight decay unless their name contains `bias` or is `scale`, or their module is
+a norm (`optim.decays`):
 name a parameter accordingly when decay would pull it somewhere it should not go. Adding a scheme: the README's
 steps under "Layout".
 """
