@@ -120,9 +120,9 @@ def test_a_rerun_with_fewer_glue_tasks_is_refused(tmp_path):
                                                       "glue_tasks": ["wordorder"]}))
     config = load("suite=tupe", schemes="tupe_a", seeds="0", **{"glue.tasks": ""})
     with pytest.raises(UserError, match="covers GLUE task wordorder, which this command's suite lacks"):
-        suite_lib._refuse_to_shrink(config, str(tmp_path), suite_lib.parse_schemes(config), [0])
+        suite_lib._refuse_to_shrink(str(tmp_path), suite_lib.parse_schemes(config), [0], suite_lib.glue_tasks(config))
     more = load("suite=tupe", schemes="tupe_a", seeds="0", **{"glue.tasks": "wordorder"})
-    suite_lib._refuse_to_shrink(more, str(tmp_path), suite_lib.parse_schemes(more), [0])
+    suite_lib._refuse_to_shrink(str(tmp_path), suite_lib.parse_schemes(more), [0], suite_lib.glue_tasks(more))
 
 
 TINY = {"model.hidden_size": 32, "model.num_layers": 2, "model.num_heads": 2, "model.mlp_dim": 64,

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import ml_collections
 
@@ -107,3 +108,8 @@ def scheme_config(config: ml_collections.ConfigDict, scheme: Scheme, seed: int) 
 
 def run_name(scheme: Scheme, seed: int) -> str:
     return f"{scheme.name}-s{seed}"
+
+
+def run_path(root: str, scheme: Scheme, seed: int) -> str:
+    """The absolute path of (scheme, seed)'s pretraining run under `root` (Orbax wants absolute paths)."""
+    return os.path.abspath(os.path.join(root, run_name(scheme, seed)))

@@ -35,7 +35,7 @@ from tupe_jax import config as config_lib
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.analysis import extrapolate, findings, probe, report
-from tupe_jax.analysis.schemes import Scheme, parse_schemes, parse_seeds, run_name, scheme_config
+from tupe_jax.analysis.schemes import Scheme, parse_schemes, parse_seeds, run_name, run_path, scheme_config
 from tupe_jax.analysis.suite_glue import (Preempted, check_finetunes, finetune_all, glue_tasks,
                                           refuse_other_config, validate_finetunes)
 from tupe_jax.errors import Diverged, UserError, require
@@ -102,8 +102,8 @@ def pretrain_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[
     """Train every (scheme, seed), seed by seed, skipping finished runs; {seed: [{'scheme', 'seed', 'path',
     'seconds', 'reused'}] in scheme order}."""
     root, total, out = runs_root(config, workdir), int(config.train.steps), {}
-    jobs = [(seed, scheme, os.path.abspath(os.path.join(root, run_name(scheme, seed))),   # Orbax: absolute paths
-             scheme_config(config, scheme, seed)) for seed in seeds for scheme in schemes]
+    jobs = [(seed, scheme, run_path(root, scheme, seed), scheme_config(config, scheme, seed))
+            for seed in seeds for scheme in schemes]
     for _, _, path, sub in jobs:   # a run in runs_dir that cannot be reused stops the suite before any training
         _check_same_run(path, sub)
     for i, (seed, scheme, path, sub) in enumerate(jobs, 1):
@@ -211,8 +211,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         return {"preempted": True}
 
 
-def _refuse_to_shrink(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
-                      seeds: list[int]) -> None:
+def _refuse_to_shrink(workdir: str, schemes: list[Scheme], seeds: list[int], tasks: list[str]) -> None:
     """A rerun with fewer schemes, seeds or GLUE tasks would replace the folder's report with one that covers less
     (a 3-seed report with verdicts by a 1-seed one); more may be added."""
     path = os.path.join(workdir, "report.json")
@@ -225,7 +224,6 @@ def _refuse_to_shrink(config: ml_collections.ConfigDict, workdir: str, schemes: 
     except (ValueError, KeyError, TypeError):
         return                             # not a report this can read: the suite writes a whole new one
     names = {s.name for s in schemes}
-    tasks = glue_tasks(config) if str(config.suite) == "tupe" else []
     lost = [n for n in had[0] if n not in names] + [f"seed {k}" for k in had[1] if k not in seeds] + \
         [f"GLUE task {t}" for t in had[2] if t not in tasks]
     require(not lost, f"{path} covers {', '.join(lost[:4])}{' ...' if len(lost) > 4 else ''}, which this command's "
@@ -236,17 +234,17 @@ def _refuse_to_shrink(config: ml_collections.ConfigDict, workdir: str, schemes: 
 
 def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     validate(config, jax.device_count())
-    schemes, seeds = parse_schemes(config), parse_seeds(config)
-    _refuse_to_shrink(config, workdir, schemes, seeds)
-    suite = str(config.suite)
+    schemes, seeds, suite = parse_schemes(config), parse_seeds(config), str(config.suite)
+    tasks = glue_tasks(config) if suite == "tupe" else []     # resolved once ('auto' lists data.glue_dir)
+    _refuse_to_shrink(workdir, schemes, seeds, tasks)
     os.makedirs(workdir, exist_ok=True)
     timings: dict[str, float] = {}
     print(f"[compare {suite}] {len(schemes)} schemes x {len(seeds)} seeds: {', '.join(s.name for s in schemes)}; "
           f"{config.train.steps} steps x batch {config.train.batch_size} x {config.model.max_len} tokens each, "
           f"seeds {','.join(map(str, seeds))}, data {config.data.name}", flush=True)
 
-    if suite == "tupe" and glue_tasks(config):
-        check_finetunes(config, workdir, schemes, seeds, runs_root(config, workdir))
+    if tasks:
+        check_finetunes(config, workdir, schemes, seeds, runs_root(config, workdir), tasks)
     start = time.time()
     runs = pretrain_all(config, workdir, schemes, seeds)
     timings["pretrain_s"] = time.time() - start
@@ -271,10 +269,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             result.setdefault(key, {})[str(seed)] = value
     if suite in ("extrapolation", "probe"):
         timings[f"{suite}_s"] = time.time() - start
-    if suite == "tupe" and glue_tasks(config):
+    if tasks:
         start = time.time()
-        result["glue"] = finetune_all(config, workdir, schemes, runs)
-        result["glue_tasks"] = glue_tasks(config)
+        result["glue"] = finetune_all(config, workdir, schemes, runs, tasks)
+        result["glue_tasks"] = tasks
         timings["glue_s"] = time.time() - start
     result["findings"] = findings.evaluate(result)
 

@@ -13,7 +13,7 @@ from tupe_jax import config as config_lib
 from tupe_jax import data as data_lib
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
-from tupe_jax.analysis.schemes import Scheme, parse_schemes, run_name, scheme_config
+from tupe_jax.analysis.schemes import Scheme, parse_schemes, run_name, run_path, scheme_config
 from tupe_jax.data.builders import check_glue_task, local_glue_dir
 from tupe_jax.data.glue_tsv import has_train_and_dev
 from tupe_jax.errors import UserError, require
@@ -137,22 +137,21 @@ def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:
 
 
 def check_finetunes(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme], seeds: list[int],
-                    runs_root: str) -> None:
+                    runs_root: str, tasks: list[str]) -> None:
     """Before any pretraining: every fine-tune already in the suite folder must be the one this suite would make
     (one made with other glue.* settings was found at its turn, after hours of pretraining)."""
     for seed in seeds:
         for scheme in (s for s in schemes if s.objective == "mlm"):
-            pretrained = os.path.abspath(os.path.join(runs_root, run_name(scheme, seed)))
-            for task in glue_tasks(config):
+            pretrained = run_path(runs_root, scheme, seed)
+            for task in tasks:
                 path = os.path.join(workdir, "glue", run_name(scheme, seed), task)
                 if files.isfile(workdir_lib.config_path(path)):
                     _check_same_finetune(path, glue_config(config, scheme, seed, pretrained, task))
 
 
 def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
-                 runs: dict[int, list[dict]]) -> dict:
-    """Fine-tune every (scheme, seed, task) not done yet; {scheme: {str(seed): {task: results.json dict}}}."""
-    tasks = glue_tasks(config)
+                 runs: dict[int, list[dict]], tasks: list[str]) -> dict:
+    """Fine-tune every (scheme, seed, task) of `tasks` not done yet; {scheme: {str(seed): {task: results.json}}}."""
     results: dict[str, dict] = {}
     for seed, infos in runs.items():
         for scheme, info in zip(schemes, infos):

@@ -50,8 +50,9 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             read_diagnostic(first)
     init = _init_step(config)
     config = _pinned(config, init)  # every sub-run of this command reads that step, even while the run trains on
+    data_keys: dict[str, str] = {}  # the examples' key per task (the same for each lr and seed), made when needed
     for task, lr, seed in grid:     # sub-runs already there are reused only if this sweep would make them the same
-        check_existing(sub_config(config, task, lr, seed), run_dir(workdir, task, lr, seed), init)
+        check_existing(sub_config(config, task, lr, seed), run_dir(workdir, task, lr, seed), init, data_keys)
     for i, (task, lr, seed) in enumerate(grid, 1):
         path = run_dir(workdir, task, lr, seed)
         if files.isfile(files.join(path, "results.json")):
@@ -92,21 +93,22 @@ def _pinned(config: ml_collections.ConfigDict, init: tuple[str, int] | None) -> 
     return lock(out)
 
 
-def check_existing(sub: ml_collections.ConfigDict, path: str, init: tuple[str, int] | None) -> None:
+def check_existing(sub: ml_collections.ConfigDict, path: str, init: tuple[str, int] | None,
+                   data_keys: dict[str, str]) -> None:
     """A sub-run already in `path` (finished: results.json; started: a checkpoint) must be what `sub` would make
     now: the keys a resume may not change, the pretraining checkpoint it started from and the task's examples (the
-    sweep ranks them side by side; a rerun with other settings ranked old and new runs together)."""
+    sweep ranks them side by side; a rerun with other settings ranked old and new runs together). `data_keys`:
+    the examples' keys found so far, by task."""
     done = files.join(path, "results.json")
     if files.isfile(done):
-        made = files.read_json(done)
+        what, made = "finished", files.read_json(done)
         source = {"workdir": made.get("init_from"), "step": made.get("init_step")} if made.get("init_from") else None
     else:
         steps = workdir_lib.checkpoint_steps(path)
         if not steps:
             return                 # nothing trained there yet: the sub-run's own gate checks it when it starts
-        made = workdir_lib.read_meta(path, steps[-1], "--workdir", item="data")   # the fine-tune's progress
+        what, made = "started", workdir_lib.read_meta(path, steps[-1], "--workdir", item="data")   # its progress
         source = made.get("init")
-    what = "finished" if files.isfile(done) else "started"
     try:
         workdir_lib.check_config(path, sub)
     except UserError as err:
@@ -118,7 +120,10 @@ def check_existing(sub: ml_collections.ConfigDict, path: str, init: tuple[str, i
             f"sweep's new ones from {now[0] or 'scratch'} step {now[1]}", "--config.init_step",
             (f"give --config.init_step={had[1]} (the step its sub-runs read), or " if had[1] is not None else "")
             + "sweep into a fresh workdir")
+    task = str(sub.task)
     if "data" in made:             # results.json of earlier versions lack it
-        require(made["data"] == glue_fingerprint(sub, str(sub.task)), f"the {sub.task} examples differ from those "
+        if task not in data_keys:
+            data_keys[task] = glue_fingerprint(sub, task)
+        require(made["data"] == data_keys[task], f"the {task} examples differ from those "
                 f"the {what} sub-run {path} was scored on (its GLUE files or tfds dataset changed since)",
                 "--config.data.glue_dir", "restore the examples it was made with, or sweep into a fresh workdir")

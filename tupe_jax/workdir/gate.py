@@ -131,13 +131,16 @@ def _refuse_new_schedule(old: dict[str, Any], new: dict[str, Any], finetune: boo
 def _refuse_other_finetune_kind(workdir: str, kind: Optional[str], step: Optional[int]) -> None:
     """`finetune` into a sweep's root, or `glue-sweep` into a fine-tuning run: each would write its files among
     the other's (checkpoints beside sweep.json, sub-runs inside a run)."""
-    sweep_root = files.exists(files.join(workdir, "sweep.json")) or holds_runs(workdir)
-    a_run = step is not None or files.exists(files.join(workdir, "results.json"))
-    for this, other, holds in (("finetune", "a glue-sweep folder", sweep_root),
-                               ("glue-sweep", "a fine-tuning run", a_run)):
-        require(kind != this or not holds, f"{workdir} holds {other}; this command makes "
-                f"{'a fine-tuning run' if this == 'finetune' else 'a glue-sweep folder'}", "--workdir",
-                "give each command its own workdir")
+    if kind == "finetune":         # (each test only for its command: holds_runs lists three levels of folders)
+        held, made = "a glue-sweep folder", "a fine-tuning run"
+        found = files.exists(files.join(workdir, "sweep.json")) or holds_runs(workdir)
+    elif kind == "glue-sweep":
+        held, made = "a fine-tuning run", "a glue-sweep folder"
+        found = step is not None or files.exists(files.join(workdir, "results.json"))
+    else:
+        return
+    require(not found, f"{workdir} holds {held}; this command makes {made}", "--workdir",
+            "give each command its own workdir")
 
 
 def _shown(key: str, old: Any, new: Any) -> str:
