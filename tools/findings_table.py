@@ -54,16 +54,16 @@ def scales(root: str = ROOT) -> list[str]:
     for suite in SUITES:
         report = _report(root, suite)
         if report is not None:
-            line = _guarded(suite, lambda r=report: _scale(r))
+            line = _guarded(suite, _scale, report)
             if line not in out:
                 out.append(line)
     return out
 
 
-def _guarded(suite: str, make):
-    """`make()`, with a report lacking a key (or holding another type) refused in one line naming it."""
+def _guarded(suite: str, fn, *args):
+    """`fn(*args)`, with a report lacking a key (or holding another type) refused in one line naming it."""
     try:
-        return make()
+        return fn(*args)
     except (KeyError, TypeError, ValueError, IndexError) as err:
         path = os.path.join("docs", "experiments", suite, "report.json")
         raise Refused(f"error: {path} lacks what the table reads ({type(err).__name__}: {str(err)[:80]}), {path}, "
@@ -77,7 +77,7 @@ def table(root: str = ROOT) -> str:
     for suite in SUITES:
         report = _report(root, suite)
         if report is not None:
-            rows += _guarded(suite, lambda r=report, s=suite: _rows(r, s, seen))
+            rows += _guarded(suite, _rows, report, suite, seen)
     found = scales(root)
     lead = "Scale of every run in the table: " if len(found) == 1 else \
         "Scales of the runs in the table (the steps column tells the rows apart): "

@@ -18,12 +18,8 @@ class UserError(ValueError):
 
 
 class Diverged(UserError):
-    """Training met a non-finite loss, gradient or parameter at `step` (the trainer's); a comparison suite records
-    the run as diverged and goes on (its comparisons get no verdict), other callers stop with the line."""
-
-    def __init__(self, step: int, what: str, where: str = "", fix: str = ""):
-        super().__init__(what, where, fix)
-        self.step = step
+    """Training met a non-finite loss, gradient or parameter (the trainer's); a comparison suite records the run as
+    diverged and goes on (its comparisons get no verdict), other callers stop with the line."""
 
 
 def require(condition: bool, what: str, where: str = "", fix: str = "") -> None:

@@ -200,7 +200,7 @@ class Trainer:
     def _diverged(self, step: int, what: str) -> None:
         self.checkpointer.wait()   # let an in-flight save of a good step commit before we stop
         kept = self.checkpointer.latest_step()
-        raise Diverged(step, f"training diverged at step {step} ({what})", self.checkpointer.directory,
+        raise Diverged(f"training diverged at step {step} ({what})", self.checkpointer.directory,
                         "lower --config.train.learning_rate or raise warmup; "
                         + (f"the last good checkpoint (step {kept}) is kept" if kept is not None
                            else "no checkpoint had been written yet"))

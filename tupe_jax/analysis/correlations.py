@@ -5,8 +5,9 @@ Every decomposition is exact: its terms add up to the model's real pre-mask logi
 
 - **additive** (input-vector schemes: bert_a, sinusoidal, bert_r; layer 0 only — deeper layers mix words and
   positions irrecoverably). The attention input is LN(s), s = w + p (w: token embedding, plus segment 0's row in
-  a model with segment embeddings, e.g. an imported BERT; p: the scheme's input vector; LN = `embed_ln` in the MLM encoder, the block's `ln_attention` in the pre-LN decoder). With the LN's
-  own statistics of the sum (μ_s = μ_w + μ_p, σ_s):
+  a model with segment embeddings, e.g. an imported BERT; p: the scheme's input vector; LN = `embed_ln` in the MLM
+  encoder, the block's `ln_attention` in the pre-LN decoder). With the LN's own statistics of the sum
+  (μ_s = μ_w + μ_p, σ_s):
 
       LN(s) = a_w + a_p,   a_w = γ ⊙ (w − μ_w)/σ_s + β,   a_p = γ ⊙ (p − μ_p)/σ_s
 

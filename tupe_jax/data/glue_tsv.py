@@ -117,6 +117,11 @@ def parse_tsv(path: str | Path, task: str, split: str) -> Iterator[dict]:
     if not path.is_file():
         raise UserError(f"GLUE file for {task} {split} not found", str(path),
                         "set data.glue_dir to the directory made by download_glue_data.py")
+    yield from _rows(path, spec, is_test)
+
+
+def _rows(path: Path, spec: TaskSpec, is_test: bool) -> Iterator[dict]:
+    """The examples of a GLUE file laid out as `spec` says (a test file: labels -1, its ids required)."""
     lines = _decoded_lines(path)
     if spec.no_header and not is_test:
         header = list(spec.no_header)
@@ -171,35 +176,18 @@ def diagnostic_path(glue_dir: str | Path) -> Path:
     return Path(glue_dir).expanduser() / "diagnostic" / "diagnostic.tsv"
 
 
+# MNLI's diagnostic set (GLUE's AX) is read as a test file of this layout
+DIAGNOSTIC = TaskSpec("diagnostic", "sentence1", "sentence2", "", TASKS["mnli"].classes, idx="index")
+
+
 def parse_diagnostic(path: str | Path) -> list[dict]:
-    """{'idx', 'sentence1', 'sentence2', 'label': 0} per row of diagnostic.tsv (header index, sentence1, sentence2),
-    with the checks of `parse_tsv`: a short row, a non-integer index or bad bytes is an error naming `file:line`."""
+    """The examples of diagnostic.tsv (header index, sentence1, sentence2; labels -1), with `parse_tsv`'s checks:
+    a short row, a non-integer index, bad bytes or no rows is an error naming the file (and line)."""
     path = Path(path)
-    lines = _decoded_lines(path)
-    first = next(lines, None)
-    if first is None:
-        raise UserError("GLUE diagnostic file is empty", f"{path}:1", "use the GLUE diagnostic.tsv")
-    header = first[1].split("\t")
-    cols = {name: i for i, name in enumerate(header)}
-    missing = [n for n in ("index", "sentence1", "sentence2") if n not in cols]
-    if missing:
-        raise UserError(f"GLUE header lacks column(s) {missing} (has {header})", f"{path}:1",
-                        "use the GLUE diagnostic.tsv")
-    out = []
-    for lineno, line in lines:
-        if not line.strip():
-            continue
-        row = line.split("\t")
-        if len(row) != len(header):
-            raise UserError(f"GLUE row has {len(row)} columns, expected {len(header)}", f"{path}:{lineno}", _FIX)
-        try:
-            idx = int(row[cols["index"]])
-        except ValueError:
-            raise UserError(f"GLUE id {row[cols['index']]!r} is not an integer", f"{path}:{lineno}", _FIX) from None
-        out.append({"idx": idx, "sentence1": row[cols["sentence1"]], "sentence2": row[cols["sentence2"]], "label": 0})
-    if not out:
+    examples = list(_rows(path, DIAGNOSTIC, True))
+    if not examples:
         raise UserError("GLUE diagnostic file has a header and no rows", str(path), "use the GLUE diagnostic.tsv")
-    return out
+    return examples
 
 
 def num_labels(task: str) -> int:

@@ -24,12 +24,8 @@ def read_tokenizer(src: str, where: str = WHERE) -> Tokenizer:
     path = os.path.join(src, "vocab.txt")
     require(os.path.isfile(path), f"{src} has no vocab.txt", where, "add the model's WordPiece vocab.txt")
     cfg_path = os.path.join(src, CONFIG_NAME)
-    if os.path.isfile(cfg_path):
-        try:
-            with open(cfg_path, encoding="utf-8") as f:
-                tok_cfg = json.load(f)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise UserError(f"{cfg_path} is not valid JSON ({err})", where, "fix or remove it") from None
+    tok_cfg = _json(cfg_path, where)
+    if tok_cfg is not None:
         require(isinstance(tok_cfg, dict), f"{cfg_path} holds a JSON {type(tok_cfg).__name__}, not an object",
                 where, "fix or remove it")
         for key, wanted in SPECIAL_KEYS.items():
@@ -42,33 +38,35 @@ def read_tokenizer(src: str, where: str = WHERE) -> Tokenizer:
                     "only BERT's own tokenizer (BertTokenizer: basic tokenization with Chinese characters split, "
                     "then WordPiece) is supported")
     tokenizer = Tokenizer.from_file(path)
-    _refuse_added_tokens(src, list(getattr(tokenizer, "vocab", [])), where)
+    _refuse_added_tokens(src, list(getattr(tokenizer, "vocab", [])), tok_cfg or {}, where)
     return tokenizer
 
 
-def _refuse_added_tokens(src: str, vocab: list[str], where: str) -> None:
+def _json(path: str, where: str) -> Any:
+    """The JSON file at `path` (None when there is none); invalid JSON is a one-line error."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({err})", where, "fix or remove it") from None
+
+
+def _refuse_added_tokens(src: str, vocab: list[str], tok_cfg: dict, where: str) -> None:
     """Tokens a transformers tokenizer adds beyond vocab.txt (added_tokens.json, tokenizer_config.json's
     added_tokens_decoder, tokenizer.json's added_tokens) are whole tokens there; our WordPiece reads vocab.txt alone
     and would split them, giving other ids. Ones that are vocab.txt's own lines at their ids (BERT's specials) are
     fine."""
     index = {token: i for i, token in reversed(list(enumerate(vocab)))}   # vocab.txt as the tokenizer read it
-    added: list[tuple[str, Any]] = []
-    for name in ("added_tokens.json", CONFIG_NAME, "tokenizer.json"):
-        file = os.path.join(src, name)
-        if not os.path.isfile(file):
-            continue
-        try:
-            with open(file, encoding="utf-8") as f:
-                data = json.load(f)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise UserError(f"{file} is not valid JSON ({err})", where, "fix or remove it") from None
-        if name == "added_tokens.json" and isinstance(data, dict):
-            added += list(data.items())
-        elif name == CONFIG_NAME and isinstance(data, dict) and isinstance(data.get("added_tokens_decoder"), dict):
-            added += [(t.get("content"), _int(i)) for i, t in data["added_tokens_decoder"].items()
-                      if isinstance(t, dict)]
-        elif name == "tokenizer.json" and isinstance(data, dict) and isinstance(data.get("added_tokens"), list):
-            added += [(t.get("content"), t.get("id")) for t in data["added_tokens"] if isinstance(t, dict)]
+    added_file = _json(os.path.join(src, "added_tokens.json"), where)
+    fast = _json(os.path.join(src, "tokenizer.json"), where)
+    added: list[tuple[str, Any]] = list(added_file.items()) if isinstance(added_file, dict) else []
+    if isinstance(tok_cfg.get("added_tokens_decoder"), dict):
+        added += [(t.get("content"), _int(i)) for i, t in tok_cfg["added_tokens_decoder"].items()
+                  if isinstance(t, dict)]
+    if isinstance(fast, dict) and isinstance(fast.get("added_tokens"), list):
+        added += [(t.get("content"), t.get("id")) for t in fast["added_tokens"] if isinstance(t, dict)]
     extra = sorted({(str(tok), i) for tok, i in added if index.get(tok) != i}, key=str)
     shown = ", ".join(f"{t!r} id {i}" for t, i in extra[:3])
     require(not extra, f"{src}'s tokenizer adds {len(extra)} token(s) beyond vocab.txt ({shown}): our WordPiece "
