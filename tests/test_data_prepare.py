@@ -233,6 +233,15 @@ def test_a_run_refuses_a_directory_with_another_tokenizer(made, tmp_path):
     assert (tmp_path / "fresh" / "tokenizer" / "vocab.txt").is_file()
 
 
+def test_only_process_0_copies_the_directory_tokenizer(made, tmp_path, monkeypatch):
+    import jax
+    _, done = made
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert D.get_tokenizer(run_config(done), tmp_path / "run").vocab == \
+        D.Tokenizer.from_file(done / "tokenizer" / "vocab.txt").vocab
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_shard_from_other_settings_is_refused_on_resume(made, tmp_path, capsys):
     corpus, done = made
     out = tmp_path / "out"

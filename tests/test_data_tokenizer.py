@@ -43,6 +43,18 @@ def test_saved_and_reused_on_resume(tmp_path):
     assert again.vocab == tok.vocab and again.fingerprint == tok.fingerprint
 
 
+def test_only_process_0_saves_the_run_tokenizer(tmp_path, monkeypatch):
+    """Every process of a pod makes the same tokenizer; process 0 alone writes it into the (shared) run folder."""
+    import jax
+    c = make_config(tmp_path)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    tok = D.get_tokenizer(c, tmp_path / "run")
+    assert tok.vocab_size == 500 and not (tmp_path / "run").exists()
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    assert D.get_tokenizer(c, tmp_path / "run").vocab == tok.vocab
+    assert (tmp_path / "run" / "tokenizer" / "vocab.txt").read_text().splitlines() == tok.vocab
+
+
 def test_given_vocab_file(tmp_path):
     vocab = list(SPECIALS) + ["the", "cat", "##s", "sat", "."]
     path = tmp_path / "vocab.txt"

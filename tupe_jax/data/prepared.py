@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from tupe_jax import files
-from tupe_jax.data.tokenizer import PAD_ID, Tokenizer
+from tupe_jax.data.tokenizer import PAD_ID, Tokenizer, writes_tokenizer
 from tupe_jax.errors import UserError, require
 
 MANIFEST = "manifest.json"
@@ -96,7 +96,7 @@ def prepared_tokenizer(config, workdir) -> Tokenizer:
         given = Tokenizer.from_file(config.data.vocab_file)
         require(given.fingerprint == tok.fingerprint, f"data.vocab_file differs from the tokenizer of {root}",
                 "--config.data.vocab_file", "leave data.vocab_file empty with data.name=prepared")
-    if saved is not None and source != saved:
+    if saved is not None and source != saved and writes_tokenizer():
         tok.save(files.join(str(workdir), "tokenizer"))
     return tok
 

@@ -290,8 +290,8 @@ def get_tokenizer(config, workdir: str | Path | None) -> Tokenizer:
     """The run's tokenizer: `workdir/tokenizer/vocab.txt` (resume) > `config.data.vocab_file` > train one.
 
     A trained tokenizer uses `config.model.vocab_size` and the training split of `config.data` (learned once per
-    text in the data cache: `learned`); it is saved to `workdir/tokenizer/` so a resumed run reuses it. With
-    workdir=None nothing is saved in a workdir.
+    text in the data cache: `learned`); it is saved to `workdir/tokenizer/` (by process 0) so a resumed run reuses
+    it. With workdir=None nothing is saved in a workdir.
     """
     saved = files.join(workdir, "tokenizer", "vocab.txt") if workdir else None
     if saved is not None and files.isfile(saved):
@@ -307,6 +307,13 @@ def get_tokenizer(config, workdir: str | Path | None) -> Tokenizer:
         raise UserError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size is {model_vocab}",
                         str(config.data.get("vocab_file", "")) or "config.model.vocab_size",
                         f"set --config.model.vocab_size={tok.vocab_size} or use a smaller vocab")
-    if saved is not None:
+    if saved is not None and writes_tokenizer():
         tok.save(files.join(workdir, "tokenizer"))
     return tok
+
+
+def writes_tokenizer() -> bool:
+    """Whether this process writes the run's tokenizer: process 0 alone (every process of a pod makes the same one,
+    and a bucket rate-limits writes of one object)."""
+    import jax  # local import: the tokenizer itself needs no jax
+    return jax.process_index() == 0
