@@ -295,6 +295,9 @@ def run(argv: Sequence[str]) -> int:
 
 
 def _first_workdir(argv: Sequence[str]) -> str:
+    """The folder a crash log goes to: the first --workdir, but not the source run `export` only reads."""
+    if argv and argv[0] == "export":
+        return ""
     for i, arg in enumerate(argv):
         if arg.startswith("--workdir="):
             return arg.split("=", 1)[1]

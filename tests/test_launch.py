@@ -3,6 +3,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -130,3 +131,26 @@ def test_an_unexpected_exception_is_one_line_pointing_at_a_log(tmp_path, monkeyp
     assert "Traceback" in text and "second line" in text and "def boom" not in lines[0]
     assert sorted(p.name for p in workdir.iterdir()) == ["logs", "notes.txt"]
     assert (workdir / "notes.txt").read_text() == "keep"
+
+
+def test_a_failed_export_logs_outside_the_run_it_reads(tmp_path, monkeypatch, capsys):
+    """`export` only reads --workdir: its crash log goes to the temp folder, and the source run is unchanged."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "notes.txt").write_text("keep")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def boom(args):
+        raise RuntimeError("export broke")
+
+    module = types.ModuleType("fake_export_lib")
+    module.export = boom
+    monkeypatch.setitem(sys.modules, "fake_export_lib", module)
+    monkeypatch.setitem(launch.COMMANDS, "export", dataclasses.replace(launch.COMMANDS["export"],
+                                                                       module="fake_export_lib"))
+    assert launch.main(["export", f"--workdir={workdir}", f"--out={tmp_path / 'out'}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: unexpected RuntimeError: export broke, ") and str(tmp_path / "tmp") in err
+    assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]
+    assert len(list((tmp_path / "tmp").iterdir())) == 1
