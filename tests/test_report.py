@@ -73,3 +73,27 @@ def test_a_folder_named_like_a_plot_is_refused_before_any_file_is_replaced(tmp_p
     assert err.startswith(f"error: {folder / 'probe.png'} is a folder, --workdir, move it aside")
     assert tree(str(folder)) == before and sorted(os.listdir(folder)) == ["REPORT.md", "loss_curves.png",
                                                                           "probe.png", "report.json"]
+
+
+@pytest.mark.parametrize("suite,key", [("probe", "probe"), ("extrapolation", "extrapolation")])
+def test_a_scheme_whose_every_seed_diverged_keeps_its_row(tmp_path, suite, key):
+    """The analysis tables left such a scheme out (only REPORT.md's diverged line named its runs); its row now
+    counts the seeds it lacks, as a partly diverged scheme's cells do ("(2 of 3)")."""
+    folder = suite_copy(tmp_path, suite)
+    report = json.loads((folder / "report.json").read_text())
+    gone, partly = report["schemes"][-1], report["schemes"][0]
+    n = len(gone["seeds"])
+    for run in gone["seeds"].values():
+        run.update(diverged="training diverged at step 4 (loss=nan)", final_eval={})
+    partly["seeds"]["1"].update(diverged="training diverged at step 4 (loss=nan)", final_eval={})
+    paths = {r["path"] for r in gone["seeds"].values()} | {partly["seeds"]["1"]["path"]}
+    for analysis in report[key].values():
+        analysis["runs"] = [r for r in analysis["runs"] if r["workdir"] not in paths]
+    (folder / "report.json").write_text(json.dumps(report))
+    assert launch.main(["report", f"--workdir={folder}"]) == 0
+    table = (folder / "REPORT.md").read_text().split("## Extrapolation" if key == "extrapolation" else
+                                                   "## Position probes")[1].split("\n## ")[0]
+    row = next(line for line in table.splitlines() if line.startswith(f"| `{gone['name']}` |"))
+    assert row.count(f"— (0 of {n})") >= 2
+    partly_row = next(line for line in table.splitlines() if line.startswith(f"| `{partly['name']}` |"))
+    assert f"({n - 1} of {n})" in partly_row

@@ -33,7 +33,7 @@ def _ms(values: list[Optional[float]], digits: int = 3, scale: float = 1.0) -> s
     the n do not (a missing or non-finite value: a diverged or unfinished run)."""
     vals = [scale * v for v in values if v is not None and math.isfinite(v)]
     if not vals:
-        return "—"
+        return "—" + (f" (0 of {len(values)})" if values else "")
     m, s = mean_std(vals)
     return (_f(m, digits) + (f" ± {_f(s, digits)}" if len(vals) > 1 else "")
             + (f" ({len(vals)} of {len(values)})" if len(vals) < len(values) else ""))
@@ -53,12 +53,17 @@ def _gone(report: dict, name: str) -> list[None]:
 
 
 def _by_scheme(report: dict, key: str) -> dict[str, list[dict]]:
-    """{scheme name: [the analysis' run dict for each seed]} for key 'extrapolation' or 'probe'."""
+    """{scheme name: [the analysis' run dict for each seed]} for key 'extrapolation' or 'probe'; a scheme the
+    analysis covers whose every seed diverged maps to [] (its row counts them: "— (0 of 2)")."""
     where = {r["path"]: s["name"] for s in report["schemes"] for r in s["seeds"].values()}
     out: dict[str, list[dict]] = {}
     for seed in sorted(report.get(key, {}), key=int):
         for run in report[key][seed]["runs"]:
             out.setdefault(where.get(run["workdir"], run["name"]), []).append(run)
+    for s in report["schemes"]:
+        covered = key == "probe" or s.get("objective") == "clm"     # extrapolation: the causal runs
+        if covered and s["name"] not in out and s["seeds"] and all(r.get("diverged") for r in s["seeds"].values()):
+            out[s["name"]] = []
     return out
 
 
@@ -143,7 +148,7 @@ def _extrapolation(report: dict, workdir: str) -> list[str]:
         cells = []
         for k, length in enumerate(lengths):
             vals = [r["results"][k]["perplexity"] for r in runs if r["results"][k]["defined"]]
-            cells.append(_ms(vals + _gone(report, name), 1) if vals else "n/a")
+            cells.append(_ms(vals + _gone(report, name), 1) if vals or not runs else "n/a")
         rows.append([f"`{name}`"] + cells)
         series[name] = [([x["length"] for x in r["results"] if x["defined"]],
                          [x["perplexity"] for x in r["results"] if x["defined"]]) for r in runs]
@@ -159,9 +164,9 @@ def _extrapolation(report: dict, workdir: str) -> list[str]:
 def _probe(report: dict, workdir: str) -> list[str]:
     by = _by_scheme(report, "probe")
     layers = max(len(r["layers"]) for runs in by.values() for r in runs)
-    rows, series, chance = [], {}, None
+    chance = next(runs[0]["chance_mad"] for runs in by.values() if runs)
+    rows, series = [], {}
     for name, runs in by.items():
-        chance = runs[0]["chance_mad"]
         rows.append([f"`{name}`"] + [_ms([r["layers"][i]["mad"] for r in runs if i < len(r["layers"])]
                                          + _gone(report, name), 1) for i in range(layers)] + [_f(chance, 1)])
         series[name] = [(list(range(len(r["layers"]))), [x["mad"] for x in r["layers"]]) for r in runs]
