@@ -107,6 +107,15 @@ def test_workdir_only_commands_take_no_config(capsys):
     assert capsys.readouterr().err.startswith("error: unrecognized arguments: --config")
 
 
+def _fake_command(monkeypatch, name, fn):
+    """Command `name` calls `fn` (from a fake module) instead of its own function."""
+    command = launch.COMMANDS[name]
+    module = types.ModuleType(f"fake_{name}_lib")
+    setattr(module, command.function, fn)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(launch.COMMANDS, name, dataclasses.replace(command, module=module.__name__))
+
+
 def test_an_unexpected_exception_is_one_line_pointing_at_a_log(tmp_path, monkeypatch, capsys):
     """The launcher's last resort: exit 1, one `error:` line naming the exception and a log file that holds the
     full traceback; the run's folder keeps exactly what it had (the log aside)."""
@@ -117,11 +126,7 @@ def test_an_unexpected_exception_is_one_line_pointing_at_a_log(tmp_path, monkeyp
     def boom(workdir, step):
         raise RuntimeError("something nobody foresaw\nsecond line")
 
-    module = types.ModuleType("fake_boom_lib")
-    module.evaluate = boom
-    monkeypatch.setitem(sys.modules, "fake_boom_lib", module)
-    monkeypatch.setitem(launch.COMMANDS, "evaluate", dataclasses.replace(launch.COMMANDS["evaluate"],
-                                                                         module="fake_boom_lib"))
+    _fake_command(monkeypatch, "evaluate", boom)
     assert launch.main(["evaluate", f"--workdir={workdir}"]) == 1
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: unexpected RuntimeError: something nobody foresaw, ")
@@ -144,11 +149,7 @@ def test_a_failed_export_logs_outside_the_run_it_reads(tmp_path, monkeypatch, ca
     def boom(args):
         raise RuntimeError("export broke")
 
-    module = types.ModuleType("fake_export_lib")
-    module.export = boom
-    monkeypatch.setitem(sys.modules, "fake_export_lib", module)
-    monkeypatch.setitem(launch.COMMANDS, "export", dataclasses.replace(launch.COMMANDS["export"],
-                                                                       module="fake_export_lib"))
+    _fake_command(monkeypatch, "export", boom)
     assert launch.main(["export", f"--workdir={workdir}", f"--out={tmp_path / 'out'}"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: unexpected RuntimeError: export broke, ") and str(tmp_path / "tmp") in err
