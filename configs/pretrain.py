@@ -20,6 +20,15 @@ Schemes (`pe=`): bert_a (alias learned), sinusoidal, rope, alibi, t5, bert_r, no
 In causal configs (`objective=clm`) `model.untie_cls` is forced to False (there is no [CLS] token to untie) and
 the model uses pre-LN blocks; MLM configs use post-LN as in TUPE's code. The MLM keys data.mask_prob,
 data.max_predictions and data.packing given on the command line for a new causal run are refused (it reads none).
+
+Continued pretraining (`--config.init_from=RUN`, a fresh workdir): RUN's model keys are taken where the command
+line leaves them to the presets (a given one must equal RUN's), its tokenizer is copied, and every param starts at
+RUN's checkpoint; data.vocab_file is refused (the tokenizer is RUN's), and a prepared directory (data.name=prepared)
+must have been prepared with RUN's vocab.txt as data.vocab_file.
+
+    python -m launch import-hf --from=path/to/bert-base-uncased --workdir=runs/bert-hf
+    python -m launch pretrain --config=configs/pretrain.py --workdir=runs/bert-hf-wiki --config.init_from=runs/bert-hf \
+        --config.data.name=tfds:wikipedia --config.train.steps=10000 --config.train.learning_rate=5e-5
 """
 from __future__ import annotations
 
@@ -92,4 +101,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1: fill with remaining devices
     config.checkpoint = ml_collections.ConfigDict(dict(every=1000, keep=3, async_save=True))
     config.metrics = ml_collections.ConfigDict(dict(peak_tflops=0.0))  # per-device peak for MFU; 0: look up
+    # Continue pretraining from another run or an import (import-hf, import-fairseq), in a fresh workdir: its
+    # params, tokenizer and model keys; the optimizer, the schedule (warmup included) and the data start anew.
+    config.init_from = ""                 # that run's workdir, its checkpoints/ or checkpoints/<step>
+    config.init_step = -1                 # its checkpoint step; -1: the newest
     return lock(config)

@@ -54,7 +54,7 @@ _ADOPT = "tupe_jax.finetune.init_from:adopt_model_keys"   # the model keys of co
 COMMANDS: dict[str, Command] = {
     "pretrain": Command("tupe_jax.pretrain.loop", "pretrain", "pretrain a model (MLM or causal LM)",
                         lambda fn, cfg, a: fn(cfg, a.workdir), _PRETRAIN,
-                        "tupe_jax.pretrain.validate:refuse_unread_keys", config_file="pretrain"),
+                        "tupe_jax.pretrain.validate:adopt", config_file="pretrain"),
     "prepare": Command("tupe_jax.data.prepare", "prepare",
                        "tokenize a corpus once, in parallel, into sharded ArrayRecord + manifest (--workdir=DIR)",
                        lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.data.prepare:validate",

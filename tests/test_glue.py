@@ -157,7 +157,7 @@ def test_shape_check_without_config_json(env):
     abstract = jax.eval_shape(lambda: SequenceClassifier(cfg, 2).init(jax.random.PRNGKey(0),
                                                                       np.zeros((1, 8), np.int32)))["params"]
     with pytest.raises(UserError, match=r"has shape \[64\] in the checkpoint but \[96\] here"):
-        ft_init.check_encoder_shapes(meta, nn.meta.unbox(abstract["encoder"]))
+        ft_init.check_param_shapes(meta, {"encoder": nn.meta.unbox(abstract["encoder"])})
 
 
 def test_refuses_missing_checkpoint_and_other_tokenizer(env, tmp_path):

@@ -4,6 +4,7 @@ type. The round trips themselves are tests/test_interop.py's."""
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -141,7 +142,26 @@ def test_pretraining_an_imported_run_is_one_line_and_changes_nothing(hf_folder, 
     with config.unlocked():
         config.data.cache_dir = str(tmp_path / "cache")
     before = tree(str(run))
-    with pytest.raises(UserError, match=r"holds an imported model \(checkpoint 0 has no data-iterator state\): "
-                                        r"pretraining does not continue an import, --workdir, fine-tune it"):
+    with pytest.raises(UserError, match=r"holds an imported model \(checkpoint 0 has no data-iterator state\): .*"
+                                        rf"--workdir, continue it in a fresh workdir with --config.init_from={run}"):
         pretrain(config, str(run))
     assert tree(str(run)) == before
+
+
+def test_an_import_continues_pretraining_in_a_fresh_run(hf_folder, tmp_path, capsys):
+    """`pretrain --config.init_from=IMPORT`: the imported BERT's keys (segment table, LayerNorm eps, its max_len)
+    and its tokenizer; at a learning rate of 0 for the first step its params are the import's bitwise."""
+    from tests.workdir_fixtures import tree  # pylint: disable=import-outside-toplevel
+    imported, run = tmp_path / "import", tmp_path / "run"
+    assert launch.main(["import-hf", f"--from={hf_folder}", f"--workdir={imported}"]) == 0
+    before = tree(str(imported))
+    assert launch.main(["pretrain", "--config=configs/pretrain.py", f"--workdir={run}",
+                        f"--config.init_from={imported}", f"--config.data.cache_dir={tmp_path / 'cache'}",
+                        "--config.train.steps=1", "--config.train.warmup_steps=1", "--config.train.batch_size=8",
+                        "--config.train.eval_every=0", "--config.checkpoint.async_save=False"]) == 0
+    assert "model.type_vocab_size=2" in capsys.readouterr().out and tree(str(imported)) == before
+    ours, theirs = workdir_lib.load_run(str(run)), workdir_lib.load_run(str(imported))
+    assert ours.model_cfg == theirs.model_cfg and ours.tokenizer.vocab == theirs.tokenizer.vocab
+    assert ours.tokenizer.cls_id == 101 and ours.step == 1
+    pairs = zip(jax.tree_util.tree_leaves(ours.params), jax.tree_util.tree_leaves(theirs.params))
+    assert all(np.array_equal(a, b) for a, b in pairs)

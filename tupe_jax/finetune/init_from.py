@@ -1,10 +1,11 @@
 """`init_from`: resolve the pretraining run, adopt its tokenizer, refuse an incompatible one (scheme, model keys,
-encoder shapes), and restore only its encoder.
+param shapes), and restore its encoder (a fine-tune) or all its params (`pretrain` continuing a run or an import).
 
 A pretraining checkpoint's state item is `{'step', 'params', 'opt_state', 'rng'}` with params of a `TransformerLM`
 (`{'encoder', 'head_dense', 'head_ln', 'head_bias'}`). A `SequenceClassifier` has the same `encoder` subtree, so
-only `params['encoder']` is read (an Orbax partial restore straight onto the fine-tune shardings); `pooler` and
-`classifier` keep their fresh initialisation, and the optimizer state starts fresh.
+a fine-tune reads only `params['encoder']` (an Orbax partial restore straight onto the fine-tune shardings);
+`pooler` and `classifier` keep their fresh initialisation. A continued pretraining reads every param. Either way
+the optimizer state, the schedule and the data order start fresh.
 """
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ ARG_KEYS = {"pe": ("pe",), "objective": ("objective", "untie_cls"),
 
 
 # ------------------------------------------------------------------------------------------------ init_from
+def validate_keys(config: ml_collections.ConfigDict) -> None:
+    """`init_step` is a step (or -1, the newest), and only with `init_from`."""
+    step = int(config.get("init_step", -1))
+    require(step >= -1, f"init_step = {step} is not a step", WHERE_STEP,
+            "give a checkpoint step of init_from, or -1 (the default) for its newest")
+    require(step == -1 or str(config.get("init_from", "")), f"init_step = {step} without "
+            "init_from (a run from scratch reads no checkpoint)", WHERE_STEP,
+            "give --config.init_from=RUN too, or drop init_step")
+
+
 @dataclasses.dataclass(frozen=True)
 class InitSource:
     workdir: str          # the pretraining run
@@ -118,7 +129,7 @@ def check_model_keys(pretrain_workdir: str, config: ml_collections.ConfigDict) -
     """Refuse a pretraining run whose config.json has other shape-defining model keys, naming both values."""
     path = workdir_lib.config_path(pretrain_workdir)
     if not files.isfile(path):
-        return  # the param-shape check in `check_encoder_shapes` still runs
+        return  # the param-shape check in `check_param_shapes` still runs
     try:
         old = files.read_json(path).get("model", {})
     except ValueError:
@@ -133,37 +144,47 @@ def check_model_keys(pretrain_workdir: str, config: ml_collections.ConfigDict) -
                         "in --config and --config.model.*)")
 
 
-def check_encoder_shapes(meta: dict[str, Any], abstract_encoder: Any) -> None:
-    """Refuse a checkpoint whose encoder param shapes differ from this model's, naming both shapes."""
-    saved = {k: v for k, v in meta.get("param_shapes", {}).items() if k.startswith("['encoder']")}
+def check_param_shapes(meta: dict[str, Any], abstract: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose params under the top-level keys of `abstract` (e.g. {'encoder': ...}) differ in
+    names or shapes from this model's, naming both."""
+    saved = {k: v for k, v in meta.get("param_shapes", {}).items() if any(k.startswith(f"['{top}']")
+                                                                          for top in abstract)}
     if not saved:
         return
-    ours = ckpt_lib.param_shapes({"encoder": abstract_encoder})
+    ours = ckpt_lib.param_shapes(abstract)
+    part = "encoder" if list(abstract) == ["encoder"] else "model"
     missing = sorted(set(ours) - set(saved))
     extra = sorted(set(saved) - set(ours))
     if missing or extra:
-        raise UserError(f"the checkpoint's encoder has other parameters (checkpoint only: {extra[:3]}, this model "
+        raise UserError(f"the checkpoint's {part} has other parameters (checkpoint only: {extra[:3]}, this model "
                         f"only: {missing[:3]})", WHERE, "use the pretraining run's model.* keys (size, pe, layers)")
     for key, shape in ours.items():
         if list(saved[key]) != list(shape):
-            raise UserError(f"encoder param {key} has shape {saved[key]} in the checkpoint but {list(shape)} here",
+            raise UserError(f"{part} param {key} has shape {saved[key]} in the checkpoint but {list(shape)} here",
                             WHERE, "use the same model size (model.* keys) as the pretraining run")
 
 
-def restore_encoder(source: InitSource, abstract_encoder: Any) -> tuple[Any, InitSource]:
-    """(`params['encoder']` of the pretraining checkpoint on the shardings of `abstract_encoder` (unboxed
-    ShapeDtypeStructs carrying shardings), the source read): `source.step`, or, where a run still training there
-    has deleted that step meanwhile and no step was asked for, its newest step then."""
+def restore(source: InitSource, abstract: dict[str, Any]) -> tuple[dict[str, Any], InitSource]:
+    """(the params under the top-level keys of `abstract` ({'encoder': ...} for a fine-tune, every param for a
+    continued pretraining: unboxed ShapeDtypeStructs carrying shardings) read from the pretraining checkpoint onto
+    those shardings, the source read): `source.step`, or, where a run still training there has deleted that step
+    meanwhile and no step was asked for, its newest step then."""
 
     def read(at: int) -> tuple[dict[str, Any], Any]:
         meta = source.meta if at == source.step else workdir_lib.read_meta(source.workdir, at, WHERE_STEP)
-        check_encoder_shapes(meta, abstract_encoder)
-        return meta, ckpt_lib.restore_params(source.workdir, at, abstract_params={"encoder": abstract_encoder},
-                                             where=WHERE_STEP, where_run=WHERE)
+        check_param_shapes(meta, abstract)
+        return meta, ckpt_lib.restore_params(source.workdir, at, abstract_params=abstract, where=WHERE_STEP,
+                                             where_run=WHERE)
 
     step, (meta, restored) = workdir_lib.read_kept_step(source.workdir, source.step, read, WHERE,
                                                         follow=source.follow, where_run=WHERE)
-    return restored["encoder"], dataclasses.replace(source, step=step, meta=meta)
+    return restored, dataclasses.replace(source, step=step, meta=meta)
+
+
+def restore_encoder(source: InitSource, abstract_encoder: Any) -> tuple[Any, InitSource]:
+    """(`params['encoder']` of the pretraining checkpoint, the source read): `restore` of the encoder alone."""
+    restored, source = restore(source, {"encoder": abstract_encoder})
+    return restored["encoder"], source
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

@@ -11,6 +11,7 @@ from tupe_jax.config import SEED_LIMIT, require_finite, require_positive, requir
 from tupe_jax.data import GLUE_TASKS
 from tupe_jax.data.classification import batch_widths
 from tupe_jax.errors import require
+from tupe_jax.finetune import init_from
 
 PAPER_EPOCHS = {"mnli": 5, "qnli": 5, "qqp": 5}  # everything else: 10 (TUPE App. B)
 
@@ -39,11 +40,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
             "[0, 1)", "--config.train.warmup_ratio", "use e.g. 0.06")
     optim.validate_config(config.train)
     require_seed(config)
-    require(int(config.init_step) >= -1, f"init_step = {config.init_step} is not a step", "--config.init_step",
-            "give a checkpoint step of init_from, or -1 (the default) for its newest")
-    require(int(config.init_step) == -1 or str(config.init_from), f"init_step = {config.init_step} without "
-            "init_from (a run from scratch reads no checkpoint)", "--config.init_step",
-            "give --config.init_from=RUN too, or drop init_step")
+    init_from.validate_keys(config)
     sharding.check_batch(config.train, mesh)
     require(config.checkpoint.every > 0 and config.checkpoint.keep > 0, "checkpoint.every and checkpoint.keep must "
             "be positive", "--config.checkpoint.every", "give positive values")

@@ -22,7 +22,8 @@ from tupe_jax import sharding as sharding_lib
 from tupe_jax import trainer as trainer_lib
 from tupe_jax import workdir as workdir_lib
 from tupe_jax import xla_options
-from tupe_jax.errors import UserError
+from tupe_jax.errors import UserError, require
+from tupe_jax.finetune import init_from
 from tupe_jax.model import ModelConfig, TransformerLM
 from tupe_jax.optim import make_optimizer
 from tupe_jax.pretrain import steps
@@ -59,7 +60,13 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Option
 def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, stop_after: Optional[int]) -> dict:
     # --------------------------------------------------------------------------------------- setup
     mesh = sharding_lib.make_mesh(config, devices)
-    tokenizer = data_lib.get_tokenizer(config, workdir)
+    checkpointer = ckpt_lib.Checkpointer(workdir, every=int(config.checkpoint.every), keep=int(config.checkpoint.keep),
+                                         async_=bool(config.checkpoint.async_save))
+    # init_from is read until the run has a checkpoint of its own; from then on the run resumes from that
+    continued = bool(config.get("init_from", ""))     # a config.json made before the key has none
+    source = init_from.open_init_source(config) if continued and checkpointer.latest_step() is None else None
+    tokenizer = data_lib.get_tokenizer(config, workdir) if source is None else _adopted_tokenizer(config, source,
+                                                                                                   workdir)
     model = TransformerLM(ModelConfig.from_config(config.model))
     causal = model.cfg.causal
     tx, schedule = make_optimizer(config.train)
@@ -68,22 +75,29 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
     # --------------------------------------------------------------------------------------- state
     step_fn = steps.make_train_step(model, tx, schedule, int(config.train.grad_accum_steps),
                                     str(config.train.get("dropout_rng", "threefry2x32")))
-    checkpointer = ckpt_lib.Checkpointer(workdir, every=int(config.checkpoint.every), keep=int(config.checkpoint.keep),
-                                         async_=bool(config.checkpoint.async_save))
     trainer = trainer_lib.Trainer(
         trainer_lib.init_state_fn(model, tx, int(config.model.max_len)), int(config.train.seed), mesh, step_fn,
         checkpointer, meta=lambda s: workdir_lib.make_meta(config, s["params"], tokenizer.fingerprint),
         log_every=int(config.train.log_every), profile=_profile(config, workdir))
     train_iter = data_lib.pretrain_iterator(config, tokenizer, split="train", global_batch_size=batch_size,
                                             seed=int(config.train.seed))
-    state, data_state = trainer.restore_or_init()
+    read: list[init_from.InitSource] = []     # the checkpoint a fresh continued run started from
+
+    def continue_from(state: dict) -> dict:
+        state["params"], got = init_from.restore(source, trainer.abstract_params)
+        read.append(got)
+        print(f"{workdir}: every param from {got.workdir} step {got.step}; the optimizer, the schedule and the "
+              "data start at step 0", flush=True)
+        return state
+
+    state, data_state = trainer.restore_or_init(fresh=continue_from if source is not None else None)
     start_step = int(state["step"])
     if data_state == {}:     # import-hf / import-fairseq save none: the data and train keys there are placeholders
         checkpointer.close()
         raise UserError(f"{workdir} holds an imported model (checkpoint {start_step} has no data-iterator state): "
-                        "pretraining does not continue an import", "--workdir", "fine-tune it "
-                        "(--config.init_from) or analyse it; its config.json keeps this project's default data and "
-                        "train keys, not the model's own")
+                        "its config.json keeps this project's default data and train keys, not the model's own",
+                        "--workdir", f"continue it in a fresh workdir with --config.init_from={workdir}, fine-tune "
+                        "it (--config.init_from) or analyse it")
     finished = start_step >= total_steps
     if finished and not _final_eval_missing(config, workdir, tokenizer, start_step, batch_size):
         print(f"{workdir} is at step {start_step} (train.steps = {total_steps}): nothing to train; evaluate it with "
@@ -101,6 +115,8 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
     elif metrics_lib.rows_past(workdir, 0):
         print(f"{workdir} has no checkpoint yet: training from step 0 again", flush=True)
         writer.write(0, {"event": metrics_lib.RESUMED})
+    for got in read:       # which checkpoint, where init_step left it to the newest
+        writer.write(0, {"event": "init_from", "init_from": got.workdir, "init_step": got.step})
 
     # --------------------------------------------------------------------------------------- hooks
     eval_step = xla_options.jit(steps.make_eval_step(model), in_shardings=(trainer.shardings["params"],
@@ -158,6 +174,17 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
     checkpointer.close()
     writer.close()
     return final
+
+
+def _adopted_tokenizer(config: ml_collections.ConfigDict, source: init_from.InitSource, workdir: str):
+    """init_from's tokenizer, copied into `workdir/tokenizer/`; a prepared directory must have been made with it."""
+    tokenizer = data_lib.Tokenizer.from_file(init_from.adopt_tokenizer(source.workdir, workdir))
+    if config.data.get("name", "") == "prepared":
+        require(data_lib.get_tokenizer(config, None).fingerprint == tokenizer.fingerprint,
+                f"{config.data.path} was prepared with another tokenizer than init_from's ({source.workdir})",
+                "--config.data.path", f"prepare the corpus with --config.data.vocab_file="
+                f"{files.join(source.workdir, 'tokenizer', 'vocab.txt')} into a fresh directory")
+    return tokenizer
 
 
 def _final_eval_missing(config: ml_collections.ConfigDict, workdir: str, tokenizer, step: int,

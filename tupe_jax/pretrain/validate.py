@@ -7,6 +7,7 @@ import ml_collections
 from tupe_jax import data, files, model, optim, sharding, trainer
 from tupe_jax.config import require_finite, require_positive, require_seed
 from tupe_jax.errors import UserError, require, warn_once
+from tupe_jax.finetune import init_from
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int, int]:
@@ -35,12 +36,25 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     if "metrics" in config:
         require_positive(config, ("metrics.peak_tflops",), allow_zero=True)   # 0: looked up from the device kind
     data.validate_config(config)
+    init_from.validate_keys(config)
+    require(not (config.get("init_from", "") and config.data.get("vocab_file", "")), "data.vocab_file given with init_from: "
+            "a continued run keeps the tokenizer of the run it continues", "--config.data.vocab_file",
+            "drop data.vocab_file (init_from's tokenizer/vocab.txt is copied into the run)")
     return mesh
 
 
 # Keys a causal LM does not read (its examples are contiguous windows, every token a target): given on the command
 # line for a new causal run they would change nothing, so they are refused rather than ignored.
 MLM_ONLY = {"data.mask_prob": "masking", "data.max_predictions": "masking", "data.packing": "packing"}
+
+
+def adopt(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset,
+          workdir: str = "") -> list[str]:
+    """The launcher's hook: with `init_from`, that run's model keys the command line left to the presets
+    (`init_from.adopt_model_keys`, returned); then `refuse_unread_keys` for the objective they give."""
+    adopted = init_from.adopt_model_keys(config, arg_keys, override_keys, workdir=workdir)
+    refuse_unread_keys(config, arg_keys, override_keys, workdir=workdir)
+    return adopted
 
 
 def refuse_unread_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset,

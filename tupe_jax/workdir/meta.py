@@ -40,13 +40,15 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "model.sinusoidal_style": "scaled",
     "model.dropout_bits": 32,
     "model.type_vocab_size": 0,
+    "init_from": "", "init_step": -1,     # a pretraining config's (a fine-tune's always had them)
 }
 
 
 def with_added_defaults(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """A flattened stored config with the ADDED_DEFAULTS it lacks (only in sections it has)."""
+    """A flattened stored config with the ADDED_DEFAULTS it lacks (only in sections it has; a top-level key is
+    added to every config: both sides of a comparison get it)."""
     sections = {k.split(".")[0] for k in flat}
-    return {**{k: v for k, v in ADDED_DEFAULTS.items() if k.split(".")[0] in sections}, **flat}
+    return {**{k: v for k, v in ADDED_DEFAULTS.items() if "." not in k or k.split(".")[0] in sections}, **flat}
 
 
 def resumable(key: str) -> bool:

@@ -1,0 +1,110 @@
+"""`pretrain --config.init_from=RUN`: a fresh run that starts at RUN's params, with RUN's model keys and tokenizer,
+and a fresh optimizer, schedule and data order; refused in one line, with nothing written, where it cannot."""
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import launch
+from tests.glue_fixtures import make_pretrained
+from tests.workdir_fixtures import tree
+from tupe_jax import checkpoint as ckpt
+from tupe_jax import workdir as workdir_lib
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A tiny bert_a run (not the config file's default scheme, nor its default sizes) at steps 10 and 20."""
+    root = tmp_path_factory.mktemp("source")
+    params = make_pretrained(root / "run", root / "cache", pe="bert_a", steps=(10, 20))
+    return {"run": str(root / "run"), "cache": str(root / "cache"), "params": params}
+
+
+def continue_argv(source, workdir, *more):
+    return ["pretrain", "--config=configs/pretrain.py", f"--workdir={workdir}", f"--config.init_from={source['run']}",
+            f"--config.data.cache_dir={source['cache']}", "--config.train.batch_size=8",
+            "--config.train.log_every=1", "--config.train.eval_every=0", "--config.checkpoint.async_save=False",
+            *more]
+
+
+def params_at(workdir, step):
+    return workdir_lib.load_run(str(workdir), step).params
+
+
+def test_a_continued_run_starts_at_the_source_params_and_keeps_its_tokenizer(source, tmp_path, capsys):
+    """At a learning rate of 0 for the first step (warmup from 0), the params after it are the source's bitwise:
+    every param was read (the MLM head too), onto the model of the source's keys (bert_a, its sizes)."""
+    run = tmp_path / "run"
+    before = tree(source["run"])
+    assert launch.main(continue_argv(source, run, "--config.train.steps=1", "--config.train.warmup_steps=1",
+                                     "--config.train.decay_steps=3")) == 0
+    assert tree(source["run"]) == before
+    out = capsys.readouterr().out
+    assert "model.pe='bert_a'" in out and f"every param from {source['run']} step 20" in out
+    config = json.loads((run / "config.json").read_text())
+    assert config["model"]["pe"] == "bert_a" and config["model"]["hidden_size"] == 32
+    assert config["init_from"] == source["run"]
+    got = params_at(run, 1)
+    want = jax.tree_util.tree_map(np.asarray, source["params"])
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+    src_vocab = os.path.join(source["run"], "tokenizer", "vocab.txt")
+    assert (run / "tokenizer" / "vocab.txt").read_text() == open(src_vocab, encoding="utf-8").read()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 0, "event": "init_from", "init_from": source["run"], "init_step": 20} in rows
+    meta = ckpt.Checkpointer(str(run), read_only=True).restore_meta(1)
+    assert meta["pe"] == "bert_a" and not meta.get("fresh_mlm_head")
+
+    # it then trains (the source's params move) and resumes from its own checkpoint, not the source's
+    assert launch.main(continue_argv(source, run, "--config.train.steps=3", "--config.train.warmup_steps=1",
+                                     "--config.train.decay_steps=3", "--config.checkpoint.every=1")) == 0
+    out = capsys.readouterr().out
+    assert "resumed from step 1" in out and "every param from" not in out
+    moved = params_at(run, 3)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(moved),
+                                                        jax.tree_util.tree_leaves(want)))
+
+
+def test_init_step_picks_the_source_step(source, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert launch.main(continue_argv(source, run, "--config.train.steps=1", "--config.init_step=10")) == 0
+    assert f"every param from {source['run']} step 10" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("more,message", [
+    (("--config.model.num_layers=3",), r"init_from .* was pretrained with model.num_layers=2 but this config has "
+                                       r"model.num_layers=3, --config.init_from, leave those keys off"),
+    (("--config.data.vocab_file=VOCAB",), r"data.vocab_file given with init_from: a continued run keeps the "
+                                          r"tokenizer of the run it continues, --config.data.vocab_file, drop"),
+    (("--config.init_step=15",), r"no checkpoint at step 15 in .*, use one of \[10, 20\]"),
+])
+def test_what_cannot_continue_is_one_line_and_writes_nothing(source, tmp_path, capsys, more, message):
+    vocab = os.path.join(source["run"], "tokenizer", "vocab.txt")
+    run = tmp_path / "run"
+    before = tree(source["run"])
+    argv = continue_argv(source, run, "--config.train.steps=1", *(m.replace("VOCAB", vocab) for m in more))
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+    assert not run.exists() and tree(source["run"]) == before
+
+
+def test_a_run_from_scratch_does_not_continue_another(source, tmp_path, capsys):
+    """init_from is what a run IS: a run made without it is not resumed with it (the gate names the key)."""
+    run = tmp_path / "run"
+    scratch = ["pretrain", "--config=configs/pretrain.py:pe=bert_a", f"--workdir={run}",
+               f"--config.data.cache_dir={source['cache']}", "--config.train.steps=1", "--config.train.batch_size=8",
+               "--config.model.num_layers=2", "--config.model.hidden_size=32", "--config.model.num_heads=2",
+               "--config.model.mlp_dim=64", "--config.model.vocab_size=512", "--config.model.max_len=64",
+               "--config.checkpoint.async_save=False"]
+    assert launch.main(scratch) == 0
+    before = tree(str(run))
+    capsys.readouterr()
+    assert launch.main(scratch[:3] + [f"--config.init_from={source['run']}"] + scratch[3:]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run / 'config.json'} holds a run with init_from=''"), err
+    assert tree(str(run)) == before
