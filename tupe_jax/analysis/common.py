@@ -20,7 +20,7 @@ import numpy as np
 
 from tupe_jax import files, plots, xla_options
 from tupe_jax import workdir as workdir_lib
-from tupe_jax.data import pipeline
+from tupe_jax import data as data_lib
 from tupe_jax.errors import UserError
 from tupe_jax.model import ModelConfig, TransformerLM
 from tupe_jax.workdir import LoadedRun
@@ -188,8 +188,7 @@ def forward_fn(model_cfg: ModelConfig, return_hidden: bool = False, return_atten
 
 def token_stream(run: Run, split: str) -> np.ndarray:
     """The flat token stream of a split of the run's corpus ([SEP] after every document)."""
-    tokens, _ = pipeline.token_stream(run.config, run.tokenizer, split)
-    return tokens
+    return data_lib.token_stream(run.config, run.tokenizer, split)
 
 
 def model_windows(run: Run, split: str, length: int, count: Optional[int] = None, seed: int = 0) -> np.ndarray:

@@ -8,6 +8,7 @@ once, in parallel, into sharded ArrayRecord + manifest), `prepared` (reading suc
 Public API:
   default_data_config()                                   -> ml_collections.ConfigDict (the `config.data` keys)
   get_tokenizer(config, workdir)                          -> Tokenizer
+  token_stream(config, tokenizer, split)                  -> the split's flat token stream (the analyses')
   pretrain_iterator(config, tokenizer, *, split, global_batch_size, seed, process_index=None,
                     process_count=None, shuffle=True, repeat=True)  -> PretrainIterator (get_state/set_state)
   load_documents(config, split)                           -> list[str]
@@ -31,7 +32,7 @@ from tupe_jax.data.batch import ClassificationBatch, LMBatch
 from tupe_jax.data.classification import glue_batches
 from tupe_jax.data.glue_tsv import num_labels
 from tupe_jax.data.pipeline import PretrainIterator, pretrain_iterator
-from tupe_jax.data import prepared
+from tupe_jax.data import pipeline, prepared
 from tupe_jax.data.sources import check_source
 from tupe_jax.data.tokenizer import Tokenizer, check_learned_vocab_size
 from tupe_jax.data.tokenizer import get_tokenizer as _corpus_tokenizer
@@ -44,6 +45,14 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir) -> Tokenizer:
     if config.data.get("name", "") == "prepared":
         return prepared.prepared_tokenizer(config, workdir)
     return _corpus_tokenizer(config, workdir)
+
+
+def token_stream(config: ml_collections.ConfigDict, tokenizer: Tokenizer, split: str):
+    """The flat token stream of a split of the run's corpus ([SEP] after every document; int32, memory-mapped):
+    a prepared directory's, read back from its records, or the corpus tokenized in the cache."""
+    if config.data.get("name", "") == "prepared":
+        return prepared.token_stream(config, split)
+    return pipeline.token_stream(config, tokenizer, split)[0]
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -124,4 +133,4 @@ def default_data_config() -> ml_collections.ConfigDict:
 
 
 __all__ = ["default_data_config", "validate_config", "LMBatch", "ClassificationBatch", "get_tokenizer", "Tokenizer", "pretrain_iterator", "PretrainIterator",
-           "load_documents", "glue_examples", "glue_batches", "num_labels", "GLUE_TASKS"]
+           "load_documents", "glue_examples", "glue_batches", "num_labels", "GLUE_TASKS", "token_stream"]

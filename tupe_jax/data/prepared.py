@@ -11,12 +11,14 @@ nothing), so a process reads only the records of its own rows: its memory does n
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
 import numpy as np
 
 from tupe_jax import files
+from tupe_jax.data.cache import cache_dir, file_lock
 from tupe_jax.data.tokenizer import PAD_ID, Tokenizer, writes_tokenizer
 from tupe_jax.errors import UserError, require
 
@@ -167,6 +169,37 @@ class PreparedSplit:
                 out[r, :len(toks)] = toks
                 valid[r, :len(toks)] = True
         return out, valid
+
+
+def token_stream(config, split: str) -> np.ndarray:
+    """The split's flat token stream ([SEP] after every document), read back from its records and cached in the
+    data cache (`<cache>/streams/prepared/`, int32, memory-mapped): the analyses' windows cut across examples. The
+    records tile the stream each shard packed: MLM blocks back to back; a CLM window's last token is the next
+    window's first, so every window but a shard's last gives its first max_len tokens."""
+    part = open_split(config, split)
+    path = cache_dir(config) / "streams" / "prepared" / f"{part.key.replace('/', '.')}.tokens.int32"
+    if not path.is_file():
+        with file_lock(path.with_name(path.name + ".lock")):
+            if not path.is_file():
+                _write_stream(part, int(config.model.max_len) if config.model.get("objective") == "clm" else 0,
+                              path)
+    return np.memmap(path, np.int32, mode="r") if path.stat().st_size else np.zeros(0, np.int32)
+
+
+def _write_stream(part: PreparedSplit, window: int, path: Path, chunk: int = 65536) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as out:
+        for k in range(len(part.paths)):
+            count = int(part.offsets[k + 1] - part.offsets[k])
+            for first in range(0, count, chunk):
+                local = list(range(first, min(first + chunk, count)))
+                with part._locks[k]:  # pylint: disable=protected-access
+                    records = part._reader(k).read(local)  # pylint: disable=protected-access
+                for i, rec in zip(local, records):
+                    toks = np.frombuffer(rec, part.dtype)
+                    out.write((toks[:window] if window and i < count - 1 else toks).astype(np.int32).tobytes())
+    part.close()
+    os.replace(tmp, path)
 
 
 def open_split(config, split: str) -> PreparedSplit:
