@@ -252,3 +252,17 @@ def test_mlm_batches_use_the_vocabularys_own_special_ids(setup):
     assert (inputs == 102).any() and (inputs == 103).any()
     assert not np.isin(inputs, np.arange(1, 100)).any()
     assert labels.size and not np.isin(labels, bert.special_ids).any()
+
+
+def test_a_state_of_another_process_count_names_both_counts(setup):
+    """It said "different data settings" when only the number of processes (hosts) differed."""
+    c, tok = setup
+    two = it(c, tok, process_count=2)
+    next(two)
+    state = json.loads(json.dumps(two.get_state()))
+    with pytest.raises(UserError, match=r"the saved data-iterator state is of a run with 2 processes; this one has 1"
+                                        r", checkpoint data-iterator state, resume on 2 processes"):
+        it(c, tok).set_state(state)
+    with pytest.raises(UserError, match=r"different data settings.*same number of processes \(this one: 1\)"):
+        it(c, tok).set_state({k: v for k, v in state.items() if k != "process_count"})   # saved before the key
+    it(c, tok, process_count=2).set_state(state)

@@ -211,13 +211,20 @@ class PretrainIterator(grain.DatasetIterator):
         return next(self._parent)
 
     def get_state(self) -> dict:
-        return {"pipeline": self._parent.get_state(), "fingerprint": self.fingerprint}
+        return {"pipeline": self._parent.get_state(), "fingerprint": self.fingerprint,
+                "process_count": self.batcher.pc}
 
     def set_state(self, state: dict) -> None:
         if state.get("fingerprint") not in self.accepted:
+            saved, now = state.get("process_count"), self.batcher.pc   # a state saved before the key has none
+            if saved is not None and saved != now:     # each process's rows of a step depend on the count
+                raise UserError(f"the saved data-iterator state is of a run with {saved} processes; this one has "
+                                f"{now}", "checkpoint data-iterator state",
+                                f"resume on {saved} processes (hosts), or start a new workdir")
             raise UserError("the saved data-iterator state belongs to different data settings",
                             "checkpoint data-iterator state",
-                            "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
+                            "resume with the same data/tokenizer/batch/seed settings and the same number of "
+                            f"processes (this one: {now}), or start a new workdir")
         self._parent.set_state(state["pipeline"])
 
 
