@@ -283,13 +283,14 @@ def run(argv: Sequence[str]) -> int:
     cluster.maybe_initialize_distributed(args)
     fn = resolve(f"{command.module}:{command.function}")
     if config is None:
+        cluster.agree_on_command(args)
         command.call(fn, config, args)
         return 0
     import jax  # pylint: disable=import-outside-toplevel
     from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
     cluster.refuse_undistributed_processes()
-    resolve(command.validator)(config, jax.device_count())
-    with workdir_lib.claim(args.workdir, config, overwrite=args.overwrite_config, kind=args.command):
+    with workdir_lib.claim(args.workdir, config, overwrite=args.overwrite_config, kind=args.command,
+                           validate=lambda: resolve(command.validator)(config, jax.device_count())):
         command.call(fn, config, args)
     return 0
 

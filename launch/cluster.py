@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 
 from tupe_jax.errors import UserError
 
@@ -95,3 +96,30 @@ def refuse_undistributed_processes() -> None:
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
         raise UserError(f"{jax.process_count()} processes without jax.distributed", "--distributed",
                         "run with --distributed=on (or auto) on every host")
+
+
+CLUSTER_FLAGS = ("distributed", "coordinator_address", "num_processes", "process_id")   # differ by process
+READS_RUNS = ("evaluate", "extrapolate", "probe", "correlations", "shuffle-attention", "export")
+
+
+def agree_on_command(args: argparse.Namespace) -> None:
+    """Several processes (`jax.distributed`), a command without a config (`evaluate`, the analyses, `export`, ...):
+    they stop together, each with one line, if they were given different command lines, or if a `--workdir` the
+    command reads is not a run on some process (a process that stopped alone would leave the others waiting at
+    JAX's next collective call: `workdir.claim.agree`). SIGTERM then ends such a command at once, as it does one
+    process: jax.distributed's preemption notifier would take the signal, and only the training loops act on it."""
+    import jax  # pylint: disable=import-outside-toplevel
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+    workdirs = args.workdir if isinstance(args.workdir, list) else [args.workdir]
+    failure = None
+    try:
+        if args.command in READS_RUNS:
+            for workdir in workdirs:
+                workdir_lib.read_config(workdir)
+    except Exception as err:  # pylint: disable=broad-except  # shared with the other processes by `agree`
+        failure = err
+    given = {f"--{k}": repr(v) for k, v in sorted(vars(args).items()) if k not in CLUSTER_FLAGS}
+    workdir_lib.agree(str(workdirs[0] or "."), failure, "", stage="command", same=given)

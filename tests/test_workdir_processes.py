@@ -48,7 +48,8 @@ def test_a_multi_process_claim_writes_only_once_every_process_passed_the_checks(
         assert os.path.exists(os.path.join(wd, ".lock"))
     assert at_barrier == [(f"tupe_jax.claim {os.path.abspath(wd)}", before)]   # nothing written before it
     assert [(g["stage"], g["sees"], g["error"]) for g in gathered] == [("checks", "config.json, no checkpoints/", None),
-                                                                       ("lock", "", None), ("shared", "", None)]
+                                                                       ("gate", "", None), ("lock", "", None),
+                                                                       ("shared", "", None)]
     assert "process 0 of 2 passed the workdir checks; waiting for the other processes" in capsys.readouterr().out
     assert tree(wd) != before
 
@@ -143,7 +144,7 @@ def test_a_lock_lost_on_process_0_is_shared_and_nothing_is_written(tmp_path, mon
         raise UserError(*line)
     monkeypatch.setattr(importlib.import_module("tupe_jax.workdir.claim"), "RunLock", lost)
     assert refused(wd, load_config()) == "error: run folder x is in use by process 9 on h, --workdir, wait for it"
-    assert [(g["stage"], g["error"]) for g in gathered] == [("checks", None), ("lock", line)]
+    assert [(g["stage"], g["error"]) for g in gathered] == [("checks", None), ("gate", None), ("lock", line)]
     assert tree(wd) == before
 
 
@@ -218,7 +219,7 @@ def test_a_folder_process_1_cannot_see_stops_process_0_and_leaves_nothing(tmp_pa
     gathered = as_process_0_of_2(monkeypatch, lambda name: None,
                                  lambda row: {**row, "error": line if row["stage"] == "shared" else None})
     assert refused(wd, load_config()) == f"error: {line[0]} (found by process 1; this is process 0), --workdir, share"
-    assert [g["stage"] for g in gathered] == ["checks", "lock", "shared"]
+    assert [g["stage"] for g in gathered] == ["checks", "gate", "lock", "shared"]
     assert not os.path.exists(wd)       # process 0's config.json, provenance and lock are gone again
 
 
@@ -255,3 +256,54 @@ def test_gather_round_trips_a_row():
     claim_module = importlib.import_module("tupe_jax.workdir.claim")
     row = {"workdir": "ab" * 32, "sees": "no folder", "error": ["é \u0000 \"x\"", "--workdir", ""]}
     assert claim_module.gather(row) == [row]
+
+
+def test_processes_given_different_configs_are_refused_naming_the_key(tmp_path, monkeypatch):
+    """Each process trained with its own config (process 1 at another learning rate): both exited 0."""
+    wd = str(tmp_path / "run")
+    as_process_0_of_2(monkeypatch, never, lambda row: {**row, "same": {
+        **row["same"], "--config.train.learning_rate": "0.3"}})
+    config = load_config(**{"train.learning_rate": 3.0})
+    assert refused(wd, config) == (
+        "error: the processes of this run were given different values of --config.train.learning_rate (3.0 on "
+        "process 0, 0.3 on process 1), --config.train.learning_rate, run the same command line on every process "
+        "(host)")
+    assert not os.path.exists(wd)
+
+
+def test_a_validator_that_failed_on_one_process_stops_the_other(tmp_path, monkeypatch):
+    """The launcher's validator ran before the claim: a prepared directory missing on one host stopped that process
+    alone, and the other waited in the claim's agreement until JAX's timeout."""
+    wd = str(tmp_path / "run")
+    as_process_1_of_2(monkeypatch, lambda stage: ["the data is missing", "--config.data.path", "copy it"]
+                      if stage == "checks" else None)
+    with pytest.raises(UserError, match=r"the data is missing \(found by process 0; this is process 1\)"):
+        with workdir_lib.claim(wd, load_config(), validate=lambda: None):
+            pytest.fail("the command ran")
+
+    def bad():
+        raise UserError("a bad key", "--config.x", "fix it")
+    gathered = as_process_0_of_2(monkeypatch, never)
+    assert refused_with(wd, load_config(), bad) == "error: a bad key, --config.x, fix it"
+    assert [(g["stage"], g["error"]) for g in gathered] == [("checks", ["a bad key", "--config.x", "fix it"])]
+    assert not os.path.exists(wd)
+
+
+def test_a_gate_refusal_on_one_process_stops_the_other(tmp_path, monkeypatch):
+    """check_config ran outside any agreement: a process that refused the resume left the other at the barrier."""
+    wd = str(tmp_path / "run")
+    workdir_lib.write_config(wd, load_config())
+    before = tree(wd)
+    as_process_1_of_2(monkeypatch, lambda stage: ["holds a run with x", "--workdir", "resume"]
+                      if stage == "gate" else None)
+    with pytest.raises(UserError, match=r"holds a run with x \(found by process 0; this is process 1\)"):
+        with workdir_lib.claim(wd, load_config()):
+            pytest.fail("the command ran")
+    assert tree(wd) == before
+
+
+def refused_with(wd, config, validate):
+    with pytest.raises(UserError) as info:
+        with workdir_lib.claim(wd, config, validate=validate):
+            pytest.fail("the command ran")
+    return str(info.value)

@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import ml_collections
@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from tupe_jax import files
+from tupe_jax.config import flatten
 from tupe_jax.errors import UserError
 from tupe_jax.workdir import provenance
 from tupe_jax.workdir.gate import check_config, store_config
@@ -133,24 +134,33 @@ def error_row(failure: Optional[Exception]) -> Optional[list[str]]:
             "see the traceback of that process"]
 
 
-def agree(workdir: str, failure: Optional[Exception], sees: str, stage: str) -> None:
+def agree(workdir: str, failure: Optional[Exception], sees: str, stage: str,
+          same: Optional[dict[str, str]] = None) -> None:
     """A multi-process run: every process stops here, with one line, if any process's checks failed (`failure`, a
     UserError or anything unexpected; some checks are process 0's alone, and a process that stopped alone would
     leave the others waiting at the next collective call), if the processes were given different workdirs, or if
     they see the folder differently (`sees`: `view`; a local folder that is not shared between hosts). The failing
     process raises its own `failure`. `stage` names the step in the gathered rows ("checks" before the gate, "lock"
-    after process 0 took it, "shared" once the others looked for its config.json). One process: raise `failure`,
-    if any."""
+    after process 0 took it, "shared" once the others looked for its config.json). `same`: what every process must
+    have been given alike ({'--config.train.learning_rate': '0.3', ...}: a run's config, or a command line); a key
+    that differs is refused, naming it and both values. One process: raise `failure`, if any."""
     if jax.process_count() == 1:
         if failure is not None:
             raise failure
         return
     me, path = jax.process_index(), files.absolute(workdir)
     everyone = gather({"stage": stage, "workdir": hashlib.sha256(path.encode("utf-8")).hexdigest(), "sees": sees,
-                       "error": error_row(failure)})
+                       "error": error_row(failure), "same": same or {}})
     if len({p["workdir"] for p in everyone}) > 1:
         raise UserError(f"the processes of this run were given different workdirs ({path} on process {me})",
                         "--workdir", "give every process the same --workdir: a folder they share or a gs:// path")
+    for k, p in enumerate(everyone):
+        key = next((key for key in sorted(set(p["same"]) | set(everyone[0]["same"]))
+                    if p["same"].get(key) != everyone[0]["same"].get(key)), None)
+        if key is not None:
+            raise UserError(f"the processes of this run were given different values of {key} ("
+                            f"{everyone[0]['same'].get(key, 'none')} on process 0, {p['same'].get(key, 'none')} on "
+                            f"process {k})", key, "run the same command line on every process (host)")
     if failure is not None:
         raise failure
     for k, p in enumerate(everyone):
@@ -161,6 +171,14 @@ def agree(workdir: str, failure: Optional[Exception], sees: str, stage: str) -> 
         seen = "; ".join(f"process {k}: {p['sees']}" for k, p in enumerate(everyone))
         raise UserError(f"the processes of this run see different contents in {path} ({seen})", "--workdir",
                         SHARE_ONE_FOLDER)
+
+
+def same_config(config: ml_collections.ConfigDict) -> Optional[dict[str, str]]:
+    """{'--config.<key>': repr(value)} of a multi-process run's config (None for one process: nothing to compare)."""
+    if jax.process_count() == 1:
+        return None
+    flat = flatten(config.to_dict())
+    return {f"--config.{k}": repr(v) for k, v in flat.items()}
 
 
 SHARED_WAIT_SECONDS = float(os.environ.get("TUPE_JAX_SHARED_WAIT_SECONDS", "90"))
@@ -203,10 +221,11 @@ _CLAIMED: set[str] = set()   # folders this process is inside a claim of
 
 @contextlib.contextmanager
 def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[bool] = None,
-          kind: Optional[str] = None) -> Iterator[None]:
+          kind: Optional[str] = None, validate: Optional[Callable[[], Any]] = None) -> Iterator[None]:
     """Check, lock and write `workdir` for a command that runs `config` there (see the module doc). `overwrite`:
     the launcher's --overwrite_config (None from library callers, which have no such option); `kind`: the
-    command, for the gate (`check_config`)."""
+    command, for the gate (`check_config`); `validate`: the command's config checks, run first (their failure on
+    one process stops every process: `agree`)."""
     lead = jax.process_index() == 0
     key = files.absolute(workdir)
     if key in _CLAIMED:   # nested (the launcher's claim, then the loop's), on every process alike: Orbax's reads
@@ -214,6 +233,8 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
         return
     failure, sees = None, ""
     try:
+        if validate is not None:
+            validate()
         check_folder(workdir, writable=lead)
         if lead:                         # before the gate reads checkpoints that a live run may be pruning (the
             refuse_if_held(workdir)      # other processes of this run find the lock that process 0 takes: not theirs)
@@ -221,8 +242,13 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
             sees = view(workdir)
     except Exception as err:  # pylint: disable=broad-except  # shared by `agree`, which raises it here again
         failure = err
-    agree(workdir, failure, sees, stage="checks")
-    changes = check_config(workdir, config, overwrite=overwrite, kind=kind)   # refuse before anything is written
+    agree(workdir, failure, sees, stage="checks", same=same_config(config))
+    failure, changes = None, []
+    try:
+        changes = check_config(workdir, config, overwrite=overwrite, kind=kind)   # refuse before anything is written
+    except Exception as err:  # pylint: disable=broad-except  # as above
+        failure = err
+    agree(workdir, failure, "", stage="gate")
     wait_for_all_processes(workdir)
     before = Before.take(workdir) if lead else None
     try:
