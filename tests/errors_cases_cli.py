@@ -65,6 +65,11 @@ CLI_CASES = [
     Case("prepare_split_twice", "`prepare` with a split named twice (it was prepared twice)",
          lambda e: ["prepare", PREPARE, f"--workdir={e.wd('c22')}", "--config.prepare.splits=train,train"],
          "names a split twice"),
+    Case("continue_other_size", "`pretrain --config.init_from=RUN` with a model key that differs from RUN's",
+         lambda e: pretrain(e, "c22b", init_from=e.run, model__num_layers=7), "was pretrained with model.num_layers"),
+    Case("continue_vocab_file", "`pretrain --config.init_from=RUN` with data.vocab_file (the tokenizer is RUN's)",
+         lambda e: pretrain(e, "c22c", init_from=e.run, data__vocab_file=os.path.join(e.run, "tokenizer", "vocab.txt")),
+         "data.vocab_file given with init_from"),
     # ---------------------------------------------------------------- fine-tunes, sweeps and suites
     Case("init_step_without_init_from", "init_step without init_from (it trained from scratch)",
          lambda e: finetune(e, "c23", init_from="", init_step=5), "init_step = 5 without init_from"),
