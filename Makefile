@@ -32,4 +32,4 @@ test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs/demo

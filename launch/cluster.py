@@ -106,12 +106,14 @@ def agree_on_command(args: argparse.Namespace) -> None:
     """Several processes (`jax.distributed`), a command without a config (`evaluate`, the analyses, `export`, ...):
     they stop together, each with one line, if they were given different command lines, or if a `--workdir` the
     command reads is not a run on some process (a process that stopped alone would leave the others waiting at
-    JAX's next collective call: `workdir.claim.agree`). SIGTERM then ends such a command at once, as it does one
-    process: jax.distributed's preemption notifier would take the signal, and only the training loops act on it."""
+    JAX's next collective call: `workdir.claim.agree`). SIGTERM then ends `evaluate`, an analysis or `export` at
+    once, as it does one process: jax.distributed's preemption notifier would take the signal, and only the training
+    loops act on it."""
     import jax  # pylint: disable=import-outside-toplevel
     if not jax.distributed.is_initialized() or jax.process_count() == 1:
         return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if args.command in READS_RUNS:      # not `demo`, which trains: its loop acts on jax.distributed's notice
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
     workdirs = args.workdir if isinstance(args.workdir, list) else [args.workdir]
     failure = None

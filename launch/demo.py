@@ -3,9 +3,11 @@ documentation text CPython ships), checkpoint, evaluate the last checkpoint, plo
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 from configs import pretrain as pretrain_config
+from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import plots
 from tupe_jax.config import apply_overrides
@@ -20,11 +22,18 @@ def demo(workdir: str) -> dict[str, Any]:
                              "train.log_every": "25", "train.eval_every": "100", "checkpoint.every": "100"})
     print(f"demo: tiny TUPE-R MLM ({config.model.num_layers} layers, d={config.model.hidden_size}) on the embedded "
           f"corpus (CPython's documentation text), {config.train.steps} steps, workdir {workdir}", flush=True)
-    pretrain(config, workdir)
-    values = evaluate(workdir)
+    steps = int(config.train.steps)
+    final = pretrain(config, workdir)
+    if int(final.get("step", 0)) < steps or ckpt_lib.stop_requested():     # SIGTERM: saved (if past step 1), stop
+        print(f"demo: stopped at step {final.get('step', 0)} of {steps} (SIGTERM); rerun `make demo` (or this "
+              "command) to continue from its last checkpoint", flush=True)
+        return {}
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)     # nothing left to save: a SIGTERM now ends the demo at once
     rows = metrics_lib.read_metrics(workdir)
     history = [m for m in rows if "loss" in m and "split" not in m]
     evals = [m for m in rows if "eval_loss" in m and "split" not in m]
+    # the loop's evaluation of the last step (written once, also when a rerun finds the run finished)
+    values = next((m for m in reversed(evals) if m["step"] == steps), None) or evaluate(workdir)
     png = plots.loss_curve(history, os.path.join(workdir, "loss.png"), title="demo: TUPE-R MLM, embedded corpus",
                            eval_history=evals)
     first, last = history[0], history[-1]

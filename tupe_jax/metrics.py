@@ -9,6 +9,7 @@ Remat recomputation is not counted (that would be hardware FLOPs).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping, TextIO
+from typing import Any, Callable, Iterator, Mapping, TextIO
 
 import jax
 import numpy as np
@@ -191,6 +192,17 @@ class MetricsWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def closed_on_error(writer: "MetricsWriter") -> Iterator["MetricsWriter"]:
+    """Close `writer` when the block raises (Ctrl-C): its TensorBoard thread would print a traceback at exit."""
+    try:
+        yield writer
+    except BaseException:
+        with contextlib.suppress(Exception):
+            writer.close()
+        raise
 
 
 RESUMED = "resumed"  # value of the `event` key of the row a restarted run writes at its checkpoint step

@@ -120,7 +120,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
     # --------------------------------------------------------------------------------------- loop
     hooks = trainer_lib.Hooks(log=log, after_step=after_step, payload=lambda: progress,
                               checkpoint_due=lambda at: at % spe == 0, sync_due=evaluate_due)
-    outcome = trainer.fit(state, _epochs_from(runner, step), total, hooks)
+    with metrics_lib.closed_on_error(writer):
+        outcome = trainer.fit(state, _epochs_from(runner, step), total, hooks)
     checkpointer.close()
     writer.close()
     if outcome.preempted:

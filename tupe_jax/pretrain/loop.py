@@ -165,12 +165,13 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
 
     hooks = trainer_lib.Hooks(log=log_step, after_step=after_step, payload=payload,
                               sync_due=lambda s: eval_every > 0 and s % eval_every == 0)
-    outcome = trainer.fit(state, train_iter, total_steps, hooks, stop_after=stop_after)
+    with metrics_lib.closed_on_error(writer):
+        outcome = trainer.fit(state, train_iter, total_steps, hooks, stop_after=stop_after)
 
-    # --------------------------------------------------------------------------------------- finish
-    final: dict[str, Any] = {"step": outcome.step, **last_logged}
-    if not outcome.preempted and outcome.step >= total_steps:   # also a run that stopped just before it
-        final.update(write_eval(outcome.step, outcome.state["params"]))
+        # ----------------------------------------------------------------------------------- finish
+        final: dict[str, Any] = {"step": outcome.step, **last_logged}
+        if not outcome.preempted and outcome.step >= total_steps:   # also a run that stopped just before it
+            final.update(write_eval(outcome.step, outcome.state["params"]))
     checkpointer.close()
     writer.close()
     return final

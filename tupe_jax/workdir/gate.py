@@ -55,7 +55,7 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 # A fine-tune's, sweep's or suite's results, a prepared corpus's manifest: what a config change would misrepresent
 # and a failed command keeps (undo.py).
 RESULTS = ("results.json", "sweep.json", "report.json", "manifest.json")
-WRITTEN = ("REPORT.md", "sweep.md", "metrics.jsonl")      # and what would be rewritten or appended to
+WRITTEN = ("REPORT.md", "sweep.md", "metrics.jsonl", "loss.png")   # and what would be rewritten or appended to
 
 
 def _has_results(workdir: str) -> bool:
