@@ -270,11 +270,6 @@ def run(argv: Sequence[str]) -> int:
         from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
         config = config_lib.load_config(args.config, command.reference())
         config_lib.apply_overrides(config, overrides)
-        if command.adopt:
-            adopted = resolve(command.adopt)(config, config_lib.arg_keys(args.config), frozenset(overrides),
-                                             workdir=args.workdir)
-            if adopted:
-                print(f"from {config.init_from}: " + ", ".join(adopted), flush=True)
     elif overrides:
         first = next(iter(overrides))
         raise UserError(f"--config.{first} given without --config", f"--config.{first}",
@@ -289,8 +284,15 @@ def run(argv: Sequence[str]) -> int:
     import jax  # pylint: disable=import-outside-toplevel
     from tupe_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
     cluster.refuse_undistributed_processes()
-    with workdir_lib.claim(args.workdir, config, overwrite=args.overwrite_config, kind=args.command,
-                           validate=lambda: resolve(command.validator)(config, jax.device_count())):
+
+    def checks() -> None:    # in the claim's agreement: a failure on one process stops every process
+        if command.adopt:
+            adopted = resolve(command.adopt)(config, config_lib.arg_keys(args.config), frozenset(overrides),
+                                             workdir=args.workdir)
+            if adopted:
+                print(f"from {config.init_from}: " + ", ".join(adopted), flush=True)
+        resolve(command.validator)(config, jax.device_count())
+    with workdir_lib.claim(args.workdir, config, overwrite=args.overwrite_config, kind=args.command, validate=checks):
         command.call(fn, config, args)
     return 0
 

@@ -86,8 +86,11 @@ def test_nothing_is_adopted_without_a_run_to_adopt_from(run, tmp_path):
     os.remove(os.path.join(run, "config.json"))                     # the encoder-shape check still guards this
     config = glue_config("task=rte", run)
     assert ft_init.adopt_model_keys(config) == [] and config.model.to_dict() == before
-    with pytest.raises(UserError, match=r"not a pretraining run .*, --config\.init_from, "):
+    with pytest.raises(UserError, match=r"nothing does not exist, --config\.init_from, "):
         ft_init.adopt_model_keys(glue_config("task=rte", str(tmp_path / "nothing")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"not a pretraining run .*, --config\.init_from, "):
+        ft_init.adopt_model_keys(glue_config("task=rte", str(tmp_path / "empty")))
 
 
 def test_the_launcher_prints_what_it_adopts_before_validating(run, tmp_path, capsys):

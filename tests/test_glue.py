@@ -86,7 +86,7 @@ def test_resolve_init_from_forms(env):
     assert ft_init.resolve_init_from(os.path.join(pre, "checkpoints", "10"), 10) == (pre, 10)
     with pytest.raises(UserError, match="init_from names step 10 but init_step is 5, --config.init_step"):
         ft_init.resolve_init_from(os.path.join(pre, "checkpoints", "10"), 5)
-    with pytest.raises(UserError, match="not a pretraining run"):
+    with pytest.raises(UserError, match="nothing does not exist"):
         ft_init.resolve_init_from(str(env["root"] / "nothing"))
 
 
@@ -163,7 +163,7 @@ def test_shape_check_without_config_json(env):
 def test_refuses_missing_checkpoint_and_other_tokenizer(env, tmp_path):
     config = make_config(env)
     config.init_from = str(tmp_path / "missing")
-    with pytest.raises(UserError, match="not a pretraining run"):
+    with pytest.raises(UserError, match="missing does not exist"):
         ft_loop.finetune(config, str(tmp_path / "a"))
     config.init_from, config.init_step = env["pre"], 99
     with pytest.raises(UserError, match="no checkpoint at step 99"):
@@ -171,7 +171,7 @@ def test_refuses_missing_checkpoint_and_other_tokenizer(env, tmp_path):
     config.init_step = -1
     (tmp_path / "c" / "tokenizer").mkdir(parents=True)
     (tmp_path / "c" / "tokenizer" / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nfoo\n")
-    with pytest.raises(UserError, match="differs from the pretraining run's tokenizer"):
+    with pytest.raises(UserError, match="differs from the tokenizer of init_from's run"):
         ft_loop.finetune(config, str(tmp_path / "c"))
     with pytest.raises(UserError, match="GLUE"):
         bad = make_config(env, "cola")

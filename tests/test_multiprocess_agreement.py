@@ -67,3 +67,33 @@ def test_sigterm_ends_an_analysis_on_every_process(tmp_path):
             p.kill()
             p.wait()
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.slow
+def test_an_init_from_one_process_cannot_read_stops_every_process(tmp_path):
+    """The adopt hook (init_from's model keys) ran before the claim's agreement: the process that could not read
+    init_from stopped alone and the other waited at the next collective call. Both are given the same relative
+    init_from; only process 0's working folder holds it (as one host's disk would)."""
+    make_pretrained(tmp_path / "a" / "source", tmp_path / "cache")
+    (tmp_path / "b").mkdir()
+    argv = [a for a in command(tmp_path / "run", tmp_path / "cache")[5:] if not a.startswith("--config.model.")]
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "launch", "pretrain", f"--config={ROOT}/configs/pretrain.py",
+                               *argv, "--config.init_from=source", f"--coordinator_address=127.0.0.1:{port}",
+                               "--num_processes=2", f"--process_id={i}"], cwd=tmp_path / "ab"[i],
+                              env={**env(2), "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [2, 2], [err[-2000:] for _, err in outs]
+    assert last_lines(outs) == [f"error: init_from {tmp_path / 'b' / 'source'} does not exist (found by process 1; "
+                                "this is process 0), --config.init_from, point it at a `launch pretrain` workdir (or "
+                                "an import's), or leave it empty to train from scratch",
+                                f"error: init_from {tmp_path / 'b' / 'source'} does not exist, --config.init_from, "
+                                "point it at a `launch pretrain` workdir (or an import's), or leave it empty to train "
+                                "from scratch"]
+    assert not (tmp_path / "run").exists()

@@ -17,10 +17,24 @@ from tupe_jax import workdir as workdir_lib
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """A tiny bert_a run (not the config file's default scheme, nor its default sizes) at steps 10 and 20."""
+    """A tiny bert_a run (not the config file's default scheme, nor its default sizes) at steps 10 and 20, with
+    other params at each."""
+    import jax.numpy as jnp
+    import optax
+    from tupe_jax.model import ModelConfig, init_params
     root = tmp_path_factory.mktemp("source")
-    params = make_pretrained(root / "run", root / "cache", pe="bert_a", steps=(10, 20))
-    return {"run": str(root / "run"), "cache": str(root / "cache"), "params": params}
+    at_10 = make_pretrained(root / "run", root / "cache", pe="bert_a", steps=(10,))
+    config = workdir_lib.read_config(str(root / "run"))
+    params = init_params(ModelConfig.from_config(config.model), jax.random.PRNGKey(2))
+    with ckpt.Checkpointer(str(root / "run"), async_=False) as c:
+        c.save(20, {"step": jnp.int32(20), "params": params, "opt_state": optax.adamw(1e-3).init(params),
+                    "rng": jax.random.PRNGKey(0)}, data_state={}, meta=workdir_lib.make_meta(config, params), force=True)
+    return {"run": str(root / "run"), "cache": str(root / "cache"), "params": params, "params_10": at_10}
+
+
+def same(a, b):
+    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and all(
+        np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
 def continue_argv(source, workdir, *more):
@@ -47,10 +61,8 @@ def test_a_continued_run_starts_at_the_source_params_and_keeps_its_tokenizer(sou
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["pe"] == "bert_a" and config["model"]["hidden_size"] == 32
     assert config["init_from"] == source["run"]
-    got = params_at(run, 1)
     want = jax.tree_util.tree_map(np.asarray, source["params"])
-    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+    assert same(params_at(run, 1), want)
     src_vocab = os.path.join(source["run"], "tokenizer", "vocab.txt")
     assert (run / "tokenizer" / "vocab.txt").read_text() == open(src_vocab, encoding="utf-8").read()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -63,15 +75,32 @@ def test_a_continued_run_starts_at_the_source_params_and_keeps_its_tokenizer(sou
                                      "--config.train.decay_steps=3", "--config.checkpoint.every=1")) == 0
     out = capsys.readouterr().out
     assert "resumed from step 1" in out and "every param from" not in out
-    moved = params_at(run, 3)
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(moved),
-                                                        jax.tree_util.tree_leaves(want)))
+    assert not same(params_at(run, 3), want)
 
 
-def test_init_step_picks_the_source_step(source, tmp_path, capsys):
-    run = tmp_path / "run"
-    assert launch.main(continue_argv(source, run, "--config.train.steps=1", "--config.init_step=10")) == 0
-    assert f"every param from {source['run']} step 10" in capsys.readouterr().out
+def test_init_step_picks_the_source_step_and_a_resume_needs_no_source(source, tmp_path, capsys):
+    """The params at init_step's checkpoint (not the newest's); once the run has a checkpoint of its own, it resumes
+    without the source: the model keys come from its own config.json (a resume had to find the source again)."""
+    import shutil
+    copy, run = tmp_path / "source", tmp_path / "run"
+    shutil.copytree(source["run"], copy)
+    argv = continue_argv({**source, "run": str(copy)}, run, "--config.train.steps=1", "--config.train.warmup_steps=1",
+                         "--config.train.decay_steps=3", "--config.init_step=10")
+    assert launch.main(argv) == 0
+    assert f"every param from {copy} step 10" in capsys.readouterr().out
+    assert same(params_at(run, 1), jax.tree_util.tree_map(np.asarray, source["params_10"]))
+    assert not same(params_at(run, 1), jax.tree_util.tree_map(np.asarray, source["params"]))
+    shutil.rmtree(copy)
+    assert launch.main([a.replace("train.steps=1", "train.steps=2") for a in argv]) == 0
+    assert "resumed from step 1" in capsys.readouterr().out and params_at(run, 2) is not None
+
+
+def test_a_run_inside_the_source_folder_is_refused(source, tmp_path, capsys):
+    before = tree(source["run"])
+    inside = os.path.join(source["run"], "more")
+    assert launch.main(continue_argv(source, inside, "--config.train.steps=1")) == 2
+    assert capsys.readouterr().err.startswith(f"error: --workdir {inside} is inside the folder of init_from's run")
+    assert tree(source["run"]) == before
 
 
 @pytest.mark.parametrize("more,message", [

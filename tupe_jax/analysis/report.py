@@ -163,8 +163,8 @@ def _extrapolation(report: dict, workdir: str) -> list[str]:
 
 def _probe(report: dict, workdir: str) -> list[str]:
     by = _by_scheme(report, "probe")
-    layers = max(len(r["layers"]) for runs in by.values() for r in runs)
-    chance = next(runs[0]["chance_mad"] for runs in by.values() if runs)
+    layers = max((len(r["layers"]) for runs in by.values() for r in runs), default=0)
+    chance = next((runs[0]["chance_mad"] for runs in by.values() if runs), None)
     rows, series = [], {}
     for name, runs in by.items():
         rows.append([f"`{name}`"] + [_ms([r["layers"][i]["mad"] for r in runs if i < len(r["layers"])]

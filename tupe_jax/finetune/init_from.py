@@ -70,6 +70,9 @@ def resolve_init_from(path: str, init_step: int = -1) -> tuple[str, int | None]:
                             "give the step once: in init_from (.../checkpoints/STEP) or as init_step")
     elif name == "checkpoints" and files.isdir(path):
         workdir = base
+    elif not files.exists(path):
+        raise UserError(f"init_from {path} does not exist", WHERE, "point it at a `launch pretrain` workdir (or an "
+                        "import's), or leave it empty to train from scratch")
     else:
         raise UserError(f"init_from {path} is not a pretraining run (no checkpoints/ there)", WHERE,
                         "point it at a `launch pretrain` workdir or its checkpoints/<step>, or leave it empty to "
@@ -102,19 +105,25 @@ def adopt_model_keys(config: ml_collections.ConfigDict, arg_keys: frozenset[str]
     pretraining run's values (its config.json); return them as `model.key=value`. A key counts as given when
     `override_keys` holds `model.<key>` or `arg_keys` holds a config-arg key that sets it (`ARG_KEYS`: `pe`,
     `objective`, `size`); a given key is kept, and `check_model_keys` refuses it if it differs from the run's.
-    Without init_from, or a run without a readable config.json, nothing changes. (`workdir`, the fine-tune's own
-    folder, is the launcher's to give; not read.)"""
-    del workdir
+    Without init_from, or a run without a readable config.json, nothing changes. `workdir` (the command's own
+    folder, from the launcher): a run already started there from the same init_from took the keys at its start, and
+    its config.json gives them (init_from may be gone by then: a continued pretraining reads it no more); a new
+    run there may not lie inside init_from's folder."""
     if not config.init_from:
         return []
-    source, _ = resolve_init_from(str(config.init_from), int(config.init_step))
-    path = workdir_lib.config_path(source)
-    if not files.isfile(path):
-        return []
-    try:
-        theirs = files.read_json(path).get("model", {})
-    except ValueError:
-        return []
+    theirs = _started_from(workdir, str(config.init_from))
+    if theirs is None:
+        source, _ = resolve_init_from(str(config.init_from), int(config.init_step))
+        inside = workdir and files.absolute(workdir).startswith(files.absolute(source).rstrip("/") + "/")
+        require(not inside, f"--workdir {workdir} is inside the folder of init_from's run {source}", "--workdir",
+                "give the new run a folder of its own, outside the run it starts from")
+        path = workdir_lib.config_path(source)
+        if not files.isfile(path):
+            return []
+        try:
+            theirs = files.read_json(path).get("model", {})
+        except ValueError:
+            return []
     given = {k[len("model."):] for k in override_keys if k.startswith("model.")}
     given |= {key for arg in arg_keys for key in ARG_KEYS.get(arg, ())}
     adopted = []
@@ -123,6 +132,17 @@ def adopt_model_keys(config: ml_collections.ConfigDict, arg_keys: frozenset[str]
             config.model[key] = theirs[key]
             adopted.append(f"model.{key}={theirs[key]!r}")
     return adopted
+
+
+def _started_from(workdir: str, init_from: str) -> dict | None:
+    """The model keys of a run already started in `workdir` from `init_from` (its config.json), else None."""
+    path = workdir_lib.config_path(workdir) if workdir else ""
+    try:
+        stored = files.read_json(path) if path and files.isfile(path) else {}
+    except ValueError:
+        return None            # the gate reads it again, and refuses it in one line
+    same = isinstance(stored, dict) and stored.get("init_from") == init_from
+    return stored.get("model", {}) if same else None
 
 
 def check_model_keys(pretrain_workdir: str, config: ml_collections.ConfigDict) -> None:
@@ -199,8 +219,8 @@ def adopt_tokenizer(pretrain_workdir: str, workdir: str) -> str:
     dst = files.join(dst_dir, "vocab.txt")
     if files.isfile(dst):
         if files.read_text(dst) != files.read_text(src):
-            raise UserError(f"{dst} differs from the pretraining run's tokenizer {src}", "--workdir",
-                            "use a fresh workdir for a fine-tune of another pretraining run")
+            raise UserError(f"{dst} differs from the tokenizer of init_from's run {src}", "--workdir",
+                            "use a fresh workdir for a run that starts from another run")
         return src
     if jax.process_index() == 0:   # vocab.txt and, where there is one, tokenizer_config.json
         for name in files.listdir(src_dir):

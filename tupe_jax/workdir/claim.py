@@ -154,19 +154,19 @@ def agree(workdir: str, failure: Optional[Exception], sees: str, stage: str,
     if len({p["workdir"] for p in everyone}) > 1:
         raise UserError(f"the processes of this run were given different workdirs ({path} on process {me})",
                         "--workdir", "give every process the same --workdir: a folder they share or a gs:// path")
-    for k, p in enumerate(everyone):
-        key = next((key for key in sorted(set(p["same"]) | set(everyone[0]["same"]))
-                    if p["same"].get(key) != everyone[0]["same"].get(key)), None)
-        if key is not None:
-            raise UserError(f"the processes of this run were given different values of {key} ("
-                            f"{everyone[0]['same'].get(key, 'none')} on process 0, {p['same'].get(key, 'none')} on "
-                            f"process {k})", key, "run the same command line on every process (host)")
     if failure is not None:
         raise failure
     for k, p in enumerate(everyone):
         if p["error"] is not None:
             what, where, fix = p["error"]
             raise UserError(f"{what} (found by process {k}; this is process {me})", where, fix)
+    for k, p in enumerate(everyone):     # after the failures: a key a failed check left unset differs too
+        key = next((key for key in sorted(set(p["same"]) | set(everyone[0]["same"]))
+                    if p["same"].get(key) != everyone[0]["same"].get(key)), None)
+        if key is not None:
+            raise UserError(f"the processes of this run were given different values of {key} ("
+                            f"{everyone[0]['same'].get(key, 'none')} on process 0, {p['same'].get(key, 'none')} on "
+                            f"process {k})", key, "run the same command line on every process (host)")
     if len({p["sees"] for p in everyone}) > 1:
         seen = "; ".join(f"process {k}: {p['sees']}" for k, p in enumerate(everyone))
         raise UserError(f"the processes of this run see different contents in {path} ({seen})", "--workdir",
