@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The seeded comparison runs behind docs/experiments/ and the README's findings table (issue: reproduce the seed
 # findings with seeds). Each step reuses finished runs, so rerunning only does what is missing; on a fresh clone
-# the whole script is ~2 hours on 2 quiet CPU cores. Usage:
-#   tools/run_experiments.sh [extrapolation|probe|sinusoidal|tupe|nopos-mlm|nopos-mlm-5k|publish]...
+# the whole script is ~3 hours on 2 quiet CPU cores (tupe-a-5k: ~1 hour of it). Usage:
+#   tools/run_experiments.sh [extrapolation|probe|sinusoidal|tupe|nopos-mlm|nopos-mlm-5k|tupe-a-5k|publish]...
 #   (no argument: all, in that order)
 # extrapolation -> probe and tupe -> nopos-mlm depend on each other's runs; the two chains may run in parallel.
 set -euo pipefail
@@ -32,13 +32,19 @@ step() {
       $PY -m launch compare --config=configs/compare.py:suite=tupe --workdir=runs/cmp/nopos-mlm-5k $DATA \
         --config.runs_dir=runs/cmp/runs-5k --config.train.steps=5000 --config.train.eval_every=500 \
         --config.seeds=0,1,2 --config.schemes=bert_a,nopos --config.glue.tasks= ;;
+    tupe-a-5k)       # TUPE-A vs BERT-A at 5000 steps, with GLUE; 16-bit dropout masks (the default), so its own runs
+      $PY -m launch compare --config=configs/compare.py:suite=tupe --workdir=runs/cmp/tupe-a-5k \
+        --config.data.name=wikitext --config.data.path=../shared/data/wikitext-2 \
+        --config.runs_dir=runs/cmp/runs-5k-b16 --config.train.steps=5000 --config.train.eval_every=500 \
+        --config.seeds=0,1,2 --config.schemes=bert_a,tupe_a --config.data.glue_dir=../shared/data/glue \
+        --config.glue.tasks=sst2,mrpc,stsb,cola --config.glue.max_steps=150 --config.glue.learning_rate=3e-4 ;;
     tupe)            # TUPE: MLM curves of the four schemes + tied [CLS], then GLUE dev fine-tunes
       $PY -m launch compare --config=configs/compare.py:suite=tupe --workdir=runs/cmp/tupe $DATA \
         --config.runs_dir=$RUNS $MLM --config.schemes=bert_a,bert_r,tupe_a,tupe_r,tupe_a-tiedcls \
         --config.data.glue_dir=../shared/data/glue --config.glue.tasks=sst2,mrpc,stsb,cola \
         --config.glue.max_steps=150 --config.glue.learning_rate=3e-4 ;;
     publish)         # copy the reports (not the checkpoints) into docs/experiments/
-      for s in extrapolation probe sinusoidal nopos-mlm nopos-mlm-5k tupe; do
+      for s in extrapolation probe sinusoidal nopos-mlm nopos-mlm-5k tupe tupe-a-5k; do
         [ -f runs/cmp/$s/report.json ] || continue
         mkdir -p docs/experiments/$s
         (cd runs/cmp/$s && find . -maxdepth 2 \( -name '*.md' -o -name '*.json' -o -name '*.png' \) \
@@ -48,7 +54,7 @@ step() {
     *) echo "error: unknown step '$1', tools/run_experiments.sh, use one of: $STEPS" >&2; exit 2 ;;
   esac
 }
-STEPS="extrapolation probe sinusoidal tupe nopos-mlm nopos-mlm-5k publish"
+STEPS="extrapolation probe sinusoidal tupe nopos-mlm nopos-mlm-5k tupe-a-5k publish"
 set -f               # a step is a word, never a file pattern
 for t in $*; do    # every step named is checked before the first one runs (hours of training)
   case " $STEPS " in
