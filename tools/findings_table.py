@@ -16,7 +16,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)                    # run as `python tools/findings_table.py` from a checkout
 from tupe_jax.analysis.findings import mean_spread  # noqa: E402  pylint: disable=wrong-import-position
-SUITES = ("probe", "nopos-mlm", "nopos-mlm-5k", "extrapolation", "tupe")
+SUITES = ("probe", "nopos-mlm", "nopos-mlm-5k", "extrapolation", "tupe", "tupe-a-5k")
 BEGIN, END = "<!-- findings:begin -->", "<!-- findings:end -->"
 
 
