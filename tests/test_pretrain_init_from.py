@@ -90,8 +90,14 @@ def test_init_step_picks_the_source_step_and_a_resume_needs_no_source(source, tm
     assert f"every param from {copy} step 10" in capsys.readouterr().out
     assert same(params_at(run, 1), jax.tree_util.tree_map(np.asarray, source["params_10"]))
     assert not same(params_at(run, 1), jax.tree_util.tree_map(np.asarray, source["params"]))
+    again = [a.replace("train.steps=1", "train.steps=2") for a in argv]
+    before = tree(str(run))
+    assert launch.main([a.replace("init_step=10", "init_step=20") for a in again]) == 2   # it read step 10
+    assert capsys.readouterr().err.startswith(f"error: {run / 'config.json'} holds a run with init_step=10 (this "
+                                              "command: 20)")
+    assert tree(str(run)) == before
     shutil.rmtree(copy)
-    assert launch.main([a.replace("train.steps=1", "train.steps=2") for a in argv]) == 0
+    assert launch.main(again) == 0
     assert "resumed from step 1" in capsys.readouterr().out and params_at(run, 2) is not None
 
 

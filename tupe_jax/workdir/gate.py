@@ -180,8 +180,11 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, overwrite: Opt
     flat_new = with_added_defaults(config_lib.flatten(new))      # (e.g. prepare's small `model`) reads the same
     changed = [k for k in sorted(set(flat_old) | set(flat_new)) if flat_old.get(k) != flat_new.get(k)]
     same_schedule = _schedule(flat_old) == _schedule(flat_new)
-    refused = [k for k in changed if not resumable(k) and not (k == "train.decay_steps" and same_schedule
-                                                                and "task" not in new)]
+    # init_step is resumable for a fine-tune (its results.json names the step read); a continued pretraining read
+    # its init_step when it started, and its config.json must keep naming that step once it has a checkpoint
+    read_init = step is not None and "task" not in new
+    refused = [k for k in changed if (not resumable(k) or (k == "init_step" and read_init))
+               and not (k == "train.decay_steps" and same_schedule and "task" not in new)]
     if refused:
         more = f" and {len(refused) - 1} more ({', '.join(refused[1:4])})" if len(refused) > 1 else ""
         fresh = step is None and not _has_results(workdir) and not holds_runs(workdir)
