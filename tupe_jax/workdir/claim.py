@@ -211,8 +211,6 @@ def wait_for_all_processes(workdir: str) -> None:
     while another, started late, is still checking."""
     if jax.process_count() == 1:
         return
-    print(f"{workdir}: process {jax.process_index()} of {jax.process_count()} passed the workdir checks; waiting for "
-          "the other processes", flush=True)
     multihost_utils.sync_global_devices(f"tupe_jax.claim {files.absolute(workdir)}")
 
 
@@ -246,6 +244,9 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
     failure, changes = None, []
     try:
         changes = check_config(workdir, config, overwrite=overwrite, kind=kind)   # refuse before anything is written
+        if jax.process_count() > 1:    # the gate's agreement below waits for them (a late host's checks)
+            print(f"{workdir}: process {jax.process_index()} of {jax.process_count()} passed the workdir checks; "
+                  "waiting for the other processes", flush=True)
     except Exception as err:  # pylint: disable=broad-except  # as above
         failure = err
     agree(workdir, failure, "", stage="gate")
