@@ -116,13 +116,13 @@ def test_a_folder_locked_for_process_0_stops_both_processes_with_its_line(tmp_pa
         holder.stdout.close()
 
 
-def two_processes(argv, environment, timeout=300, code=0, each=lambda i: ()):
-    """`python -m launch *argv *each(i)` as processes i = 0 and 1 of one jax.distributed job; their (stdout,
-    stderr), each process checked to exit with `code`."""
+def two_processes(argv, environment, timeout=300, code=0, each=lambda i: (), cwd=lambda i: ROOT):
+    """`python -m launch *argv *each(i)` as processes i = 0 and 1 of one jax.distributed job, in folder `cwd(i)`;
+    their (stdout, stderr), each process checked to exit with `code`."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "launch", *argv, *each(i),
                                f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-                              cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=cwd(i), env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]

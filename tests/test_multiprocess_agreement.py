@@ -77,19 +77,8 @@ def test_an_init_from_one_process_cannot_read_stops_every_process(tmp_path):
     make_pretrained(tmp_path / "a" / "source", tmp_path / "cache")
     (tmp_path / "b").mkdir()
     argv = [a for a in command(tmp_path / "run", tmp_path / "cache")[5:] if not a.startswith("--config.model.")]
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "launch", "pretrain", f"--config={ROOT}/configs/pretrain.py",
-                               *argv, "--config.init_from=source", f"--coordinator_address=127.0.0.1:{port}",
-                               "--num_processes=2", f"--process_id={i}"], cwd=tmp_path / "ab"[i],
-                              env={**env(2), "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert [p.returncode for p in procs] == [2, 2], [err[-2000:] for _, err in outs]
+    outs = two_processes(["pretrain", f"--config={ROOT}/configs/pretrain.py", *argv, "--config.init_from=source"],
+                         {**env(2), "PYTHONPATH": ROOT}, timeout=120, code=2, cwd=lambda i: tmp_path / "ab"[i])
     assert last_lines(outs) == [f"error: init_from {tmp_path / 'b' / 'source'} does not exist (found by process 1; "
                                 "this is process 0), --config.init_from, point it at a `launch pretrain` workdir (or "
                                 "an import's), or leave it empty to train from scratch",
