@@ -5,7 +5,8 @@ JAX if asked, run the command's own validator, claim the workdir (`workdir.claim
 failure) and call the library function (imported lazily). Any `UserError` becomes one line `error: ...` on
 stderr, exit 2; anything unexpected becomes one line pointing at a log file with the traceback, exit 1.
 
-Multi-process flags: `launch/cluster.py`.
+Each command's own flags and the overrides a command without --config takes: `launch/flags.py`. Multi-process
+flags: `launch/cluster.py`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from launch import cluster
+from launch import cluster, flags
+from launch.flags import ANALYSIS_FLAGS, NO_STEP, STEP_COMMANDS, Once, split_overrides
 from tupe_jax import xla_options
 from tupe_jax.errors import UserError
 
@@ -60,20 +62,21 @@ COMMANDS: dict[str, Command] = {
                        lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.data.prepare:validate",
                        config_file="prepare"),
     "evaluate": Command("tupe_jax.pretrain.evaluate", "evaluate", "evaluate a pretraining checkpoint",
-                        lambda fn, cfg, a: fn(a.workdir, a.step)),
+                        lambda fn, cfg, a: fn(a.workdir, a.step, data=a.data)),
     "finetune": Command("tupe_jax.finetune.loop", "finetune", "fine-tune a pretrained run on a GLUE task",
                         lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE, _ADOPT, "glue"),
     "glue-sweep": Command("tupe_jax.finetune.sweep", "sweep", "fine-tune over GLUE tasks and learning rates",
                           lambda fn, cfg, a: fn(cfg, a.workdir), _FINETUNE, _ADOPT, "glue"),
     "extrapolate": Command("tupe_jax.analysis.extrapolate", "run",
                            "perplexity / MLM loss vs evaluation length (several --workdir: one line each)",
-                           lambda fn, cfg, a: fn(a.workdir, _lengths(a.lengths), mode=a.mode, stride=a.stride,
-                                                 out=a.out, step=a.step)),
+                           lambda fn, cfg, a: fn(a.workdir, flags.lengths(a.lengths), mode=a.mode, stride=a.stride,
+                                                 out=a.out, step=a.step, data=a.data)),
     "probe": Command("tupe_jax.analysis.probe", "run", "probe each layer's hidden states for absolute position",
-                     lambda fn, cfg, a: fn(a.workdir, out=a.out, step=a.step, steps=a.probe_steps)),
+                     lambda fn, cfg, a: fn(a.workdir, out=a.out, step=a.step, steps=a.probe_steps,
+                                             data=a.data)),
     "correlations": Command("tupe_jax.analysis.correlations", "run",
                             "attention-logit decomposition (TUPE Fig. 2) and learned positional correlation (Fig. 6)",
-                            lambda fn, cfg, a: fn(a.workdir, layer=a.layer, out=a.out, step=a.step)),
+                            lambda fn, cfg, a: fn(a.workdir, layer=a.layer, out=a.out, step=a.step, data=a.data)),
     "shuffle-attention": Command("tupe_jax.analysis.shuffle", "run",
                                  "attention of a sentence vs its shuffle (causal vs bidirectional)",
                                  lambda fn, cfg, a: fn(a.workdir, text=a.text, layer=a.layer, out=a.out,
@@ -96,43 +99,6 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-class _Once(argparse.Action):
-    """A flag that may be given once: a second value would silently replace the first."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if getattr(namespace, f"_seen_{self.dest}", False):
-            raise UserError(f"{option_string} is given twice", option_string, "give it once")
-        setattr(namespace, f"_seen_{self.dest}", True)
-        setattr(namespace, self.dest, values)
-
-
-# Extra flags of the analysis commands; their --workdir may be repeated.
-_OUT = (("--out",), dict(default=None, action=_Once, help="output directory (default: <first workdir>/analysis/)"))
-_LAYER = (("--layer",), dict(type=int, default=0, action=_Once, help="layer to analyse (0 = first block)"))
-ANALYSIS_FLAGS: dict[str, list] = {
-    "extrapolate": [
-        (("--lengths",), dict(action=_Once, default="128,256,512,1024",
-                              help="comma-separated evaluation lengths")),
-        (("--mode",), dict(action=_Once, choices=("nonoverlapping", "sliding"), default="nonoverlapping",
-                           help="evaluation windows (sliding: causal LMs only)")),
-        (("--stride",), dict(type=int, action=_Once, default=None,
-                             help="sliding-window stride S (default: L; capped at L)")),
-        _OUT],
-    "probe": [(("--probe_steps",), dict(type=int, action=_Once, default=None,
-                                        help="Adam steps per probe (default 300)")), _OUT],
-    "correlations": [_LAYER, _OUT],
-    "shuffle-attention": [(("--text",), dict(action=_Once, default=None,
-                                             help="the sentence (default: a built-in one)")),
-                          _LAYER, _OUT],
-    "import-hf": [(("--from",), dict(dest="source", action=_Once, metavar="DIR", default=None,
-                                     help="Hugging Face model folder (config.json, model.safetensors, vocab.txt)"))],
-    "import-fairseq": [(("--from",), dict(dest="source", action=_Once, metavar="DIR", default=None,
-                                          help="the extracted fairseq checkpoint folder (or its .pt)"))],
-    "export": [(("--out",), dict(default=None, action=_Once, metavar="DIR",
-                                 help="new folder for the exported model"))],
-}
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but usage errors are one line `error: ...` and exit 2, and a flag must be spelled out (`--work`
     is not taken for `--workdir`)."""
@@ -142,38 +108,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UserError(message.replace("\n", " "), "", f"see `{self.prog} --help`")
-
-
-# What a command without --config takes its settings from, where it is not the run in --workdir.
-NO_CONFIG = {"demo": "'demo' runs its own fixed config (launch/demo.py); for other settings use pretrain",
-             "import-hf": "'import-hf' takes the model's settings from --from",
-             "import-fairseq": "'import-fairseq' takes the model's settings from --from"}
-
-# The commands that read one checkpoint step of a run (`--step`); the others refuse the flag with what to use.
-STEP_COMMANDS = ("evaluate", "extrapolate", "probe", "correlations", "shuffle-attention", "export")
-NO_STEP = {"finetune": "give the pretraining run's step as --config.init_step=N",
-           "glue-sweep": "give the pretraining run's step as --config.init_step=N",
-           "pretrain": "a run resumes from its newest checkpoint; for an earlier one, copy the run and delete the "
-                       "newer steps"}
-
-
-def _step(raw: str) -> int:
-    if not raw.strip().isdecimal():   # argparse's error names the flag: "argument --step: ..."
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a checkpoint step (give a step >= 0, e.g. --step=1000)")
-    return int(raw)
-
-
-def _lengths(raw: str) -> list[int]:
-    try:
-        lengths = [int(x) for x in raw.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--lengths={raw!r} is not a comma-separated list of ints", "--lengths",
-                        "write e.g. --lengths=128,256,512") from None
-    if not lengths or min(lengths) <= 0:
-        raise UserError(f"--lengths={raw!r} needs positive lengths", "--lengths", "write e.g. --lengths=128,256,512")
-    if min(lengths) < 2:     # one token has nothing to predict (refused here, not after the other lengths ran)
-        raise UserError(f"evaluation length {min(lengths)} is too short", "--lengths", "use lengths of at least 2")
-    return lengths
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,48 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--workdir", required=True, action="append",
                            help="run directory; repeat to analyse several runs together")
         else:
-            p.add_argument("--workdir", required=True, action=_Once,
+            p.add_argument("--workdir", required=True, action=Once,
                            help="run directory (config.json, checkpoints, metrics)")
         if cmd.needs_config:
-            p.add_argument("--config", required=True, action=_Once, help="configs/FILE.py[:arg]")
+            p.add_argument("--config", required=True, action=Once, help="configs/FILE.py[:arg]")
             p.add_argument("--overwrite_config", action="store_true",
                            help="replace a workdir/config.json that holds another run's config")
-        p.add_argument("--step", type=_step, default=None, action=_Once, help="checkpoint step (default: latest)"
+        p.add_argument("--step", type=flags.step, default=None, action=Once, help="checkpoint step (default: latest)"
                        if name in STEP_COMMANDS else argparse.SUPPRESS)
-        for flags, kwargs in ANALYSIS_FLAGS.get(name, ()):
-            p.add_argument(*flags, **kwargs)
-        p.add_argument("--distributed", choices=("auto", "on", "off"), default="auto", action=_Once,
+        for names, kwargs in ANALYSIS_FLAGS.get(name, ()):
+            p.add_argument(*names, **kwargs)
+        p.add_argument("--distributed", choices=("auto", "on", "off"), default="auto", action=Once,
                        help="call jax.distributed.initialize() (auto: when several processes are configured, "
                        "or on a Cloud TPU VM)")
-        p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"), action=_Once)
-        p.add_argument("--num_processes", type=int, default=cluster.env_int("JAX_NUM_PROCESSES"), action=_Once)
-        p.add_argument("--process_id", type=int, default=cluster.env_int("JAX_PROCESS_ID"), action=_Once)
+        p.add_argument("--coordinator_address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"), action=Once)
+        p.add_argument("--num_processes", type=int, default=cluster.env_int("JAX_NUM_PROCESSES"), action=Once)
+        p.add_argument("--process_id", type=int, default=cluster.env_int("JAX_PROCESS_ID"), action=Once)
     return parser
-
-
-def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """Separate `--config.a.b=c` (or `--config.a.b c`) overrides from the other arguments."""
-    rest: list[str] = []
-    overrides: dict[str, str] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--config."):
-            key, sep, value = arg[len("--config."):].partition("=")
-            if not sep:
-                if i + 1 >= len(argv):
-                    raise UserError(f"--config.{key} has no value", f"--config.{key}", f"write --config.{key}=VALUE")
-                i += 1
-                value = argv[i]
-            if not key:
-                raise UserError("empty override key", arg, "write --config.section.key=VALUE")
-            if key in overrides:   # the last would silently win
-                raise UserError(f"--config.{key} is given twice", f"--config.{key}", "give it once")
-            overrides[key] = value
-        else:
-            rest.append(arg)
-        i += 1
-    return rest, overrides
 
 
 def resolve(spec: str) -> Callable[..., Any]:
@@ -270,11 +179,8 @@ def run(argv: Sequence[str]) -> int:
         from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
         config = config_lib.load_config(args.config, command.reference())
         config_lib.apply_overrides(config, overrides)
-    elif overrides:
-        first = next(iter(overrides))
-        raise UserError(f"--config.{first} given without --config", f"--config.{first}",
-                        NO_CONFIG.get(args.command, f"'{args.command}' reads the run's config from --workdir") +
-                        "; drop the override")
+    else:    # --config.data.*: another corpus for the commands that score a run; other overrides are refused
+        args.data = flags.corpus_overrides(args.command, overrides)
     cluster.maybe_initialize_distributed(args)
     fn = resolve(f"{command.module}:{command.function}")
     if config is None:

@@ -123,5 +123,6 @@ def agree_on_command(args: argparse.Namespace) -> None:
                 workdir_lib.read_config(workdir)
     except Exception as err:  # pylint: disable=broad-except  # shared with the other processes by `agree`
         failure = err
-    given = {f"--{k}": repr(v) for k, v in sorted(vars(args).items()) if k not in CLUSTER_FLAGS}
+    given = {f"--{k}": repr(v) for k, v in sorted(vars(args).items()) if k not in CLUSTER_FLAGS + ("data",)}
+    given.update({f"--config.{k}": repr(v) for k, v in (getattr(args, "data", None) or {}).items()})
     workdir_lib.agree(str(workdirs[0] or "."), failure, "", stage="command", same=given)

@@ -288,7 +288,7 @@ def test_launcher_flags_reach_the_analysis_functions(monkeypatch):
     def fake(name):
         return lambda *args, **kwargs: calls.setdefault(name, (args, kwargs))
 
-    for name in ("extrapolate", "probe", "correlations", "shuffle-attention"):
+    for name in ("extrapolate", "probe", "correlations", "shuffle-attention", "evaluate"):
         monkeypatch.setattr(launch, "resolve", lambda spec: fake(next(n for n, c in launch.COMMANDS.items()
                                                                       if spec == f"{c.module}:{c.function}")))
     assert launch.main(["extrapolate", "--workdir=a", "--workdir=b", "--lengths=8,16", "--mode=sliding",
@@ -296,8 +296,11 @@ def test_launcher_flags_reach_the_analysis_functions(monkeypatch):
     assert launch.main(["probe", "--workdir=a", "--probe_steps=7"]) == 0
     assert launch.main(["correlations", "--workdir=a", "--layer=1"]) == 0
     assert launch.main(["shuffle-attention", "--workdir=a", "--text=hi there", "--layer=1"]) == 0
-    assert calls["extrapolate"] == ((["a", "b"], [8, 16]), {"mode": "sliding", "stride": 4, "out": "o", "step": None})
-    assert calls["probe"] == ((["a"],), {"out": None, "step": None, "steps": 7})
+    assert launch.main(["evaluate", "--workdir=a", "--config.data.name=wikitext", "--config.data.path=w"]) == 0
+    assert calls["extrapolate"] == ((["a", "b"], [8, 16]), {"mode": "sliding", "stride": 4, "out": "o", "step": None,
+                                                            "data": {}})
+    assert calls["probe"] == ((["a"],), {"out": None, "step": None, "steps": 7, "data": {}})
+    assert calls["evaluate"] == (("a", None), {"data": {"data.name": "wikitext", "data.path": "w"}})
     assert calls["correlations"][1]["layer"] == 1
     assert calls["shuffle-attention"][1]["text"] == "hi there"
     assert launch.main(["extrapolate", "--workdir=a", "--mode=strided"]) == 2

@@ -165,3 +165,29 @@ def test_an_import_continues_pretraining_in_a_fresh_run(hf_folder, tmp_path, cap
     assert ours.tokenizer.cls_id == 101 and ours.step == 1
     pairs = zip(jax.tree_util.tree_leaves(ours.params), jax.tree_util.tree_leaves(theirs.params))
     assert all(np.array_equal(a, b) for a, b in pairs)
+
+
+def test_an_import_is_scored_on_the_corpus_given(hf_folder, tmp_path, capsys):
+    """An import's config names the built-in corpus; `--config.data.*` scores the text given instead, with the
+    import's tokenizer (its words here), and the run is left as it was."""
+    from tests.workdir_fixtures import tree  # pylint: disable=import-outside-toplevel
+    imported, corpus = tmp_path / "import", tmp_path / "corpus"
+    assert launch.main(["import-hf", f"--from={hf_folder}", f"--workdir={imported}"]) == 0
+    rng = np.random.default_rng(0)
+    corpus.mkdir()
+    for name, docs in (("train.txt", 40), ("valid.txt", 20)):
+        (corpus / name).write_text("\n\n".join(" ".join(f"w{i}" for i in rng.integers(0, 150, 40))
+                                               for _ in range(docs)) + "\n")
+    before = tree(str(imported))
+    given = ["--config.data.name=text_files", f"--config.data.path={corpus}",
+             f"--config.data.cache_dir={tmp_path / 'cache'}"]
+    assert launch.main(["extrapolate", f"--workdir={imported}", "--lengths=16", f"--out={tmp_path / 'a'}", *given]) == 0
+    capsys.readouterr()
+    row = json.loads((tmp_path / "a" / "extrapolation.json").read_text())["runs"][0]
+    assert row["corpus"]["data.path"] == str(corpus) and np.isfinite(row["results"][0]["mlm_loss"])
+    stream = workdir_lib.load_run(str(imported), data=dict(a[len("--config."):].split("=", 1) for a in given))
+    from tupe_jax import data as data_lib  # pylint: disable=import-outside-toplevel
+    tokens = np.asarray(data_lib.token_stream(stream.config, stream.tokenizer, "validation"))
+    words = {stream.tokenizer.vocab.index(f"w{i}") for i in range(150)}
+    assert len(tokens) == 20 * 41 and set(tokens.tolist()) <= words | {stream.tokenizer.sep_id}
+    assert tree(str(imported)) == before

@@ -49,7 +49,7 @@ def fake_library(monkeypatch):
     calls = []
     module = types.ModuleType("fake_train_lib")
     module.pretrain = lambda config, workdir: calls.append(("pretrain", config, workdir))
-    module.evaluate = lambda workdir, step: calls.append(("evaluate", workdir, step))
+    module.evaluate = lambda workdir, step, data: calls.append(("evaluate", workdir, step, data))
     monkeypatch.setitem(sys.modules, "fake_train_lib", module)
     for name in ("pretrain", "evaluate"):
         cmd = launch.COMMANDS[name]
@@ -66,7 +66,7 @@ def test_dispatch_validates_and_writes_config(tmp_path, fake_library):
     assert config.train.steps == 5 and config.train.batch_size == 16
     assert os.path.isfile(os.path.join(workdir, "config.json"))
     assert launch.main(["evaluate", f"--workdir={workdir}", "--step=3"]) == 0
-    assert fake_library[-1] == ("evaluate", workdir, 3)
+    assert fake_library[-1] == ("evaluate", workdir, 3, {})
 
 
 def test_workdir_of_another_run_is_refused(tmp_path, fake_library, capsys):
@@ -97,9 +97,9 @@ def test_override_without_config_is_refused(capsys):
 
 
 def test_lengths_parsing():
-    assert launch._lengths("128,256") == [128, 256]  # pylint: disable=protected-access
+    assert launch.flags.lengths("128,256") == [128, 256]  # pylint: disable=protected-access
     with pytest.raises(launch.UserError, match="--lengths"):
-        launch._lengths("128,abc")  # pylint: disable=protected-access
+        launch.flags.lengths("128,abc")  # pylint: disable=protected-access
 
 
 def test_workdir_only_commands_take_no_config(capsys):
@@ -123,7 +123,7 @@ def test_an_unexpected_exception_is_one_line_pointing_at_a_log(tmp_path, monkeyp
     workdir.mkdir()
     (workdir / "notes.txt").write_text("keep")
 
-    def boom(workdir, step):
+    def boom(workdir, step, data):
         raise RuntimeError("something nobody foresaw\nsecond line")
 
     _fake_command(monkeypatch, "evaluate", boom)

@@ -29,13 +29,19 @@ def test_processes_given_different_configs_stop_together_before_anything_is_writ
 
 @pytest.mark.slow
 def test_a_command_given_different_flags_stops_every_process(tmp_path):
-    """`evaluate --step` of process 1 was replaced by process 0's without a word."""
+    """`evaluate --step` of process 1 was replaced by process 0's without a word; so is another corpus."""
     make_pretrained(tmp_path / "run", tmp_path / "cache", steps=(10, 20))
     outs = two_processes(["evaluate", f"--workdir={tmp_path / 'run'}"],
                          {**env(2), "TUPE_JAX_CACHE": str(tmp_path / "cache")}, code=2,
                          each=lambda i: [f"--step={10 * (i + 1)}"])
     assert all(line.startswith("error: the processes of this run were given different values of --step (10 on "
                                "process 0, 20 on process 1), --step,") for line in last_lines(outs))
+    outs = two_processes(["evaluate", f"--workdir={tmp_path / 'run'}", "--config.data.name=text_files"],
+                         {**env(2), "TUPE_JAX_CACHE": str(tmp_path / "cache")}, code=2,
+                         each=lambda i: [f"--config.data.path={tmp_path}"] if i else [])   # another corpus: one
+    assert all(line.startswith("error: the processes of this run were given different values of --config.data.path "
+                               f"(none on process 0, '{tmp_path}' on process 1), --config.data.path,")
+               for line in last_lines(outs))
 
 
 @pytest.mark.slow

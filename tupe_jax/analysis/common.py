@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +47,17 @@ def _target(workdirs: str | Sequence[str], out: Optional[str]) -> str:
     return files.join(str(first), "analysis")
 
 
-def check_output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> None:
+def check_output_dir(workdirs: str | Sequence[str], out: Optional[str] = None,
+                     data: Optional[Mapping[str, str]] = None) -> None:
     """Before any compute: the output folder (`out`, or `<first workdir>/analysis/`) is not a file and, locally,
-    can be written."""
+    can be written. Scoring another corpus (`data`: `--config.data.*`) needs `out`: its outputs would replace those
+    of the run's own corpus."""
     if out is not None and not str(out).strip():
         raise UserError("--out is empty", "--out", "give a folder for the analysis outputs, or leave --out out for "
                         "<workdir>/analysis/")
+    if data and out is None:
+        raise UserError("--config.data.* scores another corpus than the run's: its outputs would replace the run's "
+                        "own in <workdir>/analysis/", "--out", "give them a folder of their own with --out=DIR")
     target = _target(workdirs, out)
     workdir_lib.refuse_in_checkpoints(target, workdirs, "--out")
     if files.exists(target) and not files.isdir(target):

@@ -32,7 +32,7 @@ pattern; ≈0: input-dependent noise without positional structure).
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -268,11 +268,11 @@ def correlations(runs: Sequence[common.Run], layer: int = 0, batch: int = 8, see
 
 
 def run(workdir, *, layer: int = 0, out: Optional[str] = None, step: Optional[int] = None, batch: int = 8,
-        seed: int = 0, runs: Optional[Sequence[common.Run]] = None) -> dict:
+        seed: int = 0, runs: Optional[Sequence[common.Run]] = None, data: Optional[Mapping[str, str]] = None) -> dict:
     """Load the run(s), decompose `layer`, write `correlations.json` (`correlations_layer<L>.json` past the first
-    layer) + heatmap PNGs to `out`."""
-    common.check_output_dir(workdir, out)
-    runs = list(runs) if runs is not None else common.load_runs(workdir, step)
+    layer) + heatmap PNGs to `out`. `data`: `--config.data.*` overrides, another corpus (`out` is then required)."""
+    common.check_output_dir(workdir, out, data)
+    runs = list(runs) if runs is not None else common.load_runs(workdir, step, data)
     common.check_layer(runs, layer)
     directory = common.output_dir(workdir, out)
     report = correlations(runs, layer, batch, seed, directory)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -285,10 +285,11 @@ def plot(report: dict, path) -> None:
 def run(workdir, lengths: Sequence[int], *, mode: str = "nonoverlapping", stride: Optional[int] = None,
         out: Optional[str] = None, step: Optional[int] = None, split: str = "validation", seed: int = 0,
         token_budget: int = common.DEFAULT_TOKEN_BUDGET, max_tokens: Optional[int] = None,
-        runs: Optional[Sequence[common.Run]] = None) -> dict:
-    """Load the run(s), evaluate every length, write `extrapolation.json` + `extrapolation.png` to `out`."""
-    common.check_output_dir(workdir, out)
-    runs = list(runs) if runs is not None else common.load_runs(workdir, step)
+        runs: Optional[Sequence[common.Run]] = None, data: Optional[Mapping[str, str]] = None) -> dict:
+    """Load the run(s), evaluate every length, write `extrapolation.json` + `extrapolation.png` to `out`. `data`:
+    `--config.data.*` overrides, another corpus to score (`workdir.with_corpus`; `out` is then required)."""
+    common.check_output_dir(workdir, out, data)
+    runs = list(runs) if runs is not None else common.load_runs(workdir, step, data)
     report = extrapolate(runs, lengths, mode=mode, stride=stride, split=split, seed=seed,
                          token_budget=token_budget, max_tokens=max_tokens)
     directory = common.output_dir(workdir, out)

@@ -16,7 +16,7 @@ Reported per layer: MAD = mean |argmax − position| and accuracy. All layers' p
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -169,15 +169,17 @@ def plot(report: dict, path) -> None:
 
 
 def run(workdir, *, out: Optional[str] = None, step: Optional[int] = None, steps: Optional[int] = None,
-        settings: Optional[ProbeSettings] = None, runs: Optional[Sequence[common.Run]] = None) -> dict:
-    """Load the run(s), probe every layer, write `probe.json` + `probe.png` to `out` (default RUN/analysis/)."""
+        settings: Optional[ProbeSettings] = None, runs: Optional[Sequence[common.Run]] = None,
+        data: Optional[Mapping[str, str]] = None) -> dict:
+    """Load the run(s), probe every layer, write `probe.json` + `probe.png` to `out` (default RUN/analysis/).
+    `data`: `--config.data.*` overrides, another corpus to probe on (`out` is then required)."""
     settings = settings or ProbeSettings()
     if steps is not None:
         if steps < 1:
             raise UserError(f"--probe_steps={steps} must be at least 1", "--probe_steps", "give a positive number")
         settings = dataclasses.replace(settings, steps=steps)
-    common.check_output_dir(workdir, out)
-    runs = list(runs) if runs is not None else common.load_runs(workdir, step)
+    common.check_output_dir(workdir, out, data)
+    runs = list(runs) if runs is not None else common.load_runs(workdir, step, data)
     report = probe(runs, settings)
     directory = common.output_dir(workdir, out)
     common.write_json(directory / "probe.json", report)

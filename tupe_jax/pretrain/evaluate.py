@@ -1,7 +1,7 @@
 """`python -m launch evaluate`: restore a pretraining checkpoint and score the whole validation split."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import jax
 
@@ -15,11 +15,14 @@ from tupe_jax.pretrain import steps
 from tupe_jax.pretrain.loop import validation_batches
 
 
-def evaluate(workdir: str, step: Optional[int] = None) -> dict[str, float]:
+def evaluate(workdir: str, step: Optional[int] = None, data: Optional[Mapping[str, str]] = None) -> dict[str, float]:
     """Restore `workdir` at `step` (default latest), evaluate on the whole validation split, log to metrics (not
-    while a run is live in that folder: `live_run`)."""
-    workdir_lib.check_folder(workdir)          # it writes a metrics row: refuse a read-only folder before evaluating
-    run = workdir_lib.load_run(workdir, step)
+    while a run is live in that folder: `live_run`). With `data` (`--config.data.*` overrides: another corpus,
+    `workdir.with_corpus`) the validation split is that corpus's, and the values are printed, not logged: the
+    run's metrics.jsonl records its own corpus."""
+    if not data:
+        workdir_lib.check_folder(workdir)      # it writes a metrics row: refuse a read-only folder before evaluating
+    run = workdir_lib.load_run(workdir, step, data)
     config = run.config
     with config.unlocked():
         config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1   # any device count can evaluate
@@ -28,11 +31,18 @@ def evaluate(workdir: str, step: Optional[int] = None) -> dict[str, float]:
     batch_size -= batch_size % jax.device_count() or 0
     batches = validation_batches(config, run.tokenizer, max(batch_size, jax.device_count()))
     if batches is None:
-        raise UserError(f"the corpus of {workdir} has no validation split", "data.holdout",
+        raise UserError(f"the corpus {'given' if data else 'of ' + workdir} has no validation split",
+                        "--config.data.holdout" if data else "data.holdout",
+                        "give it a validation file, or --config.data.holdout>0" if data else
                         "set --config.data.holdout>0 when pretraining")
     params = sharding_lib.replicate(run.params, mesh)
     sums = steps.run_eval(xla_options.jit(steps.make_eval_step(TransformerLM(run.model_cfg))), params, batches, mesh, 0)
     values = steps.summarize(sums, run.model_cfg.causal, prefix="eval_")
+    if data:
+        print(f"{workdir} step {run.step} on --config." + " --config.".join(f"{k}={v}" for k, v in data.items()) +
+              ": " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()) + " (another corpus: not added to the "
+              "run's metrics.jsonl)", flush=True)
+        return values
     live = live_run(workdir)
     if live is None:
         with metrics_lib.MetricsWriter(workdir) as writer:

@@ -1,17 +1,21 @@
 """A finished (or running) run loaded for evaluation, fine-tuning and every analysis: `LoadedRun`, `load_run`."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax.config import apply_overrides
+from tupe_jax.data.prepared import prepared_tokenizer
+from tupe_jax.data.sources import check_source
 from tupe_jax.data.tokenizer import get_tokenizer
-from tupe_jax.errors import UserError
+from tupe_jax.errors import UserError, require
 from tupe_jax.model import ModelConfig, TransformerLM
 from tupe_jax.positional import TABLE_SCHEMES, canonical_name
 from tupe_jax.workdir.gate import finetune_kind, folder_kind, read_config, tokenizer_path
@@ -29,6 +33,7 @@ class LoadedRun:
     tokenizer: Any
     step: Optional[int] = None
     workdir: str = ""
+    corpus: Mapping[str, str] = dataclasses.field(default_factory=dict)   # data overrides read with it (`with_corpus`)
 
     @property
     def name(self) -> str:
@@ -48,11 +53,13 @@ class LoadedRun:
         c = self.model_cfg
         return {"name": self.name, "workdir": self.workdir, "step": self.step, "pe": self.pe,
                 "objective": c.objective, "max_len": c.max_len, "num_layers": c.num_layers,
-                "hidden_size": c.hidden_size, "num_heads": c.num_heads}
+                "hidden_size": c.hidden_size, "num_heads": c.num_heads,
+                **({"corpus": {k: str(v) for k, v in self.corpus.items()}} if self.corpus else {})}
 
 
-def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
-    """A finished (or running) pretraining run's config, params (default device), tokenizer and step."""
+def load_run(workdir: str, step: Optional[int] = None, data: Optional[Mapping[str, str]] = None) -> LoadedRun:
+    """A finished (or running) pretraining run's config, params (default device), tokenizer and step; with `data`
+    (`{"data.path": ..., ...}`), its config names that corpus instead of its own (`with_corpus`)."""
     config = read_config(workdir)
     if "task" in config:
         raise UserError(f"{workdir} is {finetune_kind(workdir, config)}; this command reads a pretraining run",
@@ -87,10 +94,28 @@ def load_run(workdir: str, step: Optional[int] = None) -> LoadedRun:
               "and accuracies mean nothing until it is trained", flush=True)
     tokenizer = get_tokenizer(config, workdir)
     check_tokenizer(meta, tokenizer.fingerprint, tokenizer_path(workdir))
-    return LoadedRun(config, cfg, params, tokenizer, step, str(workdir))
+    if data:
+        config = with_corpus(config, data, tokenizer, workdir)
+    return LoadedRun(config, cfg, params, tokenizer, step, str(workdir), dict(data or {}))
 
 
-def load_runs(workdirs: str | list[str], step: Optional[int] = None) -> list[LoadedRun]:
+def with_corpus(config: Any, data: Mapping[str, str], tokenizer: Any, workdir: str) -> Any:
+    """A copy of the run's `config` whose `data` section names another corpus: `data` holds `--config.data.*`
+    overrides (checked against the section's keys and types). The run's tokenizer reads it: a prepared directory
+    (`data.name=prepared`) must have been made with that tokenizer."""
+    config = copy.deepcopy(config)
+    apply_overrides(config, data)
+    check_source(config.data)
+    if config.data.get("name", "") == "prepared":
+        require(prepared_tokenizer(config, None).fingerprint == tokenizer.fingerprint,
+                f"{config.data.path} was prepared with another tokenizer than the run's ({workdir})",
+                "--config.data.path", f"prepare the corpus with --config.data.vocab_file={tokenizer_path(workdir)} "
+                "into a fresh directory")
+    return config
+
+
+def load_runs(workdirs: str | list[str], step: Optional[int] = None,
+              data: Optional[Mapping[str, str]] = None) -> list[LoadedRun]:
     """`load_run` for each workdir; refused before loading: a run given twice, or two runs of one folder name (the
     analyses name their outputs and rows by it, so one would replace the other's)."""
     given = [str(w) for w in ([workdirs] if isinstance(workdirs, (str, os.PathLike)) else workdirs)]
@@ -104,4 +129,4 @@ def load_runs(workdirs: str | list[str], step: Optional[int] = None) -> list[Loa
                             + ": the analyses name their outputs and rows by it", "--workdir",
                             "give each run once" if same else "analyse runs of one folder name in separate commands")
         seen[name] = w
-    return [load_run(w, step) for w in given]
+    return [load_run(w, step, data) for w in given]

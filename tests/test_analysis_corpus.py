@@ -1,0 +1,132 @@
+"""`evaluate`, `extrapolate`, `probe` and `correlations` on another corpus than the run's own (`--config.data.*`):
+the numbers equal those of the same checkpoint whose config.json names that corpus, the run's folder is left as it
+was, and what the commands do not read is refused in one line."""
+import json
+import shutil
+
+import pytest
+
+import launch
+from tests.test_data_prepare import prepare_args, write_corpus
+from tests.workdir_fixtures import tree
+from tupe_jax import workdir as workdir_lib
+
+COMMANDS = {"extrapolate": ["--lengths=16,32"], "probe": ["--probe_steps=3"], "correlations": []}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A tiny MLM run on the embedded corpus (`own`), a text corpus, and `named`: a copy of the run whose config.json
+    names that corpus (what the overrides must amount to)."""
+    root = tmp_path_factory.mktemp("corpus_runs")
+    corpus = write_corpus(root / "corpus")
+    own, named = root / "own", root / "named"
+    assert launch.main(["pretrain", "--config=configs/pretrain.py:pe=bert_a,size=tiny", f"--workdir={own}",
+                        "--config.model.max_len=32", "--config.model.vocab_size=200", "--config.train.steps=3",
+                        "--config.train.batch_size=8", "--config.train.eval_every=0", "--config.checkpoint.every=3",
+                        "--config.checkpoint.async_save=false", f"--config.data.cache_dir={root / 'cache'}"]) == 0
+    shutil.copytree(own, named)
+    config = json.loads((named / "config.json").read_text())
+    config["data"].update(name="text_files", path=str(corpus))
+    (named / "config.json").write_text(json.dumps(config, indent=2))
+    return own, named, corpus
+
+
+def flags(corpus, *extra):
+    return ["--config.data.name=text_files", f"--config.data.path={corpus}", *extra]
+
+
+def results(path):
+    """An analysis JSON without what names the run (its folder, the corpus it was told)."""
+    report = json.loads(path.read_text())
+    for r in report["runs"]:
+        for key in ("name", "workdir", "corpus"):
+            r.pop(key, None)
+    return report
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_an_analysis_on_another_corpus_is_that_of_a_run_naming_it(runs, tmp_path, command, capsys):
+    own, named, corpus = runs
+    before = tree(str(own))
+    given, reference, default = tmp_path / "given", tmp_path / "reference", tmp_path / "default"
+    assert launch.main([command, f"--workdir={own}", *COMMANDS[command], f"--out={given}", *flags(corpus)]) == 0
+    assert launch.main([command, f"--workdir={named}", *COMMANDS[command], f"--out={reference}"]) == 0
+    capsys.readouterr()
+    name = f"{command.replace('extrapolate', 'extrapolation')}.json"
+    report = json.loads((given / name).read_text())
+    assert report["runs"][0]["corpus"] == {"data.name": "text_files", "data.path": str(corpus)}
+    assert results(given / name) == results(reference / name)
+    assert tree(str(own)) == before                        # nothing written into the run: not even analysis/
+    if command == "extrapolate":                           # and it is another text than the run's own
+        assert launch.main([command, f"--workdir={own}", *COMMANDS[command], f"--out={default}"]) == 0
+        assert results(default / name) != results(given / name)
+
+
+def test_evaluate_on_another_corpus_prints_and_leaves_the_run_as_it_was(runs, capsys):
+    own, named, corpus = runs
+    before = tree(str(own))
+    assert launch.main(["evaluate", f"--workdir={own}", *flags(corpus)]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert launch.main(["evaluate", f"--workdir={named}"]) == 0
+    capsys.readouterr()
+    row = json.loads((named / "metrics.jsonl").read_text().splitlines()[-1])
+    assert f"{own} step 3 on --config.data.name=text_files --config.data.path={corpus}: " in printed
+    assert f"eval_loss {row['eval_loss']:.4f}" in printed and "not added to the run's metrics.jsonl" in printed
+    assert tree(str(own)) == before
+
+
+def one_line(capsys, argv):
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["extrapolate", "--config.model.num_layers=1"], "takes --config.data.* only"),
+    (["probe", "--config.data.vocab_file=v.txt"], "the run's own tokenizer"),
+    (["correlations", "--config.data.mask_prob=0.2"], "does not read data.mask_prob"),
+    (["probe", "--config.data.packing=contiguous"], "does not read data.packing"),
+    (["evaluate", "--config.data.glue_dir=g"], "does not read data.glue_dir"),
+    (["shuffle-attention", "--config.data.name=text_files"], "'shuffle-attention' reads the run's config from --workdir; drop"),
+    (["extrapolate", "--config.data.holdout=many"], "--config.data.holdout"),
+    (["extrapolate", "--config.data.nmae=text_files"], "does not read data.nmae"),
+])
+def test_what_the_command_does_not_read_is_refused(runs, tmp_path, capsys, argv, says):
+    own, _, _ = runs
+    before = tree(str(own))
+    err = one_line(capsys, [argv[0], f"--workdir={own}", f"--out={tmp_path / 'out'}", *argv[1:]]
+                   if argv[0] != "evaluate" else [argv[0], f"--workdir={own}", *argv[1:]])
+    assert says in err
+    assert tree(str(own)) == before and not (tmp_path / "out").exists()
+
+
+def test_another_corpus_needs_out_and_a_readable_source(runs, tmp_path, capsys):
+    own, _, corpus = runs
+    before = tree(str(own))
+    err = one_line(capsys, ["probe", f"--workdir={own}", *flags(corpus)])
+    assert "would replace the run's own" in err and "--out=DIR" in err
+    err = one_line(capsys, ["extrapolate", f"--workdir={own}", "--lengths=16", f"--out={tmp_path / 'out'}",
+                            "--config.data.path=/some/text"])
+    assert "data.name='embedded' does not read it" in err
+    err = one_line(capsys, ["evaluate", f"--workdir={own}", *flags(tmp_path / "missing")])
+    assert str(tmp_path / "missing") in err
+    assert tree(str(own)) == before and not (tmp_path / "out").exists()
+
+
+def test_a_prepared_corpus_must_be_made_with_the_runs_tokenizer(runs, tmp_path, capsys):
+    own, named, corpus = runs
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    vocab = workdir_lib.tokenizer_path(str(own))
+    assert launch.main(prepare_args(corpus, mine, f"--config.data.vocab_file={vocab}")) == 0
+    assert launch.main(prepare_args(corpus, other)) == 0            # its own vocabulary, learned from the corpus
+    capsys.readouterr()
+    err = one_line(capsys, ["extrapolate", f"--workdir={own}", "--lengths=16,32", f"--out={tmp_path / 'x'}",
+                            "--config.data.name=prepared", f"--config.data.path={other}"])
+    assert "prepared with another tokenizer than the run's" in err and vocab in err
+    assert launch.main(["extrapolate", f"--workdir={own}", "--lengths=16,32", f"--out={tmp_path / 'p'}",
+                        "--config.data.name=prepared", f"--config.data.path={mine}"]) == 0
+    assert launch.main(["extrapolate", f"--workdir={named}", "--lengths=16,32", f"--out={tmp_path / 'r'}"]) == 0
+    # the records read back are the text tokenized: the same scores as the raw corpus
+    assert results(tmp_path / "p" / "extrapolation.json") == results(tmp_path / "r" / "extrapolation.json")
