@@ -31,6 +31,7 @@ import tupe_jax.sharding as sh
 from tupe_jax import checkpoint as ckpt, workdir
 from tupe_jax.pretrain import loop
 wd, kill = sys.argv[1], json.loads(os.environ.get("KILL", "null"))
+signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C as in a terminal, whatever the suite inherited
 def hit(sig):
     with open(os.path.join(wd, "interrupted_at"), "w") as f:
         f.write(str(time.time()))

@@ -280,3 +280,23 @@ def test_a_sigterm_while_a_resumed_run_compiles_stops_both_processes(tmp_path):
     assert ends[0] == ends[1] and len(ends[0]) == 1, ends
     assert ends[0][0].startswith(("preemption during this process's first step: nothing saved",
                                   "preemption: saved step "))
+
+
+@pytest.mark.slow
+def test_a_run_of_two_processes_resumes_on_one_as_if_it_had_run_there(tmp_path):
+    """A checkpoint saved by two processes resumes on one (a pod of another size): the steps after it read the
+    examples they would have, and (without dropout, whose masks follow a row's place) the losses are the
+    uninterrupted one-process run's. It was refused ("a run with 2 processes")."""
+    cache, schedule = tmp_path / "cache", ["--config.train.decay_steps=6"]
+    run = subprocess.run(command(tmp_path / "single", cache, schedule + ["--config.train.steps=6"]), cwd=ROOT,
+                         env=env(4), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    two_processes(command(tmp_path / "moved", cache, schedule + ["--config.train.steps=3"])[3:], env(2))
+    run = subprocess.run(command(tmp_path / "moved", cache, schedule + ["--config.train.steps=6"]), cwd=ROOT,
+                         env=env(4), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the checkpoint was saved by 2 processes, this run has 1" in run.stderr + run.stdout
+    one = {m["step"]: m["loss"] for m in read_metrics(str(tmp_path / "single")) if "loss" in m}
+    moved = {m["step"]: m["loss"] for m in read_metrics(str(tmp_path / "moved")) if "loss" in m}
+    assert sorted(one) == sorted(moved) == list(range(1, 7))
+    np.testing.assert_allclose([moved[s] for s in one], [one[s] for s in one], atol=1e-5, rtol=0)

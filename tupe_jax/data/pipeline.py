@@ -20,7 +20,10 @@
 4. The iterator's `get_state()` is grain's `{next_index}` plus a fingerprint of the settings (the corpus keyed by
    its files' content, so a copy with new mtimes is the same corpus); `set_state` of a fresh pipeline with the
    same settings continues with exactly the batches that would have come next. States saved by data format 1
-   (files keyed by mtime) are accepted while those files are untouched.
+   (files keyed by mtime) are accepted while those files are untouched. A state saved with another process count P'
+   is accepted too: the step's ordinals are the same [s·G, (s+1)·G), so the run goes on with the same examples in
+   the same steps, and only their rows in the global batch move (a process's rows come first as a block), which
+   moves dropout masks between examples: the continuation is not bitwise the one on P' processes.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import logging
 import math
 import os
 import threading
+from typing import Callable, Optional
 
 import grain
 import numpy as np
@@ -199,10 +203,11 @@ class PretrainIterator(grain.DatasetIterator):
     """Batches of one process; `get_state()`/`set_state()` checkpoint it (also via grain's Orbax handler)."""
 
     def __init__(self, parent: grain.DatasetIterator, batcher: _Batcher, fingerprint: str,
-                 accepted: tuple[str, ...] = ()):
+                 accepted: tuple[str, ...] = (), fingerprints: Optional[Callable[[int], tuple[str, ...]]] = None):
         super().__init__(parent)
         self.batcher, self.fingerprint = batcher, fingerprint
         self.accepted = (fingerprint,) + tuple(accepted)   # + the same settings as an older data format keyed them
+        self.fingerprints = fingerprints     # process count -> what these settings are keyed by with that count
         self.per_host_batch_size = batcher.local
         self.num_examples = batcher.n
         self.num_steps = batcher.num_steps  # None when repeating forever
@@ -215,12 +220,17 @@ class PretrainIterator(grain.DatasetIterator):
                 "process_count": self.batcher.pc}
 
     def set_state(self, state: dict) -> None:
-        if state.get("fingerprint") not in self.accepted:
-            saved, now = state.get("process_count"), self.batcher.pc   # a state saved before the key has none
-            if saved is not None and saved != now:     # each process's rows of a step depend on the count
-                raise UserError(f"the saved data-iterator state is of a run with {saved} processes; this one has "
-                                f"{now}", "checkpoint data-iterator state",
-                                f"resume on {saved} processes (hosts), or start a new workdir")
+        saved, now = state.get("process_count"), self.batcher.pc   # a state saved before the key has none
+        if (isinstance(saved, int) and saved > 0 and saved != now and self.fingerprints is not None
+                and state.get("fingerprint") in self.fingerprints(saved)):
+            log.warning("data: the checkpoint was saved by %d processes, this run has %d: the next steps read the "
+                        "same examples, in another row order of the global batch (the continuation is not bitwise "
+                        "the one on %d processes)", saved, now, saved)
+        elif state.get("fingerprint") not in self.accepted:
+            if isinstance(saved, int) and saved != now:
+                raise UserError(f"the saved data-iterator state is of a run with {saved} processes and other data "
+                                f"settings; this one has {now} processes", "checkpoint data-iterator state",
+                                "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
             raise UserError("the saved data-iterator state belongs to different data settings",
                             "checkpoint data-iterator state",
                             "resume with the same data/tokenizer/batch/seed settings and the same number of "
@@ -275,8 +285,12 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
     prefetch = int(config.data.get("prefetch", 4))
     threads = int(config.data.get("num_threads", 2)) if prefetch > 0 else 0
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)).__iter__()
-    rest = [split, tokenizer.fingerprint, objective, max_len, global_batch_size, process_count, int(seed), shuffle,
-            repeat, mask_prob, max_pred, config.data.get("packing", "full_sentences")]
     legacy = builders.legacy_corpus_key(config)        # '' unless text_files/wikitext
-    return PretrainIterator(it, batcher, builders.digest([key] + rest),
-                            accepted=(builders.digest([legacy] + rest),) if legacy else ())
+
+    def fingerprints(count: int) -> tuple[str, ...]:   # these settings, on `count` processes
+        rest = [split, tokenizer.fingerprint, objective, max_len, global_batch_size, count, int(seed), shuffle, repeat,
+                mask_prob, max_pred, config.data.get("packing", "full_sentences")]
+        return (builders.digest([key] + rest),) + ((builders.digest([legacy] + rest),) if legacy else ())
+
+    mine = fingerprints(process_count)
+    return PretrainIterator(it, batcher, mine[0], accepted=mine[1:], fingerprints=fingerprints)
