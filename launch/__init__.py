@@ -231,6 +231,48 @@ def crash_log(workdir: str, text: str) -> str:
     return path
 
 
+class _ClosedStdoutIsQuiet:
+    """sys.stdout for the command line: when its reader goes away (`... | head`, a closed pager), further output is
+    dropped with one note on stderr, and the command goes on. A BrokenPipeError from a progress line ended a training
+    run as an unexpected error, and removed the folder of a run without a checkpoint yet."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._closed = stream, False
+
+    def _gone(self) -> None:
+        self._closed = True
+        try:      # the interpreter's last flush then writes to /dev/null instead of failing again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        except (OSError, ValueError):
+            pass
+        print("note: standard output was closed (its reader ended); the command goes on without printing, and "
+              "what it writes goes to its folder as usual", file=sys.stderr, flush=True)
+
+    def write(self, text: str) -> int:
+        if not self._closed:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._closed:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def quiet_when_stdout_closes() -> None:
+    """Install `_ClosedStdoutIsQuiet` as sys.stdout (`python -m launch` does, before `main`)."""
+    if not isinstance(sys.stdout, _ClosedStdoutIsQuiet):
+        sys.stdout = _ClosedStdoutIsQuiet(sys.stdout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: a UserError is one line and exit 2; anything unexpected is one line pointing at a log with the
     full traceback, exit 1 (the run's folder keeps what it had: see `workdir.claim`)."""

@@ -10,7 +10,7 @@ if __name__ == "__main__":
 
 from absl import logging as absl_logging  # noqa: E402  (after the re-exec: nothing heavy imported twice)
 
-from launch import main  # noqa: E402
+from launch import main, quiet_when_stdout_closes  # noqa: E402
 
 absl_logging.set_verbosity(absl_logging.ERROR)   # Orbax/tfds chatter; our own progress lines are prints
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -20,6 +20,7 @@ for _name in ("google.auth", "google.auth._default", "gcsfs"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 if __name__ == "__main__":
+    quiet_when_stdout_closes()    # `... | head`: the command goes on without printing
     _code = main()
     if _code == 130:   # interrupted: an interrupt that came while XLA was starting up can crash the interpreter's
         import multiprocessing.util  # teardown (SIGSEGV instead of 130); the run's files are closed or saved by now,

@@ -155,3 +155,27 @@ def test_a_failed_export_logs_outside_the_run_it_reads(tmp_path, monkeypatch, ca
     assert err.startswith("error: unexpected RuntimeError: export broke, ") and str(tmp_path / "tmp") in err
     assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]
     assert len(list((tmp_path / "tmp").iterdir())) == 1
+
+
+def test_a_run_goes_on_when_its_output_pipe_closes(tmp_path):
+    """`python -m launch pretrain ... | head -1`: the first progress line after `head` left raised BrokenPipeError,
+    which ended the run as an unexpected error and removed its folder (no checkpoint yet). It now trains to the end,
+    saying once on stderr that it stopped printing."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags.devices(8), JAX_PLATFORMS="cpu")
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch", "pretrain", CONFIG, f"--workdir={workdir}",
+                             "--config.train.steps=6", "--config.train.log_every=1", "--config.train.eval_every=0",
+                             "--config.checkpoint.every=100", "--config.checkpoint.async_save=false",
+                             f"--config.data.cache_dir={tmp_path / 'cache'}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not proc.stdout.readline().startswith("step 1/6"):    # the reader takes one progress line and goes
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+        proc.stdout.close()
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count("note: standard output was closed") == 1 and "Error" not in err, err[-3000:]
+    assert os.listdir(workdir / "checkpoints") == ["6"]
