@@ -24,6 +24,18 @@ def test_writer_jsonl_and_tensorboard(tmp_path):
     assert events and events[0].startswith("events.out.tfevents")
 
 
+def test_an_event_row_is_in_the_jsonl_but_no_tensorboard_curve(tmp_path):
+    """`init_from`'s row (which checkpoint step a continued run started from) drew an `init_step` curve."""
+    with metrics.MetricsWriter(str(tmp_path), enabled=True) as w:
+        w.write(0, {"event": "init_from", "init_from": "runs/x", "init_step": 7})
+        w.write(1, {"loss_curve": 2.0})
+    assert metrics.read_metrics(str(tmp_path))[0] == {"step": 0, "event": "init_from", "init_from": "runs/x",
+                                                      "init_step": 7}
+    (events,) = os.listdir(tmp_path / "tensorboard")
+    written = (tmp_path / "tensorboard" / events).read_bytes()
+    assert b"loss_curve" in written and b"init_step" not in written
+
+
 def test_tensorboard_is_written_without_importing_torch_and_torch_still_imports_after(tmp_path):
     pytest.importorskip("torch")   # the test extras install it: the case where tensorboardX would import it
     code = ("import sys; from tupe_jax import metrics; w = metrics.MetricsWriter(sys.argv[1], enabled=True); "

@@ -129,7 +129,7 @@ class MetricsWriter:
             assert self._file is not None
             self._file.write(line)
             self._file.flush()
-        if self._tb is not None:
+        if self._tb is not None and "event" not in row:     # an event row (resumed, init_from) is no curve
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
                         and math.isfinite(value):
