@@ -143,3 +143,23 @@ def test_a_run_from_scratch_does_not_continue_another(source, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {run / 'config.json'} holds a run with init_from=''"), err
     assert tree(str(run)) == before
+
+
+def test_a_prepared_corpus_of_another_tokenizer_is_refused_and_the_checkpointer_closed(source, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """The records' ids would be read as the ids of init_from's vocabulary. The refusal comes once the run's
+    checkpointer is open: it is closed on the way out (it was left open, with its threads)."""
+    from tests.test_data_prepare import prepare_args, write_corpus  # pylint: disable=import-outside-toplevel
+    prepared, run = tmp_path / "prepared", tmp_path / "run"
+    assert launch.main(prepare_args(write_corpus(tmp_path / "corpus"), prepared, max_len=64)) == 0
+    closed, close = [], ckpt.Checkpointer.close
+    monkeypatch.setattr(ckpt.Checkpointer, "close", lambda self: closed.append(self.directory) or close(self))
+    before = tree(source["run"])
+    capsys.readouterr()
+    argv = continue_argv(source, run, "--config.train.steps=1", "--config.data.name=prepared",
+                         f"--config.data.path={prepared}")
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {prepared} was prepared with another tokenizer than init_from's") and \
+        err.count("\n") == 1, err
+    assert [d for d in closed if str(run) in str(d)] and not run.exists() and tree(source["run"]) == before

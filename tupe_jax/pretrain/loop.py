@@ -64,9 +64,13 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
                                          async_=bool(config.checkpoint.async_save))
     # init_from is read until the run has a checkpoint of its own; from then on the run resumes from that
     continued = bool(config.get("init_from", ""))     # a config.json made before the key has none
-    source = init_from.open_init_source(config) if continued and checkpointer.latest_step() is None else None
-    tokenizer = data_lib.get_tokenizer(config, workdir) if source is None else _adopted_tokenizer(config, source,
-                                                                                                   workdir)
+    try:
+        source = init_from.open_init_source(config) if continued and checkpointer.latest_step() is None else None
+        tokenizer = data_lib.get_tokenizer(config, workdir) if source is None else _adopted_tokenizer(config, source,
+                                                                                                       workdir)
+    except BaseException:       # a refused source or tokenizer: the checkpointer's threads end with the command
+        checkpointer.close()
+        raise
     model = TransformerLM(ModelConfig.from_config(config.model))
     causal = model.cfg.causal
     tx, schedule = make_optimizer(config.train)
