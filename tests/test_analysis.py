@@ -182,6 +182,22 @@ def test_probe_exact_positions_vs_random_states():
     assert layers[1]["accuracy"] < 0.1
 
 
+def test_a_probe_fit_in_chunks_is_the_fit_in_one_program(monkeypatch):
+    """The fit runs FIT_CHUNK Adam steps per call (so Ctrl-C can stop it between calls): the probes are those of one
+    scan over every step, a last shorter chunk included."""
+    rng = np.random.default_rng(1)
+    tx, ex = rng.normal(size=(2, 512, 16)).astype(np.float32), rng.normal(size=(2, 256, 16)).astype(np.float32)
+    ty, ey = np.tile(np.arange(8), 64), np.tile(np.arange(8), 32)
+    settings = P.ProbeSettings(steps=37, batch_tokens=64)
+    assert P.FIT_CHUNK < 37 and 37 % P.FIT_CHUNK
+    chunked = P.train_probes(tx, ty, ex, ey, 8, settings)
+    monkeypatch.setattr(P, "FIT_CHUNK", 1000)
+    whole = P.train_probes(tx, ty, ex, ey, 8, settings)
+    for a, b in zip(chunked, whole):
+        assert a["mad"] == b["mad"] and a["accuracy"] == b["accuracy"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6, abs=0)
+
+
 def test_probe_run_outputs(corpus, tmp_path):
     runs = [make_run(corpus, "sinusoidal", "clm"), make_run(corpus, "nopos", "mlm")]
     settings = P.ProbeSettings(steps=60, train_tokens=1024, eval_tokens=512)

@@ -40,6 +40,11 @@ class ProbeSettings:
     seed: int = 0
 
 
+# Adam steps per jitted call of a probe fit: one scan of every step could not be interrupted (Ctrl-C waits for the
+# program), which at a base model's width takes minutes; the default 300 steps are 12 calls of one program.
+FIT_CHUNK = 25
+
+
 def chance_mad(n: int) -> float:
     """E|U − V| for U, V independent uniform on {0..n−1}: (n² − 1) / (3n)."""
     return (n * n - 1) / (3.0 * n)
@@ -88,19 +93,21 @@ def train_probes(train_x: np.ndarray, train_y: np.ndarray, eval_x: np.ndarray, e
     grad_fn = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(0, 0, None))
 
     @jax.jit
-    def fit(params, tx, ty, idx):  # features as arguments, not closure constants baked into the program
-        state = opt.init(params)
-
+    def fit(params, state, tx, ty, idx):  # features as arguments, not closure constants baked into the program
         def step(carry, i):
             p, s = carry
             loss, grads = grad_fn(p, tx[:, i], ty[i])
             updates, s = opt.update(grads, s, p)
             return (optax.apply_updates(p, updates), s), loss
 
-        (params, _), losses = jax.lax.scan(step, (params, state), idx)
-        return params, losses
+        (params, state), losses = jax.lax.scan(step, (params, state), idx)
+        return params, state, losses
 
-    params, losses = fit(params, tx, ty, idx)
+    state, chunks = opt.init(params), []
+    for start in range(0, settings.steps, FIT_CHUNK):    # Python between chunks: Ctrl-C stops a long fit
+        params, state, chunk = fit(params, state, tx, ty, idx[start:start + FIT_CHUNK])
+        chunks.append(chunk)
+    losses = jnp.concatenate(chunks) if chunks else jnp.zeros((0, layers))
 
     @jax.jit
     def predict(p, x):
