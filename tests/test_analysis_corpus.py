@@ -9,6 +9,7 @@ import pytest
 import launch
 from tests.test_data_prepare import prepare_args, write_corpus
 from tests.workdir_fixtures import tree
+from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax import workdir as workdir_lib
 
 COMMANDS = {"extrapolate": ["--lengths=16,32"], "probe": ["--probe_steps=3"], "correlations": []}
@@ -102,17 +103,23 @@ def test_what_the_command_does_not_read_is_refused(runs, tmp_path, capsys, argv,
     assert tree(str(own)) == before and not (tmp_path / "out").exists()
 
 
-def test_another_corpus_needs_out_and_a_readable_source(runs, tmp_path, capsys):
+def test_another_corpus_needs_out_and_a_readable_source(runs, tmp_path, capsys, monkeypatch):
+    """Refused before the checkpoint is read (a restore would fail the command as unexpected here)."""
     own, _, corpus = runs
     before = tree(str(own))
+    monkeypatch.setattr(ckpt_lib, "restore_params", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("read")))
     err = one_line(capsys, ["probe", f"--workdir={own}", *flags(corpus)])
     assert "would replace the run's own" in err and "--out=DIR" in err
     err = one_line(capsys, ["extrapolate", f"--workdir={own}", "--lengths=16", f"--out={tmp_path / 'out'}",
                             "--config.data.path=/some/text"])
     assert "data.name='embedded' does not read it" in err
-    err = one_line(capsys, ["evaluate", f"--workdir={own}", *flags(tmp_path / "missing")])
-    assert str(tmp_path / "missing") in err
+    err = one_line(capsys, ["correlations", f"--workdir={own}", f"--out={tmp_path / 'out'}",
+                            "--config.data.holdout=-1"])
+    assert "data.holdout = -1 is negative" in err
     assert tree(str(own)) == before and not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    err = one_line(capsys, ["evaluate", f"--workdir={own}", *flags(tmp_path / "missing")])
+    assert str(tmp_path / "missing") in err and tree(str(own)) == before
 
 
 def test_a_prepared_corpus_must_be_made_with_the_runs_tokenizer(runs, tmp_path, capsys):

@@ -68,6 +68,7 @@ def load_run(workdir: str, step: Optional[int] = None, data: Optional[Mapping[st
         raise UserError(f"{workdir} holds {folder_kind(config)}; this command reads a pretraining run", "--workdir",
                         "point it at one of the suite's runs (<runs_dir>/<scheme>-s<seed>/)" if "suite" in config
                         else "point it at a `launch pretrain` workdir")
+    scored = with_corpus(config, data) if data else config    # a bad --config.data.* stops before the restore
     cfg = ModelConfig.from_config(config.model)
     if cfg.attention_backend == "cudnn" and jax.default_backend() != "gpu":   # trained on a GPU, read elsewhere
         print(f"{workdir}: attention_backend=cudnn needs a GPU; reading it with xla (the same maths)", flush=True)
@@ -94,23 +95,21 @@ def load_run(workdir: str, step: Optional[int] = None, data: Optional[Mapping[st
               "and accuracies mean nothing until it is trained", flush=True)
     tokenizer = get_tokenizer(config, workdir)
     check_tokenizer(meta, tokenizer.fingerprint, tokenizer_path(workdir))
-    if data:
-        config = with_corpus(config, data, tokenizer, workdir)
-    return LoadedRun(config, cfg, params, tokenizer, step, str(workdir), dict(data or {}))
+    if data and scored.data.get("name", "") == "prepared":    # the run's tokenizer reads the records' ids
+        require(prepared_tokenizer(scored, None).fingerprint == tokenizer.fingerprint,
+                f"{scored.data.path} was prepared with another tokenizer than the run's ({workdir})",
+                "--config.data.path", f"prepare the corpus with --config.data.vocab_file={tokenizer_path(workdir)} "
+                "into a fresh directory")
+    return LoadedRun(scored, cfg, params, tokenizer, step, str(workdir), dict(data or {}))
 
 
-def with_corpus(config: Any, data: Mapping[str, str], tokenizer: Any, workdir: str) -> Any:
+def with_corpus(config: Any, data: Mapping[str, str]) -> Any:
     """A copy of the run's `config` whose `data` section names another corpus: `data` holds `--config.data.*`
-    overrides (checked against the section's keys and types). The run's tokenizer reads it: a prepared directory
-    (`data.name=prepared`) must have been made with that tokenizer."""
+    overrides, checked against the section's keys and types (`load_run` reads the corpus with the run's own
+    tokenizer; a prepared directory must have been made with it)."""
     config = copy.deepcopy(config)
     apply_overrides(config, data)
     check_source(config.data)
-    if config.data.get("name", "") == "prepared":
-        require(prepared_tokenizer(config, None).fingerprint == tokenizer.fingerprint,
-                f"{config.data.path} was prepared with another tokenizer than the run's ({workdir})",
-                "--config.data.path", f"prepare the corpus with --config.data.vocab_file={tokenizer_path(workdir)} "
-                "into a fresh directory")
     return config
 
 
