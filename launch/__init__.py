@@ -204,8 +204,10 @@ def run(argv: Sequence[str]) -> int:
 
 
 def _first_workdir(argv: Sequence[str]) -> str:
-    """The folder a crash log goes to: the first --workdir, but not the source run `export` only reads."""
-    if argv and argv[0] == "export":
+    """The folder a crash log goes to: the first --workdir, but not a run the command only reads (`export`'s source,
+    a run scored on another corpus)."""
+    if argv and (argv[0] == "export" or argv[0] in cluster.READS_RUNS and any(a.startswith("--config.data.")
+                                                                                for a in argv)):
         return ""
     for i, arg in enumerate(argv):
         if arg.startswith("--workdir="):

@@ -106,7 +106,8 @@ def agree_on_command(args: argparse.Namespace) -> None:
     """Several processes (`jax.distributed`), a command without a config (`evaluate`, the analyses, `export`, ...):
     they stop together, each with one line, if they were given different command lines, or if a `--workdir` the
     command reads is not a run on some process (a process that stopped alone would leave the others waiting at
-    JAX's next collective call: `workdir.claim.agree`). SIGTERM then ends `evaluate`, an analysis or `export` at
+    JAX's next collective call: `workdir.claim.agree`), or if another corpus (`--config.data.*`) is refused on some
+    process (a prepared directory one host lacks). SIGTERM then ends `evaluate`, an analysis or `export` at
     once, as it does one process: jax.distributed's preemption notifier would take the signal, and only the training
     loops act on it."""
     import jax  # pylint: disable=import-outside-toplevel
@@ -120,7 +121,9 @@ def agree_on_command(args: argparse.Namespace) -> None:
     try:
         if args.command in READS_RUNS:
             for workdir in workdirs:
-                workdir_lib.read_config(workdir)
+                config = workdir_lib.read_config(workdir)
+                if getattr(args, "data", None):       # another corpus: every process must be able to read it
+                    workdir_lib.corpus_config(config, args.data, workdir)
     except Exception as err:  # pylint: disable=broad-except  # shared with the other processes by `agree`
         failure = err
     given = {f"--{k}": repr(v) for k, v in sorted(vars(args).items()) if k not in CLUSTER_FLAGS + ("data",)}

@@ -93,13 +93,26 @@ def one_line(capsys, argv):
     (["shuffle-attention", "--config.data.name=text_files"], "'shuffle-attention' reads the run's config from --workdir; drop"),
     (["extrapolate", "--config.data.holdout=many"], "--config.data.holdout"),
     (["extrapolate", "--config.data.nmae=text_files"], "does not read data.nmae"),
+    (["evaluate", "--config.data.mask_prob=0"], "data.mask_prob = 0.0 is outside (0, 1)"),
+    (["evaluate", "--config.data.max_predictions=-3"], "data.max_predictions = -3 is outside [0, model.max_len]"),
+    (["evaluate", "--config.data.prefetch=-1"], "data.prefetch = -1 is negative"),
+    (["evaluate", "--config.data.holdout=0"], "data.holdout does nothing for data.name='embedded'"),
+    (["probe", "--config.data.name=text_files", "--config.data.path=CORPUS", "--config.data.tfds_text_key=t"],
+     "data.tfds_text_key does nothing for data.name='text_files'"),
+    (["probe", "--config.data.name=text_files", "--config.data.path=NOWHERE"], "NOWHERE does not exist"),
+    (["probe", "--config.data.name=text_files", "--config.data.path=CORPUS", "--config.data.cache_dir=RUN/cache"],
+     "RUN/cache is inside the run"),
 ])
 def test_what_the_command_does_not_read_is_refused(runs, tmp_path, capsys, argv, says):
-    own, _, _ = runs
+    own, _, corpus = runs
     before = tree(str(own))
+
+    def real(text):
+        return text.replace("CORPUS", str(corpus)).replace("NOWHERE", str(tmp_path / "nowhere")).replace("RUN", str(own))
+    argv = [real(a) for a in argv]
     err = one_line(capsys, [argv[0], f"--workdir={own}", f"--out={tmp_path / 'out'}", *argv[1:]]
                    if argv[0] != "evaluate" else [argv[0], f"--workdir={own}", *argv[1:]])
-    assert says in err
+    assert real(says) in err
     assert tree(str(own)) == before and not (tmp_path / "out").exists()
 
 
@@ -122,6 +135,33 @@ def test_another_corpus_needs_out_and_a_readable_source(runs, tmp_path, capsys, 
     assert str(tmp_path / "missing") in err and tree(str(own)) == before
 
 
+def test_the_outputs_go_elsewhere_than_the_runs_own_and_name_the_corpus_by_absolute_paths(runs, tmp_path, capsys,
+                                                                                         monkeypatch):
+    own, _, corpus = runs
+    before = tree(str(own))
+    for out in (own, own / "analysis", f"{own}/analysis/"):
+        err = one_line(capsys, ["correlations", f"--workdir={own}", f"--out={out}", *flags(corpus)])
+        assert "is a run's own folder or its analysis/" in err
+    assert tree(str(own)) == before
+    monkeypatch.chdir(corpus.parent)                # relative paths, as typed in a shell
+    assert launch.main(["correlations", f"--workdir={own}", "--out=by_name", "--config.data.name=text_files",
+                        f"--config.data.path={corpus.name}", "--config.data.cache_dir=cache"]) == 0
+    row = json.loads((corpus.parent / "by_name" / "correlations.json").read_text())["runs"][0]
+    assert row["corpus"] == {"data.name": "text_files", "data.path": str(corpus),
+                             "data.cache_dir": str(corpus.parent / "cache")}
+
+
+def test_evaluate_names_why_another_corpus_cannot_be_read(runs, tmp_path, capsys):
+    """A corpus without a validation split (or a dataset that cannot be opened) was reported as "no validation
+    split", with a hint about pretraining."""
+    own, _, _ = runs
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "train.txt").write_text("alpha beta gamma\n\ndelta epsilon\n" * 50)
+    err = one_line(capsys, ["evaluate", f"--workdir={own}", "--config.data.name=text_files",
+                            f"--config.data.path={tmp_path / 'text'}", "--config.data.holdout=0"])
+    assert "split 'validation' is not available (have ['train'])" in err and "when pretraining" not in err
+
+
 def test_a_prepared_corpus_must_be_made_with_the_runs_tokenizer(runs, tmp_path, capsys):
     own, named, corpus = runs
     mine, other = tmp_path / "mine", tmp_path / "other"
@@ -132,6 +172,13 @@ def test_a_prepared_corpus_must_be_made_with_the_runs_tokenizer(runs, tmp_path, 
     err = one_line(capsys, ["extrapolate", f"--workdir={own}", "--lengths=16,32", f"--out={tmp_path / 'x'}",
                             "--config.data.name=prepared", f"--config.data.path={other}"])
     assert "prepared with another tokenizer than the run's" in err and vocab in err
+    longer = tmp_path / "longer"
+    assert launch.main(prepare_args(corpus, longer, f"--config.data.vocab_file={vocab}", max_len=64)) == 0
+    capsys.readouterr()
+    err = one_line(capsys, ["evaluate", f"--workdir={own}", "--config.data.name=prepared",
+                            f"--config.data.path={longer}"])
+    assert "was prepared with model.max_len=64 (this run: 32), --config.data.path, prepare the corpus for this run" \
+        in err
     assert launch.main(["extrapolate", f"--workdir={own}", "--lengths=16,32", f"--out={tmp_path / 'p'}",
                         "--config.data.name=prepared", f"--config.data.path={mine}"]) == 0
     assert launch.main(["extrapolate", f"--workdir={named}", "--lengths=16,32", f"--out={tmp_path / 'r'}"]) == 0

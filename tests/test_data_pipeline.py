@@ -274,7 +274,7 @@ def test_a_state_of_another_process_count_goes_on_with_the_same_examples(setup, 
     new = [it(c, tok, split="train", process_index=p, process_count=now) for p in range(now)]
     for x in new:
         x.set_state(state)
-    assert f"saved by {saved} processes, this run has {now}" in caplog.text
+    assert f"saved by {saved} process{'' if saved == 1 else 'es'}, this run has {now} process" in caplog.text
     steps = old[0].num_examples // 8 + 2                      # past an epoch boundary
     for _ in range(steps):
         assert _rows([next(x) for x in new]) == _rows([next(x) for x in old])
@@ -286,7 +286,7 @@ def test_a_state_of_other_settings_names_the_process_counts(setup):
     next(two)
     state = json.loads(json.dumps(two.get_state()))
     with pytest.raises(UserError, match=r"the saved data-iterator state is of a run with 2 processes and other data "
-                                        r"settings; this one has 1 processes"):
+                                        r"settings; this one has 1 process"):
         it(c, tok, seed=8).set_state(state)
     with pytest.raises(UserError, match=r"different data settings.*same number of processes \(this one: 1\)"):
         it(c, tok).set_state({k: v for k, v in state.items() if k != "process_count"})   # saved before the key

@@ -295,7 +295,7 @@ def test_a_run_of_two_processes_resumes_on_one_as_if_it_had_run_there(tmp_path):
     run = subprocess.run(command(tmp_path / "moved", cache, schedule + ["--config.train.steps=6"]), cwd=ROOT,
                          env=env(4), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "the checkpoint was saved by 2 processes, this run has 1" in run.stderr + run.stdout
+    assert "the checkpoint was saved by 2 processes, this run has 1 process" in run.stderr + run.stdout
     one = {m["step"]: m["loss"] for m in read_metrics(str(tmp_path / "single")) if "loss" in m}
     moved = {m["step"]: m["loss"] for m in read_metrics(str(tmp_path / "moved")) if "loss" in m}
     assert sorted(one) == sorted(moved) == list(range(1, 7))

@@ -92,3 +92,18 @@ def test_an_init_from_one_process_cannot_read_stops_every_process(tmp_path):
                                 "point it at a `launch pretrain` workdir (or an import's), or leave it empty to train "
                                 "from scratch"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_another_corpus_one_process_cannot_read_stops_every_process(tmp_path):
+    """A corpus for `evaluate` (`--config.data.*`) that one host lacks: that process stopped with its line and the
+    other waited at the next collective call. Both are given the same relative path; only process 0's working
+    folder holds it (as one host's disk would)."""
+    make_pretrained(tmp_path / "run", tmp_path / "cache")
+    (tmp_path / "a" / "text").mkdir(parents=True)
+    (tmp_path / "a" / "text" / "train.txt").write_text("alpha beta\n\ngamma delta\n" * 20)
+    (tmp_path / "b").mkdir()
+    outs = two_processes(["evaluate", f"--workdir={tmp_path / 'run'}", "--config.data.name=text_files",
+                          "--config.data.path=text"], {**env(2), "PYTHONPATH": ROOT}, timeout=120, code=2,
+                         cwd=lambda i: tmp_path / "ab"[i])
+    assert all(f"{tmp_path / 'b' / 'text'} does not exist" in line for line in last_lines(outs)), outs

@@ -58,6 +58,16 @@ def check_output_dir(workdirs: str | Sequence[str], out: Optional[str] = None,
     if data and out is None:
         raise UserError("--config.data.* scores another corpus than the run's: its outputs would replace the run's "
                         "own in <workdir>/analysis/", "--out", "give them a folder of their own with --out=DIR")
+    if data:      # nor into a run's own folder or its analysis/ (another corpus's files would replace the run's)
+        runs = [workdirs] if isinstance(workdirs, (str, os.PathLike)) else list(workdirs)
+        remote = files.is_remote(str(out))
+        same = (lambda p: p.rstrip("/")) if remote else os.path.realpath
+        own = {same(files.join(str(w), sub)) for w in runs for sub in ("", "analysis")
+               if files.is_remote(str(w)) == remote}
+        if same(str(out)) in own:
+            raise UserError(f"--out={out} is a run's own folder or its analysis/: the outputs of another corpus "
+                            "would replace that run's own", "--out", "give them a folder of their own, e.g. "
+                            "<workdir>/analysis-<corpus>")
     target = _target(workdirs, out)
     workdir_lib.refuse_in_checkpoints(target, workdirs, "--out")
     if files.exists(target) and not files.isdir(target):

@@ -287,7 +287,7 @@ def run(workdir, lengths: Sequence[int], *, mode: str = "nonoverlapping", stride
         token_budget: int = common.DEFAULT_TOKEN_BUDGET, max_tokens: Optional[int] = None,
         runs: Optional[Sequence[common.Run]] = None, data: Optional[Mapping[str, str]] = None) -> dict:
     """Load the run(s), evaluate every length, write `extrapolation.json` + `extrapolation.png` to `out`. `data`:
-    `--config.data.*` overrides, another corpus to score (`workdir.with_corpus`; `out` is then required)."""
+    `--config.data.*` overrides, another corpus to score (`workdir.corpus_config`; `out` is then required)."""
     common.check_output_dir(workdir, out, data)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step, data)
     report = extrapolate(runs, lengths, mode=mode, stride=stride, split=split, seed=seed,

@@ -17,6 +17,7 @@ Public API:
   num_labels(task)                                        -> int
   GLUE_TASKS                                              -> the task names (nine GLUE + 'wordorder')
   validate_config(config)                                 -> checks the pretraining data keys (UserError)
+  check_data_keys(config) / corpus_keys(name, objective)  -> the values of the keys / which keys a corpus reads
 
 The pipelines read `config.data` (below) and `config.model.{vocab_size, max_len, objective}`.
 """
@@ -57,15 +58,20 @@ def token_stream(config: ml_collections.ConfigDict, tokenizer: Tokenizer, split:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Check the pretraining data keys against the model (`config.data`, `config.model`) before any compute."""
-    check_source(config.data)
-    require_one_of(config.data.get("split_by", "blank_line"), ("blank_line", "file"), "data.split_by")
+    check_data_keys(config)
     if config.data.get("name", "") != "prepared" and not config.data.get("vocab_file", ""):
         check_learned_vocab_size(config.model.vocab_size)
+    if config.data.get("name", "") == "prepared":
+        prepared.open_split(config, "train")   # settings, every shard present and as the manifest says
+
+
+def check_data_keys(config: ml_collections.ConfigDict) -> None:
+    """The values of the `config.data` keys that choose and mask the text (also another corpus for an analysis)."""
+    check_source(config.data)
+    require_one_of(config.data.get("split_by", "blank_line"), ("blank_line", "file"), "data.split_by")
     for key in ("prefetch", "num_threads"):
         require(int(config.data.get(key, 0)) >= 0, f"data.{key} = {config.data.get(key)} is negative",
                 f"--config.data.{key}", "give 0 (none / in the main thread) or more")
-    if config.data.get("name", "") == "prepared":
-        prepared.open_split(config, "train")   # settings, every shard present and as the manifest says
     data = config.data
     require(0.0 < data.mask_prob < 1.0, f"data.mask_prob = {data.mask_prob} is outside (0, 1)", "--config.data.mask_prob",
             "use e.g. 0.15")      # MLM keys are checked in a causal run too: a bad value is a mistake either way
@@ -79,6 +85,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"data.mask_prob = {data.mask_prob} with model.max_len = {config.model.max_len} masks no position "
             f"(round({data.mask_prob} x {config.model.max_len - 1} text tokens) = 0): the loss would be 0",
             "--config.data.mask_prob", "raise data.mask_prob or model.max_len")
+
+
+def corpus_keys(name: str, objective: str) -> tuple[str, ...]:
+    """The `config.data` keys a corpus `data.name` and a model `objective` read (the others do nothing there)."""
+    keys = {"embedded": (), "text_files": ("path", "file_pattern", "split_by", "holdout"),
+            "wikitext": ("path", "file_pattern", "holdout"), "prepared": ("path",)}.get(
+                name, ("tfds_data_dir", "tfds_text_key") if name.startswith("tfds:") else ())
+    mlm = ("mask_prob", "max_predictions", "packing")     # a prepared directory's packing is checked against it
+    return ("name", "cache_dir", "prefetch", "num_threads") + keys + (mlm if objective == "mlm" else ())
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -132,5 +147,6 @@ def default_data_config() -> ml_collections.ConfigDict:
     return c
 
 
-__all__ = ["default_data_config", "validate_config", "LMBatch", "ClassificationBatch", "get_tokenizer", "Tokenizer", "pretrain_iterator", "PretrainIterator",
+__all__ = ["default_data_config", "validate_config", "check_data_keys", "corpus_keys", "LMBatch",
+           "ClassificationBatch", "get_tokenizer", "Tokenizer", "pretrain_iterator", "PretrainIterator",
            "load_documents", "glue_examples", "glue_batches", "num_labels", "GLUE_TASKS", "token_stream"]

@@ -223,19 +223,23 @@ class PretrainIterator(grain.DatasetIterator):
         saved, now = state.get("process_count"), self.batcher.pc   # a state saved before the key has none
         if (isinstance(saved, int) and saved > 0 and saved != now and self.fingerprints is not None
                 and state.get("fingerprint") in self.fingerprints(saved)):
-            log.warning("data: the checkpoint was saved by %d processes, this run has %d: the next steps read the "
-                        "same examples, in another row order of the global batch (the continuation is not bitwise "
-                        "the one on %d processes)", saved, now, saved)
+            log.warning("data: the checkpoint was saved by %s, this run has %s: the next steps read the same "
+                        "examples, in another row order of the global batch (the continuation is not bitwise the "
+                        "one on %s)", _processes(saved), _processes(now), _processes(saved))
         elif state.get("fingerprint") not in self.accepted:
             if isinstance(saved, int) and saved != now:
-                raise UserError(f"the saved data-iterator state is of a run with {saved} processes and other data "
-                                f"settings; this one has {now} processes", "checkpoint data-iterator state",
+                raise UserError(f"the saved data-iterator state is of a run with {_processes(saved)} and other data "
+                                f"settings; this one has {_processes(now)}", "checkpoint data-iterator state",
                                 "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
             raise UserError("the saved data-iterator state belongs to different data settings",
                             "checkpoint data-iterator state",
                             "resume with the same data/tokenizer/batch/seed settings and the same number of "
                             f"processes (this one: {now}), or start a new workdir")
         self._parent.set_state(state["pipeline"])
+
+
+def _processes(count: int) -> str:
+    return f"{count} process" + ("" if count == 1 else "es")
 
 
 def resolve_max_predictions(config, max_len: int) -> int:

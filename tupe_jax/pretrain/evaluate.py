@@ -5,6 +5,7 @@ from typing import Mapping, Optional
 
 import jax
 
+from tupe_jax import data as data_lib
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import sharding as sharding_lib
 from tupe_jax import workdir as workdir_lib
@@ -18,7 +19,7 @@ from tupe_jax.pretrain.loop import validation_batches
 def evaluate(workdir: str, step: Optional[int] = None, data: Optional[Mapping[str, str]] = None) -> dict[str, float]:
     """Restore `workdir` at `step` (default latest), evaluate on the whole validation split, log to metrics (not
     while a run is live in that folder: `live_run`). With `data` (`--config.data.*` overrides: another corpus,
-    `workdir.with_corpus`) the validation split is that corpus's, and the values are printed, not logged: the
+    `workdir.corpus_config`) the validation split is that corpus's, and the values are printed, not logged: the
     run's metrics.jsonl records its own corpus."""
     if not data:
         workdir_lib.check_folder(workdir)      # it writes a metrics row: refuse a read-only folder before evaluating
@@ -29,17 +30,20 @@ def evaluate(workdir: str, step: Optional[int] = None, data: Optional[Mapping[st
     mesh = sharding_lib.make_mesh(config)
     batch_size = int(config.train.batch_size)
     batch_size -= batch_size % jax.device_count() or 0
-    batches = validation_batches(config, run.tokenizer, max(batch_size, jax.device_count()))
+    batch_size = max(batch_size, jax.device_count())
+    if data:     # another corpus: whatever keeps it from being read is the error (not "no validation split")
+        batches = data_lib.pretrain_iterator(config, run.tokenizer, split="validation", global_batch_size=batch_size,
+                                             seed=0, shuffle=False, repeat=False)
+    else:
+        batches = validation_batches(config, run.tokenizer, batch_size)
     if batches is None:
-        raise UserError(f"the corpus {'given' if data else 'of ' + workdir} has no validation split",
-                        "--config.data.holdout" if data else "data.holdout",
-                        "give it a validation file, or --config.data.holdout>0" if data else
+        raise UserError(f"the corpus of {workdir} has no validation split", "data.holdout",
                         "set --config.data.holdout>0 when pretraining")
     params = sharding_lib.replicate(run.params, mesh)
     sums = steps.run_eval(xla_options.jit(steps.make_eval_step(TransformerLM(run.model_cfg))), params, batches, mesh, 0)
     values = steps.summarize(sums, run.model_cfg.causal, prefix="eval_")
     if data:
-        print(f"{workdir} step {run.step} on --config." + " --config.".join(f"{k}={v}" for k, v in data.items()) +
+        print(f"{workdir} step {run.step} on --config." + " --config.".join(f"{k}={v}" for k, v in run.corpus.items()) +
               ": " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()) + " (another corpus: not added to the "
               "run's metrics.jsonl)", flush=True)
         return values

@@ -11,7 +11,7 @@
     meta.py    what defines a run (`RESUMABLE`, `identity_hash`) and the checkpoint's meta item (`make_meta`,
                `check_compatible`, `check_tokenizer`), `checkpoint_steps`, `read_meta`, `read_kept_step` (a step of a
                run that may still be training and pruning its checkpoints)
-    run.py     `LoadedRun` / `load_run`: a finished run for evaluate, fine-tuning and every analysis (`with_corpus`:
+    run.py     `LoadedRun` / `load_run`: a finished run for evaluate, fine-tuning and every analysis (`corpus_config`:
                its config naming another corpus to score)
 
 A run folder holds:
@@ -31,11 +31,11 @@ from tupe_jax.workdir.gate import check_config, config_path, differing_keys, rea
 from tupe_jax.workdir.lock import LeaseLost, RunLock, owns_folder, refuse_if_held
 from tupe_jax.workdir.meta import (RESUMABLE, RUN_IDENTITY_SECTIONS, check_compatible, check_tokenizer,
                                    checkpoint_steps, make_meta, read_kept_step, read_meta)
-from tupe_jax.workdir.run import LoadedRun, load_run, load_runs, with_corpus
+from tupe_jax.workdir.run import LoadedRun, corpus_config, load_run, load_runs
 from tupe_jax.workdir.undo import staging_folder
 
 __all__ = ["RESUMABLE", "RUN_IDENTITY_SECTIONS", "LeaseLost", "LoadedRun", "RunLock", "agree", "check_compatible",
            "check_bucket", "check_config", "check_folder", "check_tokenizer", "checkpoint_steps", "claim",
-           "config_path", "differing_keys", "load_run", "load_runs", "make_meta", "owns_folder", "read_config",
-           "read_kept_step", "read_meta", "refuse_if_held", "refuse_in_checkpoints", "staging_folder", "still_held",
-           "tokenizer_path", "with_corpus", "write_config"]
+           "config_path", "corpus_config", "differing_keys", "load_run", "load_runs", "make_meta", "owns_folder",
+           "read_config", "read_kept_step", "read_meta", "refuse_if_held", "refuse_in_checkpoints", "staging_folder",
+           "still_held", "tokenizer_path", "write_config"]

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from tupe_jax import checkpoint as ckpt_lib
+from tupe_jax import files
 from tupe_jax.config import apply_overrides
-from tupe_jax.data.prepared import prepared_tokenizer
-from tupe_jax.data.sources import check_source
+from tupe_jax.data import check_data_keys, corpus_keys
+from tupe_jax.data.prepared import check_settings, prepared_tokenizer
 from tupe_jax.data.tokenizer import get_tokenizer
 from tupe_jax.errors import UserError, require
 from tupe_jax.model import ModelConfig, TransformerLM
@@ -59,7 +60,7 @@ class LoadedRun:
 
 def load_run(workdir: str, step: Optional[int] = None, data: Optional[Mapping[str, str]] = None) -> LoadedRun:
     """A finished (or running) pretraining run's config, params (default device), tokenizer and step; with `data`
-    (`{"data.path": ..., ...}`), its config names that corpus instead of its own (`with_corpus`)."""
+    (`{"data.path": ..., ...}`), its config names that corpus instead of its own (`corpus_config`)."""
     config = read_config(workdir)
     if "task" in config:
         raise UserError(f"{workdir} is {finetune_kind(workdir, config)}; this command reads a pretraining run",
@@ -68,7 +69,7 @@ def load_run(workdir: str, step: Optional[int] = None, data: Optional[Mapping[st
         raise UserError(f"{workdir} holds {folder_kind(config)}; this command reads a pretraining run", "--workdir",
                         "point it at one of the suite's runs (<runs_dir>/<scheme>-s<seed>/)" if "suite" in config
                         else "point it at a `launch pretrain` workdir")
-    scored = with_corpus(config, data) if data else config    # a bad --config.data.* stops before the restore
+    scored, data = corpus_config(config, data, workdir) if data else (config, {})   # checked before the restore
     cfg = ModelConfig.from_config(config.model)
     if cfg.attention_backend == "cudnn" and jax.default_backend() != "gpu":   # trained on a GPU, read elsewhere
         print(f"{workdir}: attention_backend=cudnn needs a GPU; reading it with xla (the same maths)", flush=True)
@@ -95,22 +96,52 @@ def load_run(workdir: str, step: Optional[int] = None, data: Optional[Mapping[st
               "and accuracies mean nothing until it is trained", flush=True)
     tokenizer = get_tokenizer(config, workdir)
     check_tokenizer(meta, tokenizer.fingerprint, tokenizer_path(workdir))
-    if data and scored.data.get("name", "") == "prepared":    # the run's tokenizer reads the records' ids
-        require(prepared_tokenizer(scored, None).fingerprint == tokenizer.fingerprint,
+    return LoadedRun(scored, cfg, params, tokenizer, step, str(workdir), data)
+
+
+def corpus_config(config: Any, data: Mapping[str, str], workdir: str) -> tuple[Any, dict[str, str]]:
+    """(a copy of the run's `config` whose `data` section names another corpus, the overrides as applied): `data`
+    holds `--config.data.*` overrides, checked against the section's keys, types and values; a key the corpus or
+    the run's objective does not read is refused, local paths are made absolute and must exist, and a prepared
+    directory must have been made for this run (its tokenizer, objective, max_len). Nothing heavy is read."""
+    given = {k: _absolute(k, str(v)) for k, v in data.items()}
+    scored = copy.deepcopy(config)
+    apply_overrides(scored, given)
+    check_data_keys(scored)
+    name, objective = str(scored.data.get("name", "")), str(scored.model.get("objective", "mlm"))
+    reads = corpus_keys(name, objective)
+    for key in given:
+        require(key.split(".", 1)[1] in reads, f"{key} does nothing for data.name={name!r}" +
+                (" in a causal LM" if objective != "mlm" else ""), f"--config.{key}",
+                "drop it (that corpus reads --config.data." + ", ".join(reads) + ")")
+    for key in ("data.path", "data.cache_dir"):
+        value = str(scored.data.get(key.split(".")[1], "") or "")
+        if key in given and value and not files.is_remote(value) and not any(c in value for c in "*?["):
+            require(key != "data.path" or os.path.exists(value), f"{value} does not exist", f"--config.{key}",
+                    "give an existing folder or file")
+            require(not (os.path.realpath(value) + os.sep).startswith(os.path.realpath(workdir) + os.sep),
+                    f"{value} is inside the run {workdir}", f"--config.{key}",
+                    "give a folder outside the run: scoring another corpus writes nothing there")
+    if name == "prepared":
+        try:
+            check_settings(scored)
+        except UserError as err:   # the model keys are the run's: it is the directory that must change
+            if not err.where.startswith("--config.model."):
+                raise
+            raise UserError(err.what, "--config.data.path", "prepare the corpus for this run (its objective, "
+                            "max_len and tokenizer/vocab.txt) into another directory") from None
+        require(prepared_tokenizer(scored, None).fingerprint == get_tokenizer(config, workdir).fingerprint,
                 f"{scored.data.path} was prepared with another tokenizer than the run's ({workdir})",
                 "--config.data.path", f"prepare the corpus with --config.data.vocab_file={tokenizer_path(workdir)} "
                 "into a fresh directory")
-    return LoadedRun(scored, cfg, params, tokenizer, step, str(workdir), dict(data or {}))
+    return scored, given
 
 
-def with_corpus(config: Any, data: Mapping[str, str]) -> Any:
-    """A copy of the run's `config` whose `data` section names another corpus: `data` holds `--config.data.*`
-    overrides, checked against the section's keys and types (`load_run` reads the corpus with the run's own
-    tokenizer; a prepared directory must have been made with it)."""
-    config = copy.deepcopy(config)
-    apply_overrides(config, data)
-    check_source(config.data)
-    return config
+def _absolute(key: str, value: str) -> str:
+    """A local path override as an absolute path (`~` expanded): what the outputs record means the same anywhere."""
+    if key not in ("data.path", "data.cache_dir", "data.tfds_data_dir") or not value or files.is_remote(value):
+        return value
+    return os.path.abspath(os.path.expanduser(value))
 
 
 def load_runs(workdirs: str | list[str], step: Optional[int] = None,
