@@ -1,6 +1,7 @@
 """The launcher: --help, one-line errors with exit 2 (subprocess), dispatch, workdir config guard."""
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -136,6 +137,11 @@ def test_an_unexpected_exception_is_one_line_pointing_at_a_log(tmp_path, monkeyp
     assert "Traceback" in text and "second line" in text and "def boom" not in lines[0]
     assert sorted(p.name for p in workdir.iterdir()) == ["logs", "notes.txt"]
     assert (workdir / "notes.txt").read_text() == "keep"
+    shutil.rmtree(workdir / "logs")     # scoring another corpus writes nothing into the run: not even the log
+    assert launch.main(["evaluate", f"--workdir={workdir}", "--config.data.name=wikitext", "--config.data.path=w"]) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and tempfile.gettempdir() in lines[0]
+    assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]
 
 
 def test_a_failed_export_logs_outside_the_run_it_reads(tmp_path, monkeypatch, capsys):
