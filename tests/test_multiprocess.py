@@ -296,6 +296,8 @@ def test_a_run_of_two_processes_resumes_on_one_as_if_it_had_run_there(tmp_path):
                          env=env(4), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "the checkpoint was saved by 2 processes, this run has 1 process" in run.stderr + run.stdout
+    events = [m for m in read_metrics(str(tmp_path / "moved"), raw=True) if m.get("event") == "resumed"]
+    assert events == [{"step": 3, "event": "resumed", "process_count_before": 2, "process_count": 1}]
     one = {m["step"]: m["loss"] for m in read_metrics(str(tmp_path / "single")) if "loss" in m}
     moved = {m["step"]: m["loss"] for m in read_metrics(str(tmp_path / "moved")) if "loss" in m}
     assert sorted(one) == sorted(moved) == list(range(1, 7))

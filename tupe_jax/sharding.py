@@ -88,7 +88,8 @@ def check_batch(train: Any, mesh_shape: tuple[int, int, int]) -> None:
             "--config.train.grad_accum_steps", "pick a divisor of the batch size")
     require((batch // accum) % shards == 0,
             f"train.batch_size = {batch} (microbatch {batch // accum}) is not divisible by the data-parallel size "
-            f"mesh.data*mesh.fsdp = {shards}", "--config.train.batch_size", f"use a multiple of {shards * accum}")
+            f"mesh.data*mesh.fsdp = {shards}", "--config.train.batch_size", f"use a multiple of {shards * accum} (a "
+            f"resumed run keeps its batch size: run it where mesh.data*mesh.fsdp divides {batch // accum})")
     if "eval_batch_size" in train:
         require(int(train.eval_batch_size) % shards == 0,
                 f"train.eval_batch_size = {train.eval_batch_size} is not divisible by mesh.data*mesh.fsdp = {shards}",
