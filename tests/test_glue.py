@@ -339,3 +339,24 @@ def test_sweep_skips_finished_runs_and_writes_tables(env, tmp_path):
     stamp = os.path.getmtime(tmp_path / "rte" / "lr=0.001" / "seed=0" / "results.json")
     ft_sweep.sweep(config, str(tmp_path))   # everything finished: only the tables are rewritten
     assert os.path.getmtime(tmp_path / "rte" / "lr=0.001" / "seed=0" / "results.json") == stamp
+
+
+def test_a_resume_on_another_process_count_warns_and_marks_its_row(env, tmp_path, capsys):
+    """A fine-tune resumed on another number of processes takes each step's examples as before, in another row
+    order: it says so (once, and in its `resumed` row). A checkpoint saved by two processes is made by editing the
+    count its progress records."""
+    config = make_config(env, "rte", steps=16)
+    config.checkpoint.every = 8
+    ft_loop.finetune(config, str(tmp_path / "ft"))
+    shutil.rmtree(tmp_path / "ft" / "checkpoints" / "16")
+    os.remove(tmp_path / "ft" / "results.json")
+    (saved,) = [p for p in (tmp_path / "ft" / "checkpoints" / "8").rglob("*")
+                if p.is_file() and b'"process_count": 1' in p.read_bytes()]
+    saved.write_bytes(saved.read_bytes().replace(b'"process_count": 1', b'"process_count": 2'))
+    capsys.readouterr()
+    ft_loop.finetune(config, str(tmp_path / "ft"))
+    out = capsys.readouterr().out
+    assert out.count("ran on 2 processes and resumes on 1: each step takes the same examples") == 1
+    rows = [json.loads(line) for line in open(tmp_path / "ft" / "metrics.jsonl")]
+    assert [r for r in rows if r.get("event") == "resumed"] == [
+        {"step": 8, "event": "resumed", "process_count_before": 2, "process_count": 1}]

@@ -67,7 +67,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
     resumed = progress is not None
     source = {"workdir": runner.source.workdir, "step": runner.source.step} if runner.source else None
     if progress is None:    # the checkpoint read now; a resumed run reports the one its first start read
-        progress = {"best": None, "last_eval": None, "predictions": [], "init": source, "data": runner.data_key}
+        progress = {"best": None, "last_eval": None, "predictions": [], "init": source, "data": runner.data_key,
+                    "process_count": jax.process_count()}
     else:
         saved = progress.setdefault("data", runner.data_key)   # runs saved before the field: not checked
         require(saved == runner.data_key, f"the {task} examples differ from those this run started on (the files "
@@ -78,6 +79,14 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
         progress.setdefault("predictions", [])
         progress.setdefault("init", source)     # saved by versions before the field: the checkpoint read now
         print(f"resumed {task} from step {int(state['step'])} of {workdir}", flush=True)
+    before = progress.get("process_count", jax.process_count())     # saved by versions before the field: not known
+    moved = {"process_count_before": before, "process_count": jax.process_count()} \
+        if resumed and before != jax.process_count() else {}
+    progress["process_count"] = jax.process_count()
+    if moved:    # each step's examples are the same ([p::P] of one global row), in another row order
+        print(f"warning: {workdir} ran on {before} process{'es' * (before != 1)} and resumes on "
+              f"{jax.process_count()}: each step takes the same examples, in another row order of the global batch "
+              "(not bitwise the run it was)", flush=True)
     step = int(state["step"])
     init = progress["init"]
     origin = f"{init['workdir']} step {init['step']}" if init else "scratch (no init_from)"
@@ -90,7 +99,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
     # --------------------------------------------------------------------------------------- hooks
     writer = metrics_lib.MetricsWriter(workdir, owns_folder=lambda: workdir_lib.owns_folder(workdir))
     if resumed or metrics_lib.rows_past(workdir, 0):   # the rows a stopped process wrote past its checkpoint (or
-        writer.write(step, {"event": metrics_lib.RESUMED})   # before its first) are redone (`metrics.read_metrics`)
+        writer.write(step, {"event": metrics_lib.RESUMED, **moved})   # before its first) are redone (read_metrics)
     bar = metrics_lib.Progress(total, step)
     eval_every = int(t.eval_every)
 
