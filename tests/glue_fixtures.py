@@ -133,3 +133,27 @@ def make_pretrained(workdir, cache_dir, pe="tupe_r", steps=(10,), **model):
                      "rng": jax.random.PRNGKey(0)}
             c.save(step, state, data_state={}, meta=workdir_lib.make_meta(config, params), force=True)
     return params
+
+
+def glue_env(root) -> dict:
+    """In `root`: a cache dir, a tiny tupe_r pretraining run, and a GLUE dir with all nine tasks (RTE learnable,
+    bigger)."""
+    os.environ["TUPE_JAX_CACHE"] = str(root / "cache")
+    pre = root / "pre"
+    params = make_pretrained(pre, root / "cache")
+    sizes = write_glue_dir(str(root / "glue"), {"rte": (256, 64, 40)})
+    return {"root": root, "pre": str(pre), "params": params, "glue": str(root / "glue"), "sizes": sizes}
+
+
+def make_config(env, task="rte", pe="tupe_r", init=True, **train):
+    """A tiny fine-tune config on `glue_env`'s GLUE dir, from its pretraining run (`init`)."""
+    config = load_config_module("glue").get_config(f"task={task},pe={pe},size=tiny")
+    tiny_model_overrides(config)
+    config.data.cache_dir = str(env["root"] / "cache")
+    config.data.glue_dir = env["glue"]
+    config.data.glue_buckets = (32, 64)
+    config.init_from = env["pre"] if init else ""
+    config.train.update(dict(dict(batch_size=16, eval_batch_size=16, log_every=8, learning_rate=1e-3), **train))
+    config.checkpoint.async_save = False
+    return config
+

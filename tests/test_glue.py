@@ -9,8 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.glue_fixtures import (DIRS, TINY, load_config_module, make_pretrained,
-                                 tiny_model_overrides, write_glue_dir)
+from tests.glue_fixtures import DIRS, TINY, glue_env, load_config_module, make_config
 from tupe_jax import checkpoint as ckpt
 from tupe_jax import data as data_lib
 from tupe_jax.finetune import init_from as ft_init
@@ -26,25 +25,7 @@ GLUE_CFG = load_config_module("glue")
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """A cache dir, a tiny tupe_r pretraining run, and a GLUE dir with all nine tasks (RTE learnable, bigger)."""
-    root = tmp_path_factory.mktemp("glue_env")
-    os.environ["TUPE_JAX_CACHE"] = str(root / "cache")
-    pre = root / "pre"
-    params = make_pretrained(pre, root / "cache")
-    sizes = write_glue_dir(str(root / "glue"), {"rte": (256, 64, 40)})
-    return {"root": root, "pre": str(pre), "params": params, "glue": str(root / "glue"), "sizes": sizes}
-
-
-def make_config(env, task="rte", pe="tupe_r", init=True, **train):
-    config = GLUE_CFG.get_config(f"task={task},pe={pe},size=tiny")
-    tiny_model_overrides(config)
-    config.data.cache_dir = str(env["root"] / "cache")
-    config.data.glue_dir = env["glue"]
-    config.data.glue_buckets = (32, 64)
-    config.init_from = env["pre"] if init else ""
-    config.train.update(dict(dict(batch_size=16, eval_batch_size=16, log_every=8, learning_rate=1e-3), **train))
-    config.checkpoint.async_save = False
-    return config
+    return glue_env(tmp_path_factory.mktemp("glue_env"))
 
 
 def test_config_mirrors_pretraining_and_validates():
@@ -339,24 +320,3 @@ def test_sweep_skips_finished_runs_and_writes_tables(env, tmp_path):
     stamp = os.path.getmtime(tmp_path / "rte" / "lr=0.001" / "seed=0" / "results.json")
     ft_sweep.sweep(config, str(tmp_path))   # everything finished: only the tables are rewritten
     assert os.path.getmtime(tmp_path / "rte" / "lr=0.001" / "seed=0" / "results.json") == stamp
-
-
-def test_a_resume_on_another_process_count_warns_and_marks_its_row(env, tmp_path, capsys):
-    """A fine-tune resumed on another number of processes takes each step's examples as before, in another row
-    order: it says so (once, and in its `resumed` row). A checkpoint saved by two processes is made by editing the
-    count its progress records."""
-    config = make_config(env, "rte", steps=16)
-    config.checkpoint.every = 8
-    ft_loop.finetune(config, str(tmp_path / "ft"))
-    shutil.rmtree(tmp_path / "ft" / "checkpoints" / "16")
-    os.remove(tmp_path / "ft" / "results.json")
-    (saved,) = [p for p in (tmp_path / "ft" / "checkpoints" / "8").rglob("*")
-                if p.is_file() and b'"process_count": 1' in p.read_bytes()]
-    saved.write_bytes(saved.read_bytes().replace(b'"process_count": 1', b'"process_count": 2'))
-    capsys.readouterr()
-    ft_loop.finetune(config, str(tmp_path / "ft"))
-    out = capsys.readouterr().out
-    assert out.count("ran on 2 processes and resumes on 1: each step takes the same examples") == 1
-    rows = [json.loads(line) for line in open(tmp_path / "ft" / "metrics.jsonl")]
-    assert [r for r in rows if r.get("event") == "resumed"] == [
-        {"step": 8, "event": "resumed", "process_count_before": 2, "process_count": 1}]

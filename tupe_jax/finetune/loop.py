@@ -65,7 +65,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
     runner.bind(trainer.shardings["params"])
     state, progress = trainer.restore_or_init(fresh=lambda s: runner.load_encoder(s, trainer.abstract_params))
     resumed = progress is not None
-    source = {"workdir": runner.source.workdir, "step": runner.source.step} if runner.source else None
+    source = {"workdir": runner.source.workdir, "step": runner.source.step} if runner.source else \
+        ({"workdir": str(config.init_from), "step": None} if config.init_from else None)   # a resume read none
     if progress is None:    # the checkpoint read now; a resumed run reports the one its first start read
         progress = {"best": None, "last_eval": None, "predictions": [], "init": source, "data": runner.data_key,
                     "process_count": jax.process_count()}

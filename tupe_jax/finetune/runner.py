@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from tupe_jax import data as data_lib
+from tupe_jax import files
 from tupe_jax import sharding as sh
 from tupe_jax import trainer as trainer_lib
 from tupe_jax import xla_options
@@ -33,6 +34,7 @@ from tupe_jax.finetune.init_from import adopt_tokenizer, open_init_source, resto
 from tupe_jax.finetune.validate import paper_epochs, schedule_section
 from tupe_jax.model import ModelConfig, SequenceClassifier
 from tupe_jax.optim import make_optimizer
+from tupe_jax.workdir import checkpoint_steps
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +100,15 @@ class Runner:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices: list | None = None):
         self.config, self.workdir, self.task = config, workdir, str(config.task)
-        self.source = open_init_source(config) if config.init_from else None
+        # init_from is read until the run has a checkpoint of its own (and init_from's tokenizer copied): a resume
+        # needs no source, as a continued pretraining's does not (`load_encoder` opens it for a fresh start)
+        adopted = files.join(workdir, "tokenizer", "vocab.txt")
+        resuming = bool(config.init_from) and bool(checkpoint_steps(workdir)) and files.isfile(adopted)
+        self.source = open_init_source(config) if config.init_from and not resuming else None
         if self.source is not None:
             self.tokenizer = Tokenizer.from_file(adopt_tokenizer(self.source.workdir, workdir))
         else:
-            self.tokenizer = data_lib.get_tokenizer(config, workdir)
+            self.tokenizer = Tokenizer.from_file(adopted) if resuming else data_lib.get_tokenizer(config, workdir)
         require(self.tokenizer.vocab_size <= int(config.model.vocab_size),
                 f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
                 f"{config.model.vocab_size}", "--config.model.vocab_size", "use the pretraining run's vocab_size")
@@ -139,6 +145,8 @@ class Runner:
 
     def load_encoder(self, state: dict, abstract_params: Any) -> dict:
         """A fresh state with the encoder params replaced by the pretraining checkpoint's (if init_from is set)."""
+        if self.source is None and self.config.init_from:   # a resume whose checkpoints could not be read
+            self.source = open_init_source(self.config)
         if self.source is not None:
             state["params"]["encoder"], self.source = restore_encoder(self.source, abstract_params["encoder"])
         return state
