@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import threading
-from typing import Callable, Optional
+from typing import Callable
 
 import grain
 import numpy as np
@@ -202,12 +202,13 @@ class _Batcher:
 class PretrainIterator(grain.DatasetIterator):
     """Batches of one process; `get_state()`/`set_state()` checkpoint it (also via grain's Orbax handler)."""
 
-    def __init__(self, parent: grain.DatasetIterator, batcher: _Batcher, fingerprint: str,
-                 accepted: tuple[str, ...] = (), fingerprints: Optional[Callable[[int], tuple[str, ...]]] = None):
+    def __init__(self, parent: grain.DatasetIterator, batcher: _Batcher,
+                 fingerprints: Callable[[int], tuple[str, ...]]):
         super().__init__(parent)
-        self.batcher, self.fingerprint = batcher, fingerprint
-        self.accepted = (fingerprint,) + tuple(accepted)   # + the same settings as an older data format keyed them
-        self.fingerprints = fingerprints     # process count -> what these settings are keyed by with that count
+        # process count -> the keys of these settings on that many processes: the current one first, then the same
+        # settings as an older data format keyed them
+        self.batcher, self.fingerprints = batcher, fingerprints
+        self.fingerprint = fingerprints(batcher.pc)[0]
         self.per_host_batch_size = batcher.local
         self.num_examples = batcher.n
         self.num_steps = batcher.num_steps  # None when repeating forever
@@ -221,13 +222,9 @@ class PretrainIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict) -> None:
         saved, now = state.get("process_count"), self.batcher.pc   # a state saved before the key has none
-        if (isinstance(saved, int) and saved > 0 and saved != now and self.fingerprints is not None
-                and state.get("fingerprint") in self.fingerprints(saved)):
-            log.warning("data: the checkpoint was saved by %s, this run has %s: the next steps read the same "
-                        "examples, in another row order of the global batch (the continuation is not bitwise the "
-                        "one on %s)", _processes(saved), _processes(now), _processes(saved))
-        elif state.get("fingerprint") not in self.accepted:
-            if isinstance(saved, int) and saved != now:
+        count = saved if isinstance(saved, int) and saved > 0 else now
+        if state.get("fingerprint") not in self.fingerprints(count):
+            if count != now:
                 raise UserError(f"the saved data-iterator state is of a run with {_processes(saved)} and other data "
                                 f"settings; this one has {_processes(now)}", "checkpoint data-iterator state",
                                 "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
@@ -235,6 +232,10 @@ class PretrainIterator(grain.DatasetIterator):
                             "checkpoint data-iterator state",
                             "resume with the same data/tokenizer/batch/seed settings and the same number of "
                             f"processes (this one: {now}), or start a new workdir")
+        if count != now:
+            log.warning("data: the checkpoint was saved by %s, this run has %s: the next steps read the same "
+                        "examples, in another row order of the global batch (the continuation is not bitwise the "
+                        "one on %s)", _processes(saved), _processes(now), _processes(saved))
         self._parent.set_state(state["pipeline"])
 
 
@@ -296,5 +297,4 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
                 mask_prob, max_pred, config.data.get("packing", "full_sentences")]
         return (builders.digest([key] + rest),) + ((builders.digest([legacy] + rest),) if legacy else ())
 
-    mine = fingerprints(process_count)
-    return PretrainIterator(it, batcher, mine[0], accepted=mine[1:], fingerprints=fingerprints)
+    return PretrainIterator(it, batcher, fingerprints)
