@@ -184,3 +184,36 @@ def test_a_prepared_corpus_must_be_made_with_the_runs_tokenizer(runs, tmp_path, 
     assert launch.main(["extrapolate", f"--workdir={named}", "--lengths=16,32", f"--out={tmp_path / 'r'}"]) == 0
     # the records read back are the text tokenized: the same scores as the raw corpus
     assert results(tmp_path / "p" / "extrapolation.json") == results(tmp_path / "r" / "extrapolation.json")
+
+
+def test_a_corpus_without_a_train_file_is_scored_but_not_trained_on(runs, tmp_path, capsys):
+    """A folder holding a lone valid.txt (held-out text to score) was refused for every command: "no training
+    file". It is scored as the same file beside a train.txt; what learns from the train split refuses it."""
+    own, _, corpus = runs
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(corpus / "valid.txt", lone / "valid.txt")
+    printed = []
+    for path in (corpus, lone):
+        assert launch.main(["evaluate", f"--workdir={own}", *flags(path)]) == 0
+        printed.append(capsys.readouterr().out.strip().splitlines()[-1].split(f"{path}: ", 1)[1])
+        assert launch.main(["extrapolate", f"--workdir={own}", "--lengths=16,32", f"--out={tmp_path / path.name}",
+                            *flags(path)]) == 0
+    capsys.readouterr()
+    assert printed[0] == printed[1] and "eval_loss" in printed[0]
+    assert results(tmp_path / "lone" / "extrapolation.json") == results(tmp_path / corpus.name / "extrapolation.json")
+    err = one_line(capsys, ["probe", f"--workdir={own}", f"--out={tmp_path / 'p'}", *flags(lone)])
+    assert "split 'train' is not available (have ['validation'])" in err and "whose name contains 'train'" in err
+    before = tree(str(lone))
+    err = one_line(capsys, ["pretrain", "--config=configs/pretrain.py:pe=bert_a,size=tiny",
+                            f"--workdir={tmp_path / 'new'}", *flags(lone)])
+    assert f"data.path {lone} has no training file (a name containing 'train'; its files are for validation)" in err
+    err = one_line(capsys, prepare_args(lone, tmp_path / "prep"))
+    assert "has no training file" in err and "give --config.data.vocab_file to prepare the others" in err
+    assert tree(str(lone)) == before and not (tmp_path / "new").exists() and not (tmp_path / "prep").exists()
+    vocab = workdir_lib.tokenizer_path(str(own))
+    assert launch.main(prepare_args(lone, tmp_path / "prep", f"--config.data.vocab_file={vocab}")) == 0
+    capsys.readouterr()
+    assert launch.main(["evaluate", f"--workdir={own}", "--config.data.name=prepared",
+                        f"--config.data.path={tmp_path / 'prep'}"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(printed[0])

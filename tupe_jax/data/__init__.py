@@ -34,7 +34,7 @@ from tupe_jax.data.classification import glue_batches
 from tupe_jax.data.glue_tsv import num_labels
 from tupe_jax.data.pipeline import PretrainIterator, pretrain_iterator
 from tupe_jax.data import pipeline, prepared
-from tupe_jax.data.sources import check_source
+from tupe_jax.data.sources import check_source, check_train_files
 from tupe_jax.data.tokenizer import Tokenizer, check_learned_vocab_size
 from tupe_jax.data.tokenizer import get_tokenizer as _corpus_tokenizer
 
@@ -59,6 +59,7 @@ def token_stream(config: ml_collections.ConfigDict, tokenizer: Tokenizer, split:
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Check the pretraining data keys against the model (`config.data`, `config.model`) before any compute."""
     check_data_keys(config)
+    check_train_files(config.data)
     if config.data.get("name", "") != "prepared" and not config.data.get("vocab_file", ""):
         check_learned_vocab_size(config.model.vocab_size)
     if config.data.get("name", "") == "prepared":

@@ -60,6 +60,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int = 1) -> None:
     require_one_of(config.data.packing, ("full_sentences", "contiguous"), "data.packing")
     if not config.data.vocab_file:
         check_learned_vocab_size(config.model.vocab_size)
+        sources.check_train_files(config.data, "add one, or give --config.data.vocab_file to prepare the others")
     asked = [s.strip() for s in config.prepare.splits.split(",") if s.strip()]
     require(len(set(asked)) == len(asked), f"prepare.splits = {config.prepare.splits!r} names a split twice",
             "--config.prepare.splits", "give each split once")
@@ -70,9 +71,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int = 1) -> None:
 # ------------------------------------------------------------------------------------------ documents
 
 def _local_files(config):
-    found = sources.find_files(config.data.path, config.data.file_pattern)
-    by_split, named = sources.assign_files(found)
-    return by_split, named
+    return sources.assign_files(sources.find_files(config.data.path, config.data.file_pattern))
 
 
 def splits_of(config) -> list[str]:

@@ -8,6 +8,7 @@ File → split rule (text_files / wikitext): a file's name is cut at `.`, `_`, `
 train, `valid`/`validation`/`dev` in validation, `test` in test (`wiki.train.tokens`, `valid.txt`, ...). If no
 file is named like that, every file is training text and, with `holdout=h > 0`, document number `i` (0-based,
 files in sorted order) goes to validation when `i % h == h - 1` (TUPE's 1-in-200 split); there is no test split.
+Named files without a train file (a lone valid.txt) can be scored; pretraining refuses them (`check_train_files`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,17 @@ def check_source(data: Any) -> None:
     require(not pattern or not named, f"data.file_pattern={pattern!r} is set but data.path {path!r} is {named}: the "
             "pattern applies inside a data.path folder only", "--config.data.file_pattern",
             "drop data.file_pattern, or point data.path at the folder the pattern applies in")
+
+
+def check_train_files(data: Any, fix: str = "add a train file or point data.path at the training text") -> None:
+    """Pretraining and `prepare` learn from the train split: a local text_files/wikitext corpus whose files are
+    named by split but none 'train' is refused before any compute (`evaluate` and the analyses may score one)."""
+    name, path = str(data.get("name", "")), str(data.get("path", ""))
+    if name not in ("text_files", "wikitext") or not path or "://" in path:
+        return                            # a bucket folder is listed once mirrored: `builders` names a missing split
+    by_split, named = assign_files(find_files(path, str(data.get("file_pattern", "") or "")))
+    require(not named or "train" in by_split, f"data.path {path} has no training file (a name containing 'train'; "
+            f"its files are for {' and '.join(sorted(by_split))})", "--config.data.path", fix)
 
 
 def find_files(path: str, pattern: str = "") -> list[Path]:
@@ -101,11 +113,8 @@ def assign_files(files: list[Path]) -> tuple[dict[str, list[Path]], bool]:
         raise UserError(f"file {stray[0].name!r} is not named train/valid/test while others are", str(stray[0]),
                         "rename it, remove it, or narrow data.path / data.file_pattern")
     out: dict[str, list[Path]] = {}
-    for f, s in named.items():
+    for f, s in named.items():    # no train file is fine where only other splits are read (scoring held-out text)
         out.setdefault(s, []).append(f)
-    if "train" not in out:
-        raise UserError("no training file (name containing 'train')", str(files[0].parent),
-                        "add a train file or point data.path at the training text")
     return out, True
 
 
