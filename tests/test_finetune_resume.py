@@ -6,7 +6,9 @@ import shutil
 
 import pytest
 
+import launch
 from tests.glue_fixtures import glue_env, make_config
+from tests.workdir_fixtures import tree
 from tupe_jax.finetune import loop as ft_loop
 
 
@@ -54,3 +56,34 @@ def test_a_resume_needs_no_init_from_run(env, tmp_path, capsys):
     assert again["final"]["metrics"] == straight["final"]["metrics"]
     saved = json.load(open(tmp_path / "ft" / "results.json"))
     assert saved["init_from"] == str(source) and saved["init_step"] == straight["init_step"] is not None
+
+
+@pytest.mark.slow   # a sweep of two 4-step fine-tunes through the launcher, then one resumed
+def test_a_sweep_whose_sub_runs_have_started_needs_no_init_from_run(env, tmp_path, capsys):
+    """A glue-sweep resolved init_from on every start, so a sweep preempted after its source was deleted could not
+    finish, though no sub-run left needed the source. A sub-run not started yet still needs it, and says so."""
+    source, sweep = tmp_path / "pre", tmp_path / "sweep"
+    shutil.copytree(env["pre"], source)
+    argv = ["glue-sweep", "--config=configs/glue.py:task=rte", f"--workdir={sweep}",
+            f"--config.init_from={source}", f"--config.data.glue_dir={env['glue']}",
+            f"--config.data.cache_dir={env['root'] / 'cache'}", "--config.data.glue_buckets=(32,64)",
+            "--config.train.steps=4", "--config.train.batch_size=16", "--config.train.eval_batch_size=16",
+            "--config.train.predict_test=false", "--config.checkpoint.every=2", "--config.checkpoint.async_save=false",
+            "--config.sweep.learning_rates=(0.001,)", "--config.sweep.seeds=(0,1)"]
+    assert launch.main(argv) == 0
+    first = (sweep / "sweep.json").read_text()
+    seed1 = sweep / "rte" / "lr=0.001" / "seed=1"
+    shutil.rmtree(seed1 / "checkpoints" / "4")             # preempted after its step-2 checkpoint
+    os.remove(seed1 / "results.json")
+    shutil.rmtree(source)
+    capsys.readouterr()
+    assert launch.main(argv) == 0
+    out = capsys.readouterr().out
+    assert (f"note: init_from {source} does not exist; every sub-run has started, so the sweep goes on without it, "
+            f"from {source} step 10 as they recorded") in out and "resumed rte from step 2" in out
+    assert (sweep / "sweep.json").read_text() == first      # the resumed sub-run ends as it did uninterrupted
+    shutil.rmtree(seed1)                                     # a sub-run not started needs the source
+    before = tree(str(sweep))
+    assert launch.main(argv) == 2
+    assert f"error: init_from {source} does not exist" in capsys.readouterr().err
+    assert tree(str(sweep)) == before

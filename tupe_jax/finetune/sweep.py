@@ -48,7 +48,7 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         check_glue_task(first, task, "--config.sweep.tasks")
         if task == "mnli" and bool(first.train.predict_test):   # and MNLI's AX set
             read_diagnostic(first)
-    init = _init_step(config)
+    init = _init_step(config, [run_dir(workdir, *g) for g in grid])
     config = _pinned(config, init)  # every sub-run of this command reads that step, even while the run trains on
     data_keys: dict[str, str] = {}  # the examples' key per task (the same for each lr and seed), made when needed
     for task, lr, seed in grid:     # sub-runs already there are reused only if this sweep would make them the same
@@ -72,11 +72,22 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return summary
 
 
-def _init_step(config: ml_collections.ConfigDict) -> tuple[str, int] | None:
-    """(pretraining run, step) the sweep's sub-runs start from (init_step -1: its newest checkpoint now)."""
+def _init_step(config: ml_collections.ConfigDict, paths: list[str]) -> tuple[str, int] | None:
+    """(pretraining run, step) the sweep's sub-runs start from (init_step -1: its newest checkpoint now). When
+    init_from cannot be read (moved, deleted) but every sub-run in `paths` has started, none needs it: the step they
+    recorded (`check_existing` then holds each to it, and to the sweep's init_from as given)."""
     if not str(config.init_from):
         return None
-    source, step = resolve_init_from(str(config.init_from), int(config.init_step))
+    try:
+        source, step = resolve_init_from(str(config.init_from), int(config.init_step))
+    except UserError as err:
+        made = [_recorded(p) for p in paths]
+        if any(m is None for m in made) or not made[0][2]:
+            raise
+        init = made[0][2]
+        print(f"note: {err.what}; every sub-run has started, so the sweep goes on without it, from "
+              f"{init['workdir']} step {init['step']} as they recorded", flush=True)
+        return init["workdir"], int(init["step"])
     steps = workdir_lib.checkpoint_steps(source)
     require(step is not None or bool(steps), f"init_from {source} has no checkpoint", "--config.init_from",
             "point it at a pretraining run with a checkpoint")
@@ -99,16 +110,10 @@ def check_existing(sub: ml_collections.ConfigDict, path: str, init: tuple[str, i
     now: the keys a resume may not change, the pretraining checkpoint it started from and the task's examples (the
     sweep ranks them side by side; a rerun with other settings ranked old and new runs together). `data_keys`:
     the examples' keys found so far, by task."""
-    done = files.join(path, "results.json")
-    if files.isfile(done):
-        what, made = "finished", files.read_json(done)
-        source = {"workdir": made.get("init_from"), "step": made.get("init_step")} if made.get("init_from") else None
-    else:
-        steps = workdir_lib.checkpoint_steps(path)
-        if not steps:
-            return                 # nothing trained there yet: the sub-run's own gate checks it when it starts
-        what, made = "started", workdir_lib.read_meta(path, steps[-1], "--workdir", item="data")   # its progress
-        source = made.get("init")
+    found = _recorded(path)
+    if found is None:
+        return                     # nothing trained there yet: the sub-run's own gate checks it when it starts
+    what, made, source = found
     try:
         workdir_lib.check_config(path, sub)
     except UserError as err:
@@ -127,3 +132,18 @@ def check_existing(sub: ml_collections.ConfigDict, path: str, init: tuple[str, i
         require(made["data"] == data_keys[task], f"the {task} examples differ from those "
                 f"the {what} sub-run {path} was scored on (its GLUE files or tfds dataset changed since)",
                 "--config.data.glue_dir", "restore the examples it was made with, or sweep into a fresh workdir")
+
+
+def _recorded(path: str) -> tuple[str, dict, dict | None] | None:
+    """(what, made, init) of a sub-run in `path`: "finished" and its results.json, or "started" and its last
+    checkpoint's progress; init = the pretraining {"workdir", "step"} it started from. None: nothing trained there."""
+    done = files.join(path, "results.json")
+    if files.isfile(done):
+        made = files.read_json(done)
+        return "finished", made, ({"workdir": made.get("init_from"), "step": made.get("init_step")}
+                                  if made.get("init_from") else None)
+    steps = workdir_lib.checkpoint_steps(path)
+    if not steps:
+        return None
+    made = workdir_lib.read_meta(path, steps[-1], "--workdir", item="data")   # its progress
+    return "started", made, made.get("init")
