@@ -261,21 +261,27 @@ def _rows(batches):
                   for f in fields for i in range(len(next(iter(f.values())))))
 
 
-@pytest.mark.parametrize("saved,now", [(2, 1), (1, 2), (2, 4)])
-def test_a_state_of_another_process_count_goes_on_with_the_same_examples(setup, saved, now, caplog):
+@pytest.mark.parametrize("saved,now,legacy", [(2, 1, False), (1, 2, False), (2, 4, False), (3, 1, True)])
+def test_a_state_of_another_process_count_goes_on_with_the_same_examples(setup, saved, now, legacy, caplog):
     """A run resumed on another number of processes (hosts) reads, at each step, the examples that step would have
-    read on the old count (only their rows in the global batch move). It was refused."""
+    read on the old count (only their rows in the global batch move). It was refused. A state saved before it
+    recorded its count (`legacy`) is known by its key, which the count went into."""
     c, tok = setup
-    old = [it(c, tok, split="train", process_index=p, process_count=saved) for p in range(saved)]
+    old = [it(c, tok, split="train", process_index=p, process_count=saved, global_batch_size=12 if legacy else 8)
+           for p in range(saved)]
     for _ in range(3):
         for x in old:
             next(x)
     state = json.loads(json.dumps(old[0].get_state()))
-    new = [it(c, tok, split="train", process_index=p, process_count=now) for p in range(now)]
+    if legacy:
+        del state["process_count"]
+    new = [it(c, tok, split="train", process_index=p, process_count=now, global_batch_size=12 if legacy else 8)
+           for p in range(now)]
     for x in new:
         x.set_state(state)
     assert f"saved by {saved} process{'' if saved == 1 else 'es'}, this run has {now} process" in caplog.text
-    steps = old[0].num_examples // 8 + 2                      # past an epoch boundary
+    assert new[0].saved_process_count == saved               # the loop's `resumed` row names it
+    steps = old[0].num_examples // (12 if legacy else 8) + 2   # past an epoch boundary
     for _ in range(steps):
         assert _rows([next(x) for x in new]) == _rows([next(x) for x in old])
 
@@ -288,6 +294,6 @@ def test_a_state_of_other_settings_names_the_process_counts(setup):
     with pytest.raises(UserError, match=r"the saved data-iterator state is of a run with 2 processes and other data "
                                         r"settings; this one has 1 process"):
         it(c, tok, seed=8).set_state(state)
-    with pytest.raises(UserError, match=r"different data settings.*same number of processes \(this one: 1\)"):
-        it(c, tok).set_state({k: v for k, v in state.items() if k != "process_count"})   # saved before the key
+    with pytest.raises(UserError, match=r"different data settings, .*, resume with the same data/tokenizer/"):
+        it(c, tok, seed=8).set_state({k: v for k, v in state.items() if k != "process_count"})   # before the key
     it(c, tok, process_count=2).set_state(state)

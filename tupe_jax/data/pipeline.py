@@ -209,6 +209,7 @@ class PretrainIterator(grain.DatasetIterator):
         # settings as an older data format keyed them
         self.batcher, self.fingerprints = batcher, fingerprints
         self.fingerprint = fingerprints(batcher.pc)[0]
+        self.saved_process_count = batcher.pc   # set_state: the count of the processes that saved the state
         self.per_host_batch_size = batcher.local
         self.num_examples = batcher.n
         self.num_steps = batcher.num_steps  # None when repeating forever
@@ -221,8 +222,11 @@ class PretrainIterator(grain.DatasetIterator):
                 "process_count": self.batcher.pc}
 
     def set_state(self, state: dict) -> None:
-        saved, now = state.get("process_count"), self.batcher.pc   # a state saved before the key has none
-        count = saved if isinstance(saved, int) and saved > 0 else now
+        saved, now = state.get("process_count"), self.batcher.pc
+        if not (isinstance(saved, int) and saved > 0):     # saved before the key: the count its key was made with
+            saved = next((c for c in [now, *range(1, MAX_PROCESSES + 1)]
+                          if state.get("fingerprint") in self.fingerprints(c)), now)
+        count = self.saved_process_count = saved
         if state.get("fingerprint") not in self.fingerprints(count):
             if count != now:
                 raise UserError(f"the saved data-iterator state is of a run with {_processes(saved)} and other data "
@@ -230,13 +234,15 @@ class PretrainIterator(grain.DatasetIterator):
                                 "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
             raise UserError("the saved data-iterator state belongs to different data settings",
                             "checkpoint data-iterator state",
-                            "resume with the same data/tokenizer/batch/seed settings and the same number of "
-                            f"processes (this one: {now}), or start a new workdir")
+                            "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
         if count != now:
             log.warning("data: the checkpoint was saved by %s, this run has %s: the next steps read the same "
                         "examples, in another row order of the global batch (the continuation is not bitwise the "
                         "one on %s)", _processes(saved), _processes(now), _processes(saved))
         self._parent.set_state(state["pipeline"])
+
+
+MAX_PROCESSES = 4096   # the process counts tried for a state saved without its count (before session 38)
 
 
 def _processes(count: int) -> str:

@@ -115,8 +115,9 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
         train_iter.set_state(data_state)
         print(f"{workdir} is at step {start_step}: writing the final evaluation its run stopped before" if finished
               else f"resumed from step {start_step} of {workdir}", flush=True)
-        moved = {"process_count_before": data_state["process_count"], "process_count": jax.process_count()} \
-            if data_state.get("process_count", jax.process_count()) != jax.process_count() else {}
+        before = train_iter.saved_process_count        # read from the state, or its key for a state without it
+        moved = {"process_count_before": before, "process_count": jax.process_count()} \
+            if before != jax.process_count() else {}
         writer.write(start_step, {"event": metrics_lib.RESUMED, **moved})   # later rows of the old process: redone
     elif metrics_lib.rows_past(workdir, 0):
         print(f"{workdir} has no checkpoint yet: training from step 0 again", flush=True)
