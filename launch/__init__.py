@@ -109,6 +109,21 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UserError(message.replace("\n", " "), "", f"see `{self.prog} --help`")
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """A flag the command does not know is named before a missing required one (`demo --bogus` said that
+        --workdir is required, and only that)."""
+        try:
+            return super().parse_known_args(args, namespace)
+        except UserError as err:
+            if "arguments are required" not in err.what or getattr(err, "flags_checked", False):
+                raise                  # checked by the command's own parser, which raised it
+            err.flags_checked = True   # type: ignore[attr-defined]
+            known = {o for a in self._actions for o in a.option_strings}
+            unknown = [a for a in args or () if a.startswith("--") and a.split("=", 1)[0] not in known]
+            if unknown:
+                self.error(f"unrecognized arguments: {' '.join(unknown)}")
+            raise
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser: one sub-command per entry of COMMANDS."""

@@ -184,7 +184,7 @@ CASES = [
     Case("probe_finetune_run", "`probe` on a fine-tuning workdir",
          lambda e: ["probe", f"--workdir={finetune_run(e)}"], "is a fine-tuning run (rte)"),
     Case("demo_on_other_run", "`demo` on a workdir that holds another run",
-         lambda e: ["demo", f"--workdir={other_run_workdir(e)}"], "resume with the run's settings"),
+         lambda e: ["demo", f"--workdir={other_run_workdir(e)}"], "give the demo a folder of its own"),
     # ---------------------------------------------------------------- inputs that make training meaningless
     Case("float16", "model.dtype=float16 (needs loss scaling)", lambda e: pretrain(e, "t1", model__dtype="float16"),
          "--config.model.dtype"),
