@@ -152,3 +152,17 @@ def test_diverged_runs_give_no_verdict_when_a_whole_scheme_or_seed_is_gone(gone)
     gone.clear()
     report["extrapolation"] = {seed: ex(seed, names) for seed in "012"}
     assert [f for f in F.evaluate(report) if "ALiBi" in f["claim"]][0]["verdict"] == F.REPRODUCED
+
+
+@pytest.mark.parametrize("names,claim,pairs", [
+    (("bert_a-mlm", "tupe_a-mlm"), "Validation MLM loss order TUPE-A < BERT-A", 1),
+    (("bert_a-mlm", "tupe_a-mlm", "bert_r-mlm", "tupe_r-mlm"), "Validation MLM loss order TUPE-A < BERT-A, "
+     "TUPE-R < BERT-R, BERT-R < BERT-A, TUPE-R < TUPE-A (each pair)", 4),
+])
+def test_the_tupe_loss_order_claims_the_pairs_it_compares(names, claim, pairs):
+    """A suite of BERT-A and TUPE-A was reported as "TUPE-R < TUPE-A, BERT-R < BERT-A (each pair)": two pairs it
+    had not run, and not the one it had."""
+    report = {"config": {"model": {"max_len": 128}},
+              "schemes": [_scheme(n, "mlm", {0: 5.0 - 0.1 * i, 1: 5.5 - 0.1 * i}) for i, n in enumerate(names)]}
+    (finding,) = F.evaluate(report)
+    assert finding["claim"] == claim and len(finding["parts"]) == pairs
