@@ -26,31 +26,34 @@ def test_a_demo_stopped_by_sigterm_says_so_and_scores_nothing(tmp_path, monkeypa
     assert not (wd / "loss.png").exists()
 
 
-def test_a_finished_demo_reads_the_loops_evaluation(tmp_path, monkeypatch, capsys):
+ROWS = [{"step": 25, "loss": 6.9}, {"step": 500, "loss": 4.0}, {"step": 500, "eval_loss": 4.75,
+                                                                 "eval_mlm_accuracy": 0.21}]
+
+
+def finished_demo(tmp_path):
+    """A demo folder whose metrics.jsonl holds its last step and final evaluation (`ROWS`)."""
     wd = tmp_path / "demo"
     wd.mkdir()
-    rows = [{"step": 25, "loss": 6.9}, {"step": 500, "loss": 4.0},
-            {"step": 500, "eval_loss": 4.75, "eval_mlm_accuracy": 0.21}]
     workdir_lib.write_config(str(wd), demo_lib.demo_config())
-    (wd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (wd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return wd
+
+
+def test_a_finished_demo_reads_the_loops_evaluation(tmp_path, monkeypatch, capsys):
+    wd = finished_demo(tmp_path)
     monkeypatch.setattr(demo_lib, "pretrain", lambda config, workdir: {"step": 500})
     monkeypatch.setattr(demo_lib, "evaluate", never)
-    assert demo_lib.demo(str(wd)) == rows[2]
+    assert demo_lib.demo(str(wd)) == ROWS[2]
     assert "validation loss 4.750, MLM accuracy 0.210" in capsys.readouterr().out and (wd / "loss.png").is_file()
 
 
 def test_a_finished_demo_is_not_handed_to_the_loop(tmp_path, monkeypatch, capsys):
     """The loop told a rerun of a finished demo to "give a larger train.steps", a key the demo does not take."""
-    wd = tmp_path / "demo"
-    wd.mkdir()
-    rows = [{"step": 25, "loss": 6.9}, {"step": 500, "loss": 4.0},
-            {"step": 500, "eval_loss": 4.75, "eval_mlm_accuracy": 0.21}]
-    workdir_lib.write_config(str(wd), demo_lib.demo_config())
-    (wd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    wd = finished_demo(tmp_path)
     monkeypatch.setattr(demo_lib.workdir_lib, "checkpoint_steps", lambda workdir: [100, 500])
     monkeypatch.setattr(demo_lib, "pretrain", never)
     monkeypatch.setattr(demo_lib, "evaluate", never)
-    assert demo_lib.demo(str(wd)) == rows[2]
+    assert demo_lib.demo(str(wd)) == ROWS[2]
     out = capsys.readouterr().out
     assert f"demo: {wd} finished its 500 steps before" in out and "tiny TUPE-R" not in out
 
