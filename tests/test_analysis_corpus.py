@@ -217,3 +217,14 @@ def test_a_corpus_without_a_train_file_is_scored_but_not_trained_on(runs, tmp_pa
     assert launch.main(["evaluate", f"--workdir={own}", "--config.data.name=prepared",
                         f"--config.data.path={tmp_path / 'prep'}"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith(printed[0])
+
+
+def test_a_corpus_too_short_for_one_window_leaves_no_output_folder(runs, tmp_path, capsys):
+    """`correlations` made its --out folder before it read the text, and left it empty when the text was refused."""
+    own, _, _ = runs
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "valid.txt").write_text("alpha beta\n")
+    for command in ("correlations", "extrapolate", "probe"):
+        err = one_line(capsys, [command, f"--workdir={own}", f"--out={tmp_path / 'out'}", *flags(tmp_path / "short"),
+                                *(["--lengths=16"] if command == "extrapolate" else [])])
+        assert ("fewer than one window" in err or "'train' is not available" in err) and not (tmp_path / "out").exists()

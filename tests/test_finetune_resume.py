@@ -82,6 +82,13 @@ def test_a_sweep_whose_sub_runs_have_started_needs_no_init_from_run(env, tmp_pat
     assert (f"note: init_from {source} does not exist; every sub-run has started, so the sweep goes on without it, "
             f"from {source} step 10 as they recorded") in out and "resumed rte from step 2" in out
     assert (sweep / "sweep.json").read_text() == first      # the resumed sub-run ends as it did uninterrupted
+    before = tree(str(sweep))
+    assert launch.main(argv + ["--config.init_step=5"]) == 2   # a pinned step must be the one they recorded
+    assert "the sub-runs started from" in capsys.readouterr().err and tree(str(sweep)) == before
+    source.mkdir()                                           # a folder there now that is no pretraining run
+    assert launch.main(argv) == 2
+    assert "is not a pretraining run" in capsys.readouterr().err and tree(str(sweep)) == before
+    source.rmdir()
     shutil.rmtree(seed1)                                     # a sub-run not started needs the source
     before = tree(str(sweep))
     assert launch.main(argv) == 2

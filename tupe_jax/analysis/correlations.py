@@ -274,6 +274,8 @@ def run(workdir, *, layer: int = 0, out: Optional[str] = None, step: Optional[in
     common.check_output_dir(workdir, out, data)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step, data)
     common.check_layer(runs, layer)
+    for r in runs:     # the text read before the folder is made: a corpus without a window is refused leaving none
+        common.model_windows(r, "validation", r.model_cfg.max_len, count=1, seed=seed)
     directory = common.output_dir(workdir, out)
     report = correlations(runs, layer, batch, seed, directory)
     name = f"correlations{common.layer_tag(layer)}.json"    # another layer's analysis keeps its own files

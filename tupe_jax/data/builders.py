@@ -188,7 +188,8 @@ def iter_documents(config, split: str) -> Iterator[str]:
     builder = corpus_builder(config)
     _check_split(builder, split, f"data.name={name} path={config.data.get('path', '')}",
                  "add a file whose name contains 'train', or point data.path at the training text" if split == "train"
-                 else "add a file for that split, or set data.holdout > 0 for a validation split")
+                 else "add a file for that split (a name containing valid or dev, or test), or, when no file is named "
+                 "by split, set data.holdout > 0 for a validation split")
     for rec in _records(builder.as_data_source(split=split)):
         yield _as_str(rec["text"])
 

@@ -74,17 +74,22 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 def _init_step(config: ml_collections.ConfigDict, paths: list[str]) -> tuple[str, int] | None:
     """(pretraining run, step) the sweep's sub-runs start from (init_step -1: its newest checkpoint now). When
-    init_from cannot be read (moved, deleted) but every sub-run in `paths` has started, none needs it: the step they
-    recorded (`check_existing` then holds each to it, and to the sweep's init_from as given)."""
+    init_from is gone (moved, deleted) but every sub-run in `paths` has started, none needs it: the step they
+    recorded, which a pinned init_step must name (`check_existing` then holds each sub-run to it)."""
     if not str(config.init_from):
         return None
     try:
         source, step = resolve_init_from(str(config.init_from), int(config.init_step))
     except UserError as err:
         made = [_recorded(p) for p in paths]
-        if any(m is None for m in made) or not made[0][2]:
-            raise
+        if files.exists(files.absolute(os.path.expanduser(str(config.init_from)))) or any(m is None for m in made) \
+                or not made[0][2]:
+            raise                  # there but not a pretraining run, or a sub-run would need it
         init = made[0][2]
+        pinned = int(config.init_step)
+        require(pinned < 0 or pinned == int(init["step"]), f"the sub-runs started from {init['workdir']} step "
+                f"{init['step']}, this sweep asks for step {pinned} ({err.what})", "--config.init_step",
+                f"give --config.init_step={init['step']} (the step its sub-runs read), or sweep into a fresh workdir")
         print(f"note: {err.what}; every sub-run has started, so the sweep goes on without it, from "
               f"{init['workdir']} step {init['step']} as they recorded", flush=True)
         return init["workdir"], int(init["step"])
