@@ -347,3 +347,4 @@ def test_argmax_hits_is_argmax_with_first_index_ties():
                                       np.asarray((jnp.argmax(x, -1) == y).astype(jnp.float32)))
     assert np.asarray(argmax_hits(ties, tie_labels)).tolist() == [1.0, 0.0, 0.0]
     assert np.asarray(argmax_hits(infinite, infinite_labels)).tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert np.asarray(argmax_hits(jnp.full((2, 16), jnp.nan), jnp.array([0, 3]))).tolist() == [0.0, 0.0]  # were 1.0

@@ -59,7 +59,7 @@ def argmax_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
     label = argmax  ⇔  no j < label has logits[j] ≥ logits[label]  and  no j > label has logits[j] > logits[label]:
     one compare against the label's logit and one boolean reduce, a single pass over the (…, vocab) logits. Same
-    values as the argmax form, ±inf included (NaN rows aside: a non-finite loss stops the run anyway). XLA:CPU
+    values as the argmax form, ±inf included; a NaN at the label is no hit (NaN weights scored 1.0). XLA:CPU
     lowers argmax to a variadic (value, index) reduce several times slower (the step with the head on all 128
     positions ran 1.074× longer, benchmarks/results_levers_cpu.json), and the form before this one (a max, then
     a tie check against it: two passes) ran 1.02× longer (benchmarks/results_levers_accuracy_*.json).
@@ -68,7 +68,7 @@ def argmax_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
     at_label = jnp.take_along_axis(logits, label, axis=-1)
     index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     beaten = jnp.where(index < label, logits >= at_label, logits > at_label)
-    return (~jnp.any(beaten, axis=-1)).astype(jnp.float32)
+    return (~jnp.any(beaten, axis=-1) & ~jnp.isnan(at_label[..., 0])).astype(jnp.float32)
 
 
 def tied_cross_entropy(h: jax.Array, embedding: jax.Array, bias: Optional[jax.Array], labels: jax.Array,

@@ -123,17 +123,20 @@ def write_export(folder: str, run: Any, is_bert: bool, name: str) -> None:
     """The export's files in the local `folder` (module docstring); `name` is the export's folder name (the same
     bytes wherever the folder is written: its README names no path)."""
     cfg, model = run.model_cfg, run.config.model.to_dict()
-    if is_bert:
-        tensors = names.bert_from_params(run.params, names.bert_rows(cfg.num_layers,
+    fresh = {"fresh_mlm_head": True} if run.fresh_mlm_head else {}   # an import's untrained head: said, not hidden
+    if is_bert:   # without an untrained head: transformers then says it initialises one, as import-hf does
+        tensors = names.bert_from_params(run.params, names.bert_rows(cfg.num_layers, head=not fresh,
                                                                       token_types=cfg.type_vocab_size > 0))
-        files.write_json(os.path.join(folder, "config.json"), bert_config(model, run.tokenizer))
+        hf_config = bert_config(model, run.tokenizer)
+        hf_config[NATIVE].update(fresh)
+        files.write_json(os.path.join(folder, "config.json"), hf_config)
         metadata = {"format": "pt"}   # PyTorch names and layouts: transformers loads it in torch or Flax
     else:
         tensors = names.flatten(run.params)
         arch = "TupeJaxForCausalLM" if cfg.causal else "TupeJaxForMaskedLM"
         files.write_json(os.path.join(folder, "config.json"), {
             "architectures": [arch], "model_type": NATIVE, "vocab_size": cfg.vocab_size,
-            NATIVE: {"model": model, "step": run.step, "name_map": "param path joined with '.'"}})
+            NATIVE: {"model": model, "step": run.step, "name_map": "param path joined with '.'", **fresh}})
         files.write_text(os.path.join(folder, "README.md"), README.format(pe=run.pe, objective=cfg.objective,
                                                                           name=name))
         metadata = {"format": NATIVE}   # one key: safetensors writes several in no fixed order (the scheme: config)

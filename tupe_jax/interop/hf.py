@@ -45,7 +45,8 @@ BERT_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidd
 BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                  "intermediate_size": 3072, "max_position_embeddings": 512, "layer_norm_eps": 1e-12,
                  "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
-                 "position_embedding_type": "absolute", "type_vocab_size": 2}
+                 "position_embedding_type": "absolute", "type_vocab_size": 2, "is_decoder": False,
+                 "tie_word_embeddings": True}
 LAYER = re.compile(r"(?:bert\.)?encoder\.layer\.(\d+)\.")   # an encoder block's tensors, by layer number
 # ------------------------------------------------------------------------------------------------ config.json
 def read_hf_config(src: str, where: str = WHERE) -> dict:
@@ -70,14 +71,17 @@ def read_hf_config(src: str, where: str = WHERE) -> dict:
 def bert_model_keys(hf: dict, where: str = WHERE) -> dict[str, Any]:
     """The config.model keys of a BERT config.json; refuses another architecture or a BERT variant this model
     does not compute (another activation, relative positions, a decoder, an untied output layer)."""
-    kind, arch = hf.get("model_type", "?"), ", ".join(hf.get("architectures") or []) or "none given"
+    kind, archs = hf.get("model_type", "?"), hf.get("architectures")
+    arch = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else repr(archs) if archs else "none given"
     require(kind == "bert", f"config.json describes a {kind!r} model (architectures: {arch}), not BERT", where,
             "import-hf reads BERT checkpoints (model_type 'bert') and this project's own exports")
     hf = {**BERT_DEFAULTS, **hf}
     for key, ok, fix in (("hidden_act", ("gelu",), "only exact (erf) GELU BERTs are supported"),
-                         ("position_embedding_type", ("absolute", None), "only absolute-position BERTs are supported"),
+                         ("position_embedding_type", ("absolute",), "only absolute-position BERTs are supported "
+                          "(null: transformers adds no positions)"),
                          ("is_decoder", (False, None), "only BERT encoders are supported"),
-                         ("tie_word_embeddings", (True, None), "only BERTs whose output layer is the embedding")):
+                         ("tie_word_embeddings", (True,), "only BERTs whose output layer is the embedding (null: "
+                          "transformers unties it)")):
         require(hf.get(key) in ok, f"config.json has {key}={hf.get(key)!r}", where, fix)
     require(not isinstance(hf["type_vocab_size"], int) or hf["type_vocab_size"] >= 1, f"config.json has "
             f"type_vocab_size={hf['type_vocab_size']!r}: a BERT adds its token-type row 0 to every token, so it has "
@@ -160,7 +164,7 @@ def bert_params(tensors: dict, hf: dict, cfg: ModelConfig, tokenizer: Tokenizer,
     prefix = bert_prefix(tensors, where)
     check_vocab(tensors, prefix, hf, tokenizer, where)
     layers = sorted({int(m.group(1)) for m in map(LAYER.match, tensors) if m})   # before building anything of N
-    require(layers == list(range(cfg.num_layers)), f"the weights hold {len(layers)} encoder layers (numbered "
+    require(layers == list(range(len(layers))) and len(layers) == cfg.num_layers, f"the weights hold {len(layers)} encoder layers (numbered "
             f"{layers[0] if layers else '-'} to {layers[-1] if layers else '-'}) but config.json has "
             f"num_hidden_layers={cfg.num_layers}", where, "fix num_hidden_layers in config.json")
     has_head = "cls.predictions.transform.dense.weight" in tensors
@@ -218,29 +222,31 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE, class
         keys = dict((hf.get(NATIVE) or {}).get("model") or {})
         require(bool(keys), "config.json of a tupe_jax export lacks its 'tupe_jax.model' section", where,
                 "export the run again with `launch export`")
-    tensors, _ = safetensors_io.read(src, where)
-    trained_segments = []
-    if not native:
-        ours = (hf.get(NATIVE) or {}).get("model", {})
-        keys = {**ours, **bert_model_keys(hf, where)}
-        # this project's bert_a export: 0 stays 0 (export wrote a zero table), unless the table was trained since
-        # (a sentence-pair fine-tune in transformers): then it is imported whole, as the checkpoint's own
-        if "type_vocab_size" in ours and not _trained_token_types(tensors):
-            keys["type_vocab_size"] = ours["type_vocab_size"]
-        elif "type_vocab_size" in ours and ours["type_vocab_size"] != keys.get("type_vocab_size"):
-            trained_segments = [f"the token-type table was trained since this run's export: imported whole "
-                                f"(model.type_vocab_size {keys.get('type_vocab_size')}, not the export's "
-                                f"{ours['type_vocab_size']})"]
-    config = build_config(base, keys, where, strict=native)
+    ours = (hf.get(NATIVE) or {}).get("model", {})
+    keys = keys if native else {**ours, **bert_model_keys(hf, where)}
+    config = build_config(base, keys, where, strict=native)   # the config and tokenizer before the weights are read
     tokenizer = read_tokenizer(src, where)
-    cfg = ModelConfig.from_config(config.model)
     require(not (native and classifier_labels), "a tupe_jax export holds no classifier", where,
             "give a BertForSequenceClassification folder")
+    tensors, _ = safetensors_io.read(src, where)
+    trained_segments = []
+    # this project's bert_a export: 0 stays 0 (export wrote a zero table), unless the table was trained since (a
+    # sentence-pair fine-tune in transformers): then it is imported whole, as the checkpoint's own
+    if not native and "type_vocab_size" in ours and not _trained_token_types(tensors):
+        config = build_config(base, {**keys, "type_vocab_size": ours["type_vocab_size"]}, where)
+    elif not native and "type_vocab_size" in ours and ours["type_vocab_size"] != keys.get("type_vocab_size"):
+        trained_segments = [f"the token-type table was trained since this run's export: imported whole "
+                            f"(model.type_vocab_size {keys.get('type_vocab_size')}, not the export's "
+                            f"{ours['type_vocab_size']})"]
+    cfg = ModelConfig.from_config(config.model)
     if native:
         flat, notes = native_params(tensors, cfg, where), []
     else:
         flat, notes = bert_params(tensors, hf, cfg, tokenizer, where, classifier_labels)
         notes = trained_segments + notes
+    if (hf.get(NATIVE) or {}).get("fresh_mlm_head") and not any(n.startswith(FRESH_HEAD) for n in notes):
+        notes.append(f"{FRESH_HEAD} trained (the exported run's was initialised at its import): MLM scores are "
+                     "meaningless until trained")
     require(tokenizer.vocab_size <= cfg.vocab_size, f"vocab.txt has {tokenizer.vocab_size} tokens but the model "
             f"has {cfg.vocab_size} embedding rows", where, "use the vocab.txt the checkpoint was trained with")
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), unflatten(flat))
@@ -266,8 +272,10 @@ def import_into(src: str, workdir: str, base: ml_collections.ConfigDict, convert
     require(not os.path.islink(workdir), f"{workdir} is a link", "--workdir", "give a new folder for the imported run")
     require(not os.path.ismount(workdir), f"{workdir} is a mount point", "--workdir",
             "give a new folder inside it (an import is renamed into place when whole)")
-    require(not (os.path.exists(workdir) and (not os.path.isdir(workdir) or os.listdir(workdir))),
-            f"{workdir} already exists and is not empty", "--workdir", "give a new folder for the imported run")
+    require(not os.path.exists(workdir) or os.path.isdir(workdir), f"{workdir} is a file", "--workdir",
+            "give a new folder for the imported run")
+    require(not (os.path.exists(workdir) and os.listdir(workdir)), f"{workdir} already exists and is not empty",
+            "--workdir", "give a new folder for the imported run")
     config, params, tokenizer, notes = convert_fn(src, base)
     staging = workdir_lib.staging_folder(workdir, "import")   # written whole, then renamed: a kill leaves no half run
     try:

@@ -25,14 +25,16 @@ def read_tokenizer(src: str, where: str = WHERE) -> Tokenizer:
     require(os.path.isfile(path), f"{src} has no vocab.txt", where, "add the model's WordPiece vocab.txt")
     cfg_path = os.path.join(src, CONFIG_NAME)
     tok_cfg = _json(cfg_path, where)
-    if tok_cfg is not None:
-        require(isinstance(tok_cfg, dict), f"{cfg_path} holds a JSON {type(tok_cfg).__name__}, not an object",
-                where, "fix or remove it")
+    for named in (cfg_path, os.path.join(src, "special_tokens_map.json")):   # transformers reads both
+        found = tok_cfg if named == cfg_path else _json(named, where)
+        require(found is None or isinstance(found, dict), f"{named} holds a JSON {type(found).__name__}, not an "
+                "object", where, "fix or remove it")
         for key, wanted in SPECIAL_KEYS.items():
-            value = tok_cfg.get(key)
+            value = (found or {}).get(key)
             value = value.get("content") if isinstance(value, dict) else value
-            require(value in (None, wanted), f"{cfg_path} names {key} {value!r}, not {wanted!r}", where,
+            require(value in (None, wanted), f"{named} names {key} {value!r}, not {wanted!r}", where,
                     f"only the BERT special tokens {' '.join(SPECIALS)} are supported")
+    if tok_cfg is not None:
         for key, ok in TOKENIZER_AS_BERTS.items():   # what our WordPiece does; anything else would change the ids
             require(tok_cfg.get(key) in ok, f"{cfg_path} has {key}={tok_cfg.get(key)!r}", where,
                     "only BERT's own tokenizer (BertTokenizer: basic tokenization with Chinese characters split, "
@@ -67,11 +69,19 @@ def _refuse_added_tokens(src: str, vocab: list[str], tok_cfg: dict, where: str) 
                   if isinstance(t, dict)]
     if isinstance(fast, dict) and isinstance(fast.get("added_tokens"), list):
         added += [(t.get("content"), t.get("id")) for t in fast["added_tokens"] if isinstance(t, dict)]
-    extra = sorted({(str(tok), i) for tok, i in added if index.get(tok) != i}, key=str)
+    extra = sorted({(str(tok), str(i)) for tok, i in added if not isinstance(tok, str) or index.get(tok) != i},
+                   key=str)
     shown = ", ".join(f"{t!r} id {i}" for t, i in extra[:3])
     require(not extra, f"{src}'s tokenizer adds {len(extra)} token(s) beyond vocab.txt ({shown}): our WordPiece "
             "reads vocab.txt alone and would split them", where,
             "add them to vocab.txt at the ids the embeddings give them, or import a folder without added tokens")
+    words = ((fast or {}).get("model") or {}).get("vocab") if isinstance(fast, dict) else None
+    if isinstance(words, dict):   # the fast tokenizer's own WordPiece table, which transformers prefers
+        bad = next((t for t in words if index.get(t) != words[t]), None)
+        what = f"{len(words)} tokens, vocab.txt {len(vocab)}" if len(words) != len(vocab) else None if bad is None \
+            else f"{bad!r} has id {words[bad]} there, {index.get(bad)} in vocab.txt"
+        require(what is None, f"{src}/tokenizer.json's vocabulary differs from vocab.txt ({what})", where,
+                "give the vocab.txt of that tokenizer.json (transformers tokenizes with tokenizer.json)")
 
 
 def _int(value: Any) -> Any:

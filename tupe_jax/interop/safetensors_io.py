@@ -21,8 +21,10 @@ INDEX = "model.safetensors.index.json"
 OTHER_FORMATS = {"pytorch_model.bin": "a PyTorch pickle, which can run code when loaded",
                  "pytorch_model.bin.index.json": "sharded PyTorch pickles, which can run code when loaded",
                  "tf_model.h5": "TensorFlow weights", "flax_model.msgpack": "Flax msgpack weights"}
-FIX = ("convert it once, where you trust the file, with transformers: "
-       "`AutoModelForMaskedLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)`")
+FIX = ("convert it once, where you trust the file, keeping its tensors as they are (not through a model class, which "
+       "adds a random head a checkpoint lacks): `python -c \"import torch; from safetensors.torch import save_file; "
+       "sd = torch.load('DIR/pytorch_model.bin', weights_only=True); save_file({k: v.contiguous().clone() for k, v in "
+       "sd.items()}, 'DIR/model.safetensors', metadata={'format': 'pt'})\"` (docs/interop.md)")
 
 
 FLOATS = ("F16", "BF16", "F32", "F64")   # safetensors dtype names read as weights (float32 copies)
@@ -93,6 +95,9 @@ def read(src: str, where: str) -> tuple[dict[str, np.ndarray], str]:
                     require(dtype in FLOATS, f"tensor {name} in {shard} holds {dtype}, not floating-point weights",
                             where, "give a checkpoint of float weights (float16, bfloat16, float32 or float64)")
                     tensors[name], found[name] = np.asarray(f.get_tensor(name), np.float32), shard
+                    bad = int(np.size(tensors[name]) - np.count_nonzero(np.isfinite(tensors[name])))
+                    require(not bad, f"tensor {name} in {shard} holds {bad} non-finite value(s) (NaN or inf)",
+                            where, "download it again, or give a checkpoint of finite weights")
         except (SafetensorError, OSError) as err:
             raise UserError(f"{path} is not a readable safetensors file ({err})", where,
                             "download it again") from None

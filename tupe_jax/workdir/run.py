@@ -35,6 +35,7 @@ class LoadedRun:
     step: Optional[int] = None
     workdir: str = ""
     corpus: Mapping[str, str] = dataclasses.field(default_factory=dict)   # data overrides read with it (`with_corpus`)
+    fresh_mlm_head: bool = False    # its MLM head was initialised at import (meta `fresh_mlm_head`), never trained
 
     @property
     def name(self) -> str:
@@ -96,7 +97,7 @@ def load_run(workdir: str, step: Optional[int] = None, data: Optional[Mapping[st
               "and accuracies mean nothing until it is trained", flush=True)
     tokenizer = get_tokenizer(config, workdir)
     check_tokenizer(meta, tokenizer.fingerprint, tokenizer_path(workdir))
-    return LoadedRun(scored, cfg, params, tokenizer, step, str(workdir), data)
+    return LoadedRun(scored, cfg, params, tokenizer, step, str(workdir), data, bool(meta.get("fresh_mlm_head")))
 
 
 def corpus_config(config: Any, data: Mapping[str, str], workdir: str) -> tuple[Any, dict[str, str]]:
