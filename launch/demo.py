@@ -64,5 +64,5 @@ def demo(workdir: str) -> dict[str, Any]:
 def _finished(workdir: str, steps: int) -> bool:
     """The demo's run is at its last step and its final evaluation is written."""
     done = workdir_lib.checkpoint_steps(workdir) if os.path.isdir(workdir) else []
-    return bool(done) and done[-1] >= steps and any(
+    return bool(done) and done[-1] >= steps and os.path.isfile(os.path.join(workdir, "metrics.jsonl")) and any(
         m.get("step") == steps and "eval_loss" in m and "split" not in m for m in metrics_lib.read_metrics(workdir))
