@@ -123,6 +123,41 @@ def test_a_test_file_without_its_id_column_is_refused(tmp_path, task, header):
     assert [e["idx"] for e in glue_tsv.parse_tsv(path, task, "test")] == [23]
 
 
+@pytest.mark.parametrize("task,body,line,match", [
+    ("rte", "index\tsentence1\tsentence2\n4\tA.\tB.\n4\tC.\tD.\n", 3, "GLUE test id 4 is on line 2 too"),
+    ("rte", "index\tsentence1\tsentence2\n-5\tA.\tB.\n", 2, r"GLUE id -5 is outside 0..2\^31-1"),
+    ("qqp", "id\tquestion1\tquestion2\n3000000000\tA?\tB?\n", 2, "GLUE id 3000000000 is outside"),
+    ("rte", "index\tsentence1\tsentence1\n0\tA.\tB.\n", 1, "names column 'sentence1' twice"),
+])
+def test_test_ids_a_submission_cannot_hold_are_refused(tmp_path, task, body, line, match):
+    """A duplicate id gave two lines of one id in the submission; an id past int32 crashed as "unexpected"; a
+    column named twice was read from its last copy."""
+    from tupe_jax.data import glue_tsv  # pylint: disable=import-outside-toplevel
+    path = tmp_path / "test.tsv"
+    path.write_text(body)
+    with pytest.raises(UserError, match=match) as err:
+        list(glue_tsv.parse_tsv(path, task, "test"))
+    assert f"{path}:{line}" in str(err.value)
+
+
+@pytest.mark.parametrize("task,header,row", [("sst2", "index\tsentence", "100\tgreat ."),
+                                             ("cola", "index\tsentence", "7\tBirds fly."),
+                                             ("mrpc", "index\t#1 ID\t#2 ID\t#1 String\t#2 String", "9\t5\t6\tC.\tD.")])
+def test_test_ids_of_the_tasks_without_train_ids_are_the_files(tmp_path, task, header, row):
+    """SST-2, CoLA and MRPC test rows were numbered 0, 1, ... whatever their index column said."""
+    from tupe_jax.data import glue_tsv  # pylint: disable=import-outside-toplevel
+    path = tmp_path / "test.tsv"
+    path.write_text(f"{header}\n{row}\n")
+    assert [e["idx"] for e in glue_tsv.parse_tsv(path, task, "test")] == [int(row.split("\t")[0])]
+
+
+def test_an_empty_dev_file_is_called_empty(tmp_path):
+    c = make_config(tmp_path, write_glue(tmp_path / "glue", {"rte": LAYOUTS["rte"]}))
+    (tmp_path / "glue" / "RTE" / "dev.tsv").write_bytes(b"")
+    with pytest.raises(UserError, match="GLUE file is empty"):      # it said "has a header and no rows"
+        D.glue_examples(c, "rte", "validation")
+
+
 def test_missing_split_is_user_error(tmp_path):
     c = make_config(tmp_path, write_glue(tmp_path / "glue", {"rte": LAYOUTS["rte"]}))
     (tmp_path / "glue" / "RTE" / "test.tsv").unlink()

@@ -94,3 +94,16 @@ def test_a_sweep_whose_sub_runs_have_started_needs_no_init_from_run(env, tmp_pat
     assert launch.main(argv) == 2
     assert f"error: init_from {source} does not exist" in capsys.readouterr().err
     assert tree(str(sweep)) == before
+
+
+def test_a_finished_fine_tune_is_not_resumed_again(env, tmp_path, capsys):
+    """A rerun of a finished fine-tune said "resumed rte from step 8", added a `resumed` row to metrics.jsonl and
+    wrote results.json again."""
+    config = make_config(env, "rte", steps=8)
+    first = ft_loop.finetune(config, str(tmp_path / "ft"))
+    kept = {name: (tmp_path / "ft" / name).read_bytes() for name in ("metrics.jsonl", "results.json")}
+    capsys.readouterr()
+    assert ft_loop.finetune(config, str(tmp_path / "ft")) == json.loads(json.dumps(first))
+    out = capsys.readouterr().out
+    assert "finished its 8 steps before: nothing to train" in out and "resumed" not in out
+    assert {name: (tmp_path / "ft" / name).read_bytes() for name in kept} == kept

@@ -147,7 +147,7 @@ def test_refuses_missing_checkpoint_and_other_tokenizer(env, tmp_path):
     with pytest.raises(UserError, match="missing does not exist"):
         ft_loop.finetune(config, str(tmp_path / "a"))
     config.init_from, config.init_step = env["pre"], 99
-    with pytest.raises(UserError, match="no checkpoint at step 99"):
+    with pytest.raises(UserError, match="no checkpoint at step 99 in .*, --config.init_step, use one of"):
         ft_loop.finetune(config, str(tmp_path / "b"))
     config.init_step = -1
     (tmp_path / "c" / "tokenizer").mkdir(parents=True)

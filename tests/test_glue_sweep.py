@@ -62,6 +62,24 @@ def test_a_task_without_files_stops_the_sweep_before_the_first_sub_run(env, tmp_
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.parametrize("task,edit,needle", [
+    ("wnli", lambda d: (d / "dev.tsv").write_text((d / "dev.tsv").read_text().replace("\t0\n", "\t3\n", 1)),
+     r"GLUE label '3' is not one of \['0', '1'\], .*WNLI/dev.tsv:\d+"),
+    ("mnli", lambda d: os.remove(d / "dev_mismatched.tsv"), r"split 'validation_mismatched' is not available"),
+])
+def test_a_task_whose_files_do_not_read_stops_the_sweep_before_the_first_sub_run(env, tmp_path, task, edit, needle):
+    """Only the files' presence was checked: RTE's sub-runs trained before a bad label in WNLI's dev file, or MNLI's
+    missing mismatched dev set, stopped the sweep."""
+    glue = tmp_path / "glue"
+    shutil.copytree(env / "glue", glue)
+    edit(glue / DIRS[task])
+    config = make_config(env, tasks=f"rte,{task}")
+    config.data.glue_dir = str(glue)
+    with pytest.raises(UserError, match=needle):
+        ft_sweep.sweep(config, str(tmp_path / "sweep"))
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_finetune_and_glue_sweep_refuse_each_others_folders(env, tmp_path):
     """A fine-tune wrote checkpoints beside a sweep's sweep.json; a sweep built sub-runs inside a fine-tune."""
     config = make_config(env)
@@ -157,3 +175,16 @@ def test_a_diagnostic_file_that_does_not_read_is_one_line(env, tmp_path, monkeyp
     sweep.train.predict_test = True
     with pytest.raises(UserError, match=needle):
         ft_sweep.sweep(sweep, str(tmp_path / "sweep"))
+
+
+def test_diagnostic_rows_cut_to_max_len_are_counted_aloud(env, tmp_path, capsys):
+    """Every split said how many examples it cut to max_len; MNLI's diagnostic set (AX) was cut without a word."""
+    glue = tmp_path / "glue"
+    shutil.copytree(env / "glue", glue)
+    path = glue / "diagnostic" / "diagnostic.tsv"
+    path.write_text(path.read_text() + "7\t" + " ".join(["cat"] * 300) + "\tdog .\n")
+    config = make_config(env, "mnli")
+    config.data.glue_dir, config.train.predict_test = str(glue), True
+    runner = ft_runner.Runner(config, str(tmp_path / "ft"))
+    runner._write_ax(runner.init_state()["params"], str(tmp_path / "out"))  # pylint: disable=protected-access
+    assert "data: mnli diagnostic (AX): 1 of 8 examples cut to max_len 64 tokens" in capsys.readouterr().out

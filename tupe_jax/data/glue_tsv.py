@@ -26,7 +26,7 @@ class TaskSpec:
     text_b: str | None        # header name of the second sentence (None: single-sentence task)
     label: str                # header name of the label (train/dev)
     classes: tuple[str, ...]  # raw label strings in class-index order; () = regression (float)
-    idx: str | None = "index"  # header name of the example id (None: row number)
+    idx: str | None = "index"  # header name of the example id (None: row number; a test file's "index" still)
     no_header: tuple[str, ...] = ()  # column names for train/dev files without a header row
 
 
@@ -92,7 +92,8 @@ def check_has_rows(path: str | Path, task: str, split: str) -> None:
     with open(path, "rb") as fh:
         rows = sum(1 for line in fh if line.strip()) - header
     if rows < 1:
-        raise UserError("GLUE file has a header and no rows" if header else "GLUE file is empty", str(path),
+        raise UserError("GLUE file has a header and no rows" if header and rows == 0 else "GLUE file is empty",
+                        str(path),
                         "give the task's file with its examples (download_glue_data.py layout)")
 
 
@@ -131,14 +132,19 @@ def _rows(path: Path, spec: TaskSpec, is_test: bool) -> Iterator[dict]:
             raise UserError("GLUE file is empty", f"{path}:1", _FIX)
         header = first[1].split("\t")
     cols = {name: i for i, name in enumerate(header)}
+    id_name = spec.idx or ("index" if is_test else None)   # a test row's id is its line of the submission file
     needed = [spec.text_a] + ([spec.text_b] if spec.text_b else []) + ([] if is_test else [spec.label]) + \
-        ([spec.idx] if is_test and spec.idx else [])     # a test row's id is its line of the submission file
+        ([id_name] if is_test else [])
+    twice = sorted({n for n in header if header.count(n) > 1})
+    if twice:
+        raise UserError(f"GLUE header names column {twice[0]!r} twice", f"{path}:1", _FIX)
     missing = [n for n in needed if n not in cols]
     if missing:
         raise UserError(f"GLUE header lacks column(s) {missing} (has {header})", f"{path}:1", _FIX)
     if not is_test and spec.no_header and len(header) != 4:
         raise UserError("bad built-in header", str(path), _FIX)
-    idx_col = cols.get(spec.idx) if spec.idx else None
+    idx_col = cols.get(id_name) if id_name else None
+    seen: dict[int, int] = {}                              # a test id -> its line (a submission has each once)
     ncol = len(header)
     for k, (lineno, line) in enumerate(lines):
         if not line.strip():
@@ -167,6 +173,11 @@ def _rows(path: Path, spec: TaskSpec, is_test: bool) -> Iterator[dict]:
                 idx = int(row[idx_col])
             except ValueError:
                 raise UserError(f"GLUE id {row[idx_col]!r} is not an integer", f"{path}:{lineno}", _FIX) from None
+            if not 0 <= idx < 2 ** 31:
+                raise UserError(f"GLUE id {idx} is outside 0..2^31-1", f"{path}:{lineno}", _FIX)
+            if is_test and seen.setdefault(idx, lineno) != lineno:
+                raise UserError(f"GLUE test id {idx} is on line {seen[idx]} too", f"{path}:{lineno}",
+                                "give each test row its own id (the submission file has one line per id)")
         yield {"idx": idx, "sentence1": row[cols[spec.text_a]],
                "sentence2": row[cols[spec.text_b]] if spec.text_b else "", "label": label}
 

@@ -93,7 +93,8 @@ def open_init_source(config: ml_collections.ConfigDict) -> InitSource:
     workdir, requested = resolve_init_from(str(config.init_from), int(config.init_step))
     step, meta = workdir_lib.read_kept_step(workdir, requested, functools.partial(workdir_lib.read_meta, workdir,
                                                                                    where=WHERE_STEP),
-                                            WHERE, follow=requested is None, where_run=WHERE)
+                                            WHERE_STEP if int(config.init_step) >= 0 else WHERE,
+                                            follow=requested is None, where_run=WHERE)
     workdir_lib.check_compatible(meta, canonical_name(str(config.model.pe)), where=WHERE)
     check_model_keys(workdir, config)
     return InitSource(workdir, int(step), meta, follow=requested is None)

@@ -73,6 +73,20 @@ def on_every_process(ok: bool) -> bool:
     return all(sh.gathered(int(bool(ok))))
 
 
+def dev_splits(task: str) -> list[tuple[str, str]]:
+    """[(split, metric-key suffix)]: MNLI has matched and mismatched dev sets."""
+    return [("validation_matched", ""), ("validation_mismatched", "_mm")] if task == "mnli" else [("validation", "")]
+
+
+def check_examples(config: ml_collections.ConfigDict, task: str) -> None:
+    """The task's train and dev files read (every row parsed: a bad label, id or column count is refused naming
+    its line) and each dev split has examples; a sweep checks every task so before its first sub-run trains."""
+    data_lib.glue_examples(config, task, "train")
+    for split, _ in dev_splits(task):
+        require(len(data_lib.glue_examples(config, task, split)) > 0, f"the {task} {split} split has no examples",
+                f"data.glue_dir={config.data.glue_dir}", "give the task's dev file with at least one row")
+
+
 def read_diagnostic(config: ml_collections.ConfigDict) -> list[dict] | None:
     """MNLI's diagnostic set (AX) in data.glue_dir, read and checked before training (a bad row found after it
     would cost the run), with the same verdict on every process; None where the folder has none."""
@@ -121,10 +135,7 @@ class Runner:
                 "--config.train.batch_size", "use a smaller batch")
         self.total_steps = int(t.steps) or (int(t.epochs) or paper_epochs(self.task)) * self.steps_per_epoch
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
-        for split, _ in self.dev_splits():   # a run is scored on dev: refuse before training, not after it
-            require(len(data_lib.glue_examples(config, self.task, split)) > 0,
-                    f"the {self.task} {split} split has no examples", f"data.glue_dir={config.data.glue_dir}",
-                    "give the task's dev file with at least one row")
+        check_examples(config, self.task)    # a run is scored on dev: refuse before training, not after it
         self.data_key = glue_fingerprint(config, self.task)     # stored with the checkpoints: resume on the same data
         self.diagnostic = read_diagnostic(config) if self.task == "mnli" and bool(t.predict_test) else None
         self.tx, self.schedule = make_optimizer(schedule_section(config, self.total_steps))
@@ -175,10 +186,7 @@ class Runner:
         return np.concatenate(idx)[order], np.concatenate(labels)[order], np.concatenate(outs)[order]
 
     def dev_splits(self) -> list[tuple[str, str]]:
-        """[(split, metric-key suffix)]: MNLI has matched and mismatched dev sets."""
-        if self.task == "mnli":
-            return [("validation_matched", ""), ("validation_mismatched", "_mm")]
-        return [("validation", "")]
+        return dev_splits(self.task)
 
     def evaluate(self, params: Any) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -216,6 +224,9 @@ class Runner:
         if self.diagnostic is None:
             return []
         enc = classification.encode_glue(self.tokenizer, self.diagnostic, int(self.config.model.max_len), False)
+        if enc.num_truncated:      # as `encoded_split` says of every other split
+            print(f"data: mnli diagnostic (AX): {enc.num_truncated} of {len(self.diagnostic)} examples cut to "
+                  f"max_len {self.config.model.max_len} tokens", flush=True)
         batches = classification.GlueBatches(enc, batch_size=int(self.config.train.eval_batch_size),
                                         max_len=int(self.config.model.max_len),
                                         buckets=tuple(self.config.data.glue_buckets), shuffle=False, seed=0, epoch=0,

@@ -19,7 +19,7 @@ from tupe_jax.errors import UserError, require
 from tupe_jax.finetune import scores
 from tupe_jax.finetune.init_from import resolve_init_from
 from tupe_jax.finetune.loop import finetune
-from tupe_jax.finetune.runner import read_diagnostic
+from tupe_jax.finetune.runner import check_examples, read_diagnostic
 from tupe_jax.finetune.validate import paper_epochs, sweep_tasks, validate
 
 
@@ -43,9 +43,10 @@ def sweep(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     lrs = [float(x) for x in config.sweep.learning_rates]
     seeds = [int(s) for s in config.sweep.seeds]
     grid = [(t, lr, s) for t in tasks for lr in lrs for s in seeds]
-    for task in tasks:              # every task's files, before the first sub-run trains
+    for task in tasks:              # every task's files, read through, before the first sub-run trains
         first = sub_config(config, task, lrs[0], seeds[0])
         check_glue_task(first, task, "--config.sweep.tasks")
+        check_examples(first, task)
         if task == "mnli" and bool(first.train.predict_test):   # and MNLI's AX set
             read_diagnostic(first)
     init = _init_step(config, [run_dir(workdir, *g) for g in grid])
