@@ -201,7 +201,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, overwrite: Opt
     more = not (isinstance(steps, int) and 0 < steps <= step) if step is not None else False   # steps left to train
     if more and not same_schedule and any(k in changed for k in ("train.steps", "train.epochs")):
         _refuse_new_schedule(flat_old, flat_new, "task" in new)
-    if step is not None and meta.get("identity") and not same_identity(meta["identity"], new):
+    if step is not None and meta.get("identity") and not same_identity(meta["identity"], new, flat_old):
         raise UserError(f"{path} does not match its checkpoint step {step} (model/data settings differ: was "
                         "config.json edited by hand?)", "--workdir", "restore the run's config.json or use a fresh "
                         "workdir")

@@ -31,6 +31,7 @@ RESUMABLE = (
     "checkpoint.", "metrics.", "mesh.",                                 # how it is saved, measured, laid out
     "model.attention_backend",                                          # same maths, another kernel
     "data.cache_dir", "data.tfds_data_dir", "data.prefetch", "data.num_threads",   # where/how data is read
+    "data.path", "data.glue_dir",   # where the text is: a copy elsewhere resumes, other text is refused by its key
     "sweep.", "schemes", "seeds", "glue.", "eval.", "probe.",           # a sweep's or suite's grid and analyses
     "init_step",          # read once, when a fine-tune starts (results.json names the step; a sweep checks it)
 )
@@ -55,25 +56,36 @@ def resumable(key: str) -> bool:
     return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
 
 
+# Keys made resumable in session 41: the checkpoints made before hashed them (`same_identity` reads those hashes).
+HASHED_RESUMABLE = ("data.path", "data.glue_dir")
 # ADDED_DEFAULTS keys that one earlier version hashed even at their default (runs made between the key's addition
 # and the rule above carry that hash); keys added later never were.
 HASHED_AT_DEFAULT = ("model.sinusoidal_style",)
 
 
-def identity_hash(config: ml_collections.ConfigDict | dict, *, keep_added: tuple[str, ...] = ()) -> str:
+def identity_hash(config: ml_collections.ConfigDict | dict, *, keep_added: tuple[str, ...] = (),
+                  hashed: Mapping[str, Any] | None = None) -> str:
     """A hash of the model/data keys that define the run (the resumable ones left out; an ADDED_DEFAULTS key at its
-    default value too, unless named in `keep_added`: so runs from before the key existed keep their hash)."""
+    default value too, unless named in `keep_added`: so runs from before the key existed keep their hash).
+    `hashed`: resumable keys hashed with these values (as a version before they were resumable hashed them)."""
     as_dict = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
     flat = config_lib.flatten({s: as_dict.get(s, {}) for s in RUN_IDENTITY_SECTIONS})
     kept = {k: v for k, v in flat.items() if not resumable(k)
             and (k in keep_added or not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k]))}
+    kept.update({k: v for k, v in (hashed or {}).items() if k in flat})
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def same_identity(stored: str, config: ml_collections.ConfigDict | dict) -> bool:
-    """Whether a checkpoint's stored identity is `config`'s, as hashed now or as hashed by the version that kept
-    HASHED_AT_DEFAULT keys at their default in the hash."""
-    return stored in (identity_hash(config), identity_hash(config, keep_added=HASHED_AT_DEFAULT))
+def same_identity(stored: str, config: ml_collections.ConfigDict | dict,
+                  before: Mapping[str, Any] | None = None) -> bool:
+    """Whether a checkpoint's stored identity is `config`'s, as hashed now, or as hashed by the version that kept
+    HASHED_AT_DEFAULT keys at their default, or by the versions that hashed HASHED_RESUMABLE keys: with the values
+    of `before` (the flattened config.json the checkpoint was made with), or `config`'s own without one."""
+    flat = before if before is not None else config_lib.flatten(
+        config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config))
+    old = {k: flat[k] for k in HASHED_RESUMABLE if k in flat}
+    return stored in {identity_hash(config, keep_added=keep, hashed=h)
+                      for keep in ((), HASHED_AT_DEFAULT) for h in (None, old)}
 
 
 def make_meta(config: Any, params: Any, tokenizer_fingerprint: str = "") -> dict[str, Any]:

@@ -1,0 +1,85 @@
+"""A run resumes from a copy of its text at another path (a relaunched VM whose disk mounts elsewhere, a folder
+moved): `data.path` and `data.glue_dir` may change on resume, and the text itself is held to the run's by the keys
+its checkpoints keep (the data iterator's, the GLUE examples'). Both were refused as "a run with data.path=...",
+though the copy was the same text."""
+import json
+import shutil
+
+import launch
+from tests.glue_fixtures import glue_env, make_config
+from tests.test_data_prepare import write_corpus
+from tests.workdir_fixtures import tree
+from tupe_jax.finetune import loop as ft_loop
+
+PRETRAIN = ["pretrain", "--config=configs/pretrain.py:pe=bert_a,size=tiny", "--config.model.max_len=32",
+            "--config.model.vocab_size=200", "--config.train.batch_size=8", "--config.train.eval_every=0",
+            "--config.checkpoint.every=3", "--config.checkpoint.async_save=false", "--config.data.name=text_files",
+            "--config.train.decay_steps=9", "--config.train.log_every=1"]
+
+
+def losses(run):
+    return [(r["step"], r["loss"]) for r in map(json.loads, open(run / "metrics.jsonl")) if "loss" in r]
+
+
+def test_a_pretraining_run_resumes_from_a_copy_of_its_corpus_elsewhere(tmp_path, capsys):
+    corpus, cache = write_corpus(tmp_path / "corpus"), f"--config.data.cache_dir={tmp_path / 'cache'}"
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    assert launch.main([*PRETRAIN, f"--workdir={straight}", f"--config.data.path={corpus}", cache,
+                        "--config.train.steps=6"]) == 0
+    assert launch.main([*PRETRAIN, f"--workdir={moved}", f"--config.data.path={corpus}", cache,
+                        "--config.train.steps=3"]) == 0
+    copy = shutil.copytree(corpus, tmp_path / "elsewhere" / "corpus")
+    shutil.rmtree(corpus)
+    assert launch.main([*PRETRAIN, f"--workdir={moved}", f"--config.data.path={copy}", cache,
+                        "--config.train.steps=6"]) == 0
+    assert losses(moved) == losses(straight)
+    assert "data.path" in capsys.readouterr().out                     # the change is said, and recorded
+    assert json.loads((moved / "config.json").read_text())["data"]["path"] == str(copy)
+    other = shutil.copytree(copy, tmp_path / "other")
+    (other / "train.txt").write_text((other / "train.txt").read_text().replace("a", "b"))
+    before = tree(str(moved))
+    assert launch.main([*PRETRAIN, f"--workdir={moved}", f"--config.data.path={other}", cache,
+                        "--config.train.steps=9"]) == 2
+    assert "the saved data-iterator state belongs to different data settings" in capsys.readouterr().err
+    assert tree(str(moved)) == before                                # config.json still names the copy
+
+
+def test_a_fine_tune_resumes_from_a_copy_of_its_glue_folder_elsewhere(tmp_path, capsys):
+    env = glue_env(tmp_path / "env")
+    config = make_config(env, "rte", steps=16)
+    config.checkpoint.every = 8
+    straight = ft_loop.finetune(config, str(tmp_path / "straight"))
+    ft_loop.finetune(config, str(tmp_path / "ft"))
+    shutil.rmtree(tmp_path / "ft" / "checkpoints" / "16")          # stopped after its step-8 checkpoint
+    (tmp_path / "ft" / "results.json").unlink()
+    config.data.glue_dir = str(shutil.copytree(env["glue"], tmp_path / "elsewhere"))
+    again = ft_loop.finetune(config, str(tmp_path / "ft"))
+    assert "resumed rte from step 8" in capsys.readouterr().out
+    assert again["final"]["metrics"] == straight["final"]["metrics"]
+
+
+def test_a_checkpoint_that_hashed_the_paths_still_resumes_from_its_folder_or_a_copy():
+    """Checkpoints made before session 41 keep an identity hash over every model/data key but the resumable ones
+    of then, data.path and data.glue_dir included; they resume, from the old path and from a moved one."""
+    import hashlib
+    from tests.glue_fixtures import load_config_module
+    from tupe_jax import config as config_lib
+    from tupe_jax.workdir import meta
+
+    def hashed_then(config):   # the identity of session 40's meta.identity_hash
+        flat = config_lib.flatten({s: config.to_dict()[s] for s in ("model", "data")})
+        kept = {k: v for k, v in flat.items() if not (meta.resumable(k) and k not in ("data.path", "data.glue_dir"))
+                and not (k in meta.ADDED_DEFAULTS and v == meta.ADDED_DEFAULTS[k])}
+        return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    config = load_config_module("pretrain").get_config("pe=bert_a,size=tiny")
+    config.data.name, config.data.path = "text_files", "/data/a"
+    stored = hashed_then(config)
+    moved = config.copy_and_resolve_references()
+    moved.data.path = "/mnt/b"
+    assert meta.same_identity(stored, config) and meta.same_identity(stored, moved, config_lib.flatten(config.to_dict()))
+    assert not meta.same_identity(stored, moved)                     # the path it had is needed to tell
+    other = moved.copy_and_resolve_references()
+    other.data.split_by = "file"
+    assert not meta.same_identity(stored, other, config_lib.flatten(config.to_dict()))
+    assert meta.same_identity(meta.identity_hash(config), moved)     # made now: the paths are not in it
