@@ -60,7 +60,7 @@ COMMANDS: dict[str, Command] = {
     "prepare": Command("tupe_jax.data.prepare", "prepare",
                        "tokenize a corpus once, in parallel, into sharded ArrayRecord + manifest (--workdir=DIR)",
                        lambda fn, cfg, a: fn(cfg, a.workdir), "tupe_jax.data.prepare:validate",
-                       config_file="prepare"),
+                       "tupe_jax.data.prepare:refuse_unread_keys", config_file="prepare"),
     "evaluate": Command("tupe_jax.pretrain.evaluate", "evaluate", "evaluate a pretraining checkpoint",
                         lambda fn, cfg, a: fn(a.workdir, a.step, data=a.data)),
     "finetune": Command("tupe_jax.finetune.loop", "finetune", "fine-tune a pretrained run on a GLUE task",

@@ -121,9 +121,9 @@ CASES = [
     Case("workdir_of_another_run", "workdir holding another run's config (says how to override)",
          lambda e: pretrain(e, "unused", **{}) [:2] + [f"--workdir={other_run_workdir(e)}"]
          + pretrain(e, "unused")[3:], "--overwrite_config"),
-    Case("tokenizer_mismatch", "tokenizer that does not match the checkpoint's",
+    Case("tokenizer_mismatch", "another tokenizer left in a folder without config.json (a new run took it as its own)",
          lambda e: finetune(e, "i5")[:2] + [f"--workdir={mismatched_tokenizer_workdir(e)}"] + finetune(e, "i5")[3:],
-         "tokenizer"),
+         "holds tokenizer/vocab.txt but no config.json"),
     Case("evaluate_no_checkpoint", "`evaluate` on a workdir with no checkpoint",
          lambda e: ["evaluate", f"--workdir={config_only_workdir(e, 'e1')}"], "no checkpoint"),
     Case("evaluate_no_workdir", "`evaluate` on a workdir that does not exist",

@@ -53,6 +53,15 @@ def test_text_files_holdout_is_deterministic_1_in_200(tmp_path):
     assert "tensorflow" not in sys.modules
 
 
+def test_a_holdout_of_1_is_named_for_the_empty_train_split(tmp_path):
+    """It said the train split had "no non-blank text" and to "put text in the files"."""
+    _write_blank_line_corpus(tmp_path / "corpus", 5)
+    c = make_config(tmp_path, name="text_files", path=str(tmp_path / "corpus"), holdout=1)
+    with pytest.raises(UserError, match=r"empty \(data.holdout=1 puts every document in validation\), "
+                                        r"--config.data.holdout, give data.holdout > 1"):
+        D.load_documents(c, "train")
+
+
 def test_text_files_split_by_file_and_glob(tmp_path):
     root = tmp_path / "corpus"
     root.mkdir()

@@ -266,10 +266,38 @@ def test_a_corpus_reached_through_links_keeps_its_stamps_and_a_nested_prepared_f
         builders._file_stamps([f.resolve() for f in via_link], str(tmp_path / "linked"))
     assert builders._legacy_file_stamps(via_link) == builders._legacy_file_stamps([f.resolve() for f in via_link])
 
-    def config(path):
-        return ml_collections.ConfigDict({"data": {"name": "text_files", "path": path, "file_pattern": ""}})
+    def config(path, cache=tmp_path / "cache"):
+        return ml_collections.ConfigDict({"data": {"name": "text_files", "path": path, "file_pattern": "",
+                                                   "cache_dir": str(cache)}})
     for path in (str(raw), str(raw / "*.txt"), str(raw / "train.txt")):
-        P._refuse_nested(config(path), raw / "prepared")
+        sources.refuse_inside_corpus(config(path), str(raw / "prepared"), "--workdir", "prepare into")
     with pytest.raises(UserError, match="is inside the folder data.path .* reads recursively"):
-        P._refuse_nested(config(str(raw) + "/**/*.txt"), raw / "prepared")
-    P._refuse_nested(config(str(raw) + "/**/*.txt"), tmp_path / "prepared")
+        sources.refuse_inside_corpus(config(str(raw) + "/**/*.txt"), str(raw / "prepared"), "--workdir", "prepare into")
+    with pytest.raises(UserError, match=r"cache is inside .*, --config.data.cache_dir, give a data cache outside it"):
+        sources.refuse_inside_corpus(config(str(raw) + "/**/*.txt", raw / "cache"), str(tmp_path / "run"), "--w", "x")
+    sources.refuse_inside_corpus(config(str(raw) + "/**/*.txt"), str(tmp_path / "prepared"), "--workdir", "x")
+    assert not (tmp_path / "cache").exists()                   # the check makes no folder
+
+
+def test_a_run_inside_a_recursively_read_corpus_is_refused_and_leaves_no_folder(tmp_path, capsys):
+    """`pretrain` into runs/x under a `**` data.path trained on, and its final evaluation then read, its own
+    tokenizer/vocab.txt and checkpoint markers as corpus text; a resume was refused as other data. Refused before
+    anything is written, the folders `mkdir -p` would have made included."""
+    raw = write_corpus(tmp_path / "raw", docs=8)
+    before = sorted(p.name for p in raw.rglob("*"))
+    rc = launch.main(["pretrain", "--config=configs/pretrain.py:pe=bert_a,size=tiny", f"--workdir={raw}/runs/a/x",
+                      "--config.train.steps=2", "--config.data.name=text_files", f"--config.data.path={raw}/**/*.txt",
+                      f"--config.data.cache_dir={tmp_path / 'cache'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{raw}/runs/a/x is inside the folder data.path" in err and ", --workdir, train into" in err
+    assert sorted(p.name for p in raw.rglob("*")) == before
+
+
+@pytest.mark.parametrize("objective,key", [("clm", "packing=full_sentences"), ("mlm", "mask_prob=0.3"),
+                                           ("clm", "max_predictions=5")])
+def test_keys_prepare_does_not_read_are_refused(tmp_path, capsys, objective, key):
+    """A causal prepare given data.packing=full_sentences wrote it into config.json while its manifest said
+    contiguous; masking keys, which pretraining applies as it reads, were taken and did nothing."""
+    corpus = write_corpus(tmp_path / "raw", docs=8)
+    rc, _, err = run_launch(prepare_args(corpus, tmp_path / "out", f"--config.data.{key}", objective=objective), capsys)
+    assert rc == 2 and f"prepare does not read data.{key.split('=')[0]}" in err and not (tmp_path / "out").exists()

@@ -12,6 +12,7 @@ import pytest
 from tests.glue_fixtures import DIRS, TINY, glue_env, load_config_module, make_config
 from tupe_jax import checkpoint as ckpt
 from tupe_jax import data as data_lib
+from tupe_jax import workdir as workdir_lib
 from tupe_jax.finetune import init_from as ft_init
 from tupe_jax.finetune import loop as ft_loop
 from tupe_jax.finetune import runner as ft_runner
@@ -150,6 +151,7 @@ def test_refuses_missing_checkpoint_and_other_tokenizer(env, tmp_path):
     with pytest.raises(UserError, match="no checkpoint at step 99 in .*, --config.init_step, use one of"):
         ft_loop.finetune(config, str(tmp_path / "b"))
     config.init_step = -1
+    workdir_lib.write_config(str(tmp_path / "c"), config)      # a run started there (a leftover alone: the gate's)
     (tmp_path / "c" / "tokenizer").mkdir(parents=True)
     (tmp_path / "c" / "tokenizer" / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nfoo\n")
     with pytest.raises(UserError, match="differs from the tokenizer of init_from's run"):

@@ -97,6 +97,19 @@ def test_a_truncated_config_and_a_run_of_another_kind(tmp_path):
         workdir_lib.write_config(wd2, glue)
 
 
+def test_a_tokenizer_left_in_a_folder_without_config_is_no_new_runs(tmp_path):
+    """A new run in a folder holding another's tokenizer/vocab.txt trained on that vocabulary, over data.vocab_file
+    or the one its corpus gives; a prepare's folder keeps its own rule (its vocabulary records its text)."""
+    wd = tmp_path / "run"
+    (wd / "tokenizer").mkdir(parents=True)
+    (wd / "tokenizer" / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nfoo\n")
+    before = tree(str(wd))
+    with pytest.raises(UserError, match=r"holds tokenizer/vocab.txt but no config.json.*, --workdir, use a fresh"):
+        workdir_lib.write_config(str(wd), load_config())
+    assert tree(str(wd)) == before
+    workdir_lib.check_config(str(wd), config_lib.load_config(os.path.join(ROOT, "configs", "prepare.py")))
+
+
 def test_claim_cleans_up_after_a_failure_but_keeps_what_was_there(tmp_path):
     wd = str(tmp_path / "run")
     workdir_lib.write_config(wd, load_config())
@@ -109,6 +122,10 @@ def test_claim_cleans_up_after_a_failure_but_keeps_what_was_there(tmp_path):
     after = tree(wd)
     assert "metrics.jsonl" not in after and after["notes.txt"] == before["notes.txt"]
     assert not os.path.exists(os.path.join(wd, ".lock"))
+    with pytest.raises(RuntimeError):             # a new run's folder and the ones made above it for it: removed
+        with workdir_lib.claim(str(tmp_path / "new" / "deep" / "run"), load_config()):
+            raise RuntimeError("boom")
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_command_refused_inside_the_claim_leaves_the_run_byte_identical(tmp_path):

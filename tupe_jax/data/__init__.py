@@ -34,7 +34,7 @@ from tupe_jax.data.classification import glue_batches
 from tupe_jax.data.glue_tsv import num_labels
 from tupe_jax.data.pipeline import PretrainIterator, pretrain_iterator
 from tupe_jax.data import pipeline, prepared
-from tupe_jax.data.sources import check_source, check_train_files
+from tupe_jax.data.sources import check_source, check_train_files, refuse_inside_corpus
 from tupe_jax.data.tokenizer import Tokenizer, check_learned_vocab_size
 from tupe_jax.data.tokenizer import get_tokenizer as _corpus_tokenizer
 
@@ -150,4 +150,5 @@ def default_data_config() -> ml_collections.ConfigDict:
 
 __all__ = ["default_data_config", "validate_config", "check_data_keys", "corpus_keys", "LMBatch",
            "ClassificationBatch", "get_tokenizer", "Tokenizer", "pretrain_iterator", "PretrainIterator",
-           "load_documents", "glue_examples", "glue_batches", "num_labels", "GLUE_TASKS", "token_stream"]
+           "load_documents", "glue_examples", "glue_batches", "num_labels", "GLUE_TASKS", "token_stream",
+           "refuse_inside_corpus"]

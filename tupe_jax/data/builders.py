@@ -105,11 +105,13 @@ def corpus_builder(config):
             yield {"text": t}
         if n == 0:   # tfds would fail with a bare AssertionError ("No examples were yielded")
             held = not named and split == "validation"
-            raise UserError(f"the {split} split of data.name={name} is empty (no non-blank text"
-                            + (f"; {split} gets document i when i % data.holdout == {holdout - 1})" if held else ")"),
-                            str(d.get("path", "")) or "config.data.path",
-                            "lower --config.data.holdout or set it to 0" if held else
-                            "put text in the files (blank lines separate documents) or fix data.path")
+            every = not named and split == "train" and holdout == 1     # every document is held out
+            raise UserError(f"the {split} split of data.name={name} is empty (" + (
+                "data.holdout=1 puts every document in validation)" if every else "no non-blank text"
+                + (f"; {split} gets document i when i % data.holdout == {holdout - 1})" if held else ")")),
+                "--config.data.holdout" if every else str(d.get("path", "")) or "config.data.path",
+                "lower --config.data.holdout or set it to 0" if held else "give data.holdout > 1 (e.g. 200)" if every
+                else "put text in the files (blank lines separate documents) or fix data.path")
 
     return local_builder(config, name, spec, splits, _doc_features(), make)
 

@@ -24,10 +24,15 @@ from tupe_jax import files
 from tupe_jax.errors import UserError
 
 
+def cache_path(config) -> Path:
+    """`data.cache_dir`, else $TUPE_JAX_CACHE, else ~/.cache/tupe_jax (not made: `cache_dir`)."""
+    return Path(config.data.get("cache_dir", "") or os.environ.get("TUPE_JAX_CACHE", "") or "~/.cache/tupe_jax"
+                ).expanduser()
+
+
 def cache_dir(config) -> Path:
-    """`data.cache_dir`, else $TUPE_JAX_CACHE, else ~/.cache/tupe_jax."""
-    d = config.data.get("cache_dir", "") or os.environ.get("TUPE_JAX_CACHE", "") or "~/.cache/tupe_jax"
-    path = Path(d).expanduser()
+    """`cache_path`, made when missing."""
+    path = cache_path(config)
     where = "--config.data.cache_dir" if config.data.get("cache_dir", "") else "TUPE_JAX_CACHE / ~/.cache/tupe_jax"
     if path.exists() and not path.is_dir():
         raise UserError(f"the data cache {path} is a file, not a folder", where, "give a folder for the data cache")

@@ -42,7 +42,7 @@ from tupe_jax.config import require_finite, require_one_of, require_positive
 from tupe_jax.data import builders, pipeline, pool, sources
 from tupe_jax.data.prepared import MANIFEST, load_manifest
 from tupe_jax.data.tokenizer import Tokenizer, check_learned_vocab_size
-from tupe_jax.errors import require
+from tupe_jax.errors import UserError, require
 
 FORMAT = 1
 
@@ -66,6 +66,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int = 1) -> None:
             "--config.prepare.splits", "give each split once")
     require(not config.data.name == "prepared", "data.name=prepared is a prepared directory already",
             "--config.data.name", "give the raw corpus: embedded, text_files, wikitext or tfds:<name>")
+
+
+def refuse_unread_keys(config: ml_collections.ConfigDict, arg_keys: frozenset, override_keys: frozenset,
+                       workdir: str = "") -> list:
+    """The launcher's hook: a key prepare does not read, given on the command line, is refused rather than written
+    into config.json beside a manifest that says otherwise: masking (pretraining masks as it reads) and, for a causal
+    LM, packing (its examples are contiguous windows)."""
+    del arg_keys, workdir
+    unread = {"data.mask_prob": "pretraining masks as it reads", "data.max_predictions": "pretraining masks as it reads",
+              **({"data.packing": "a causal LM's examples are contiguous windows"}
+                 if config.model.objective == "clm" else {})}
+    for key in sorted(override_keys & set(unread)):
+        raise UserError(f"prepare does not read {key} ({unread[key]})", f"--config.{key}", "drop it")
+    return []
 
 
 # ------------------------------------------------------------------------------------------ documents
@@ -293,26 +307,13 @@ def prepare_split(config, out: Path, split: str, tok: Tokenizer, settings: dict,
             "documents": sum(s["documents"] for s in ordered)}
 
 
-def _refuse_nested(config, out: Path) -> None:
-    """The prepared folder where a recursive data.path (`**`) finds files: its tokenizer/vocab.txt would be read as
-    corpus text on a rerun (a folder, a plain glob or a file never reads below itself)."""
-    path, pattern = str(config.data.path or ""), str(config.data.get("file_pattern", "") or "")
-    if config.data.name not in ("text_files", "wikitext") or "**" not in path + pattern:
-        return
-    base = os.path.realpath(os.path.expanduser(path.split("*")[0].split("?")[0].split("[")[0]) or ".")
-    here = os.path.realpath(out)
-    require(not (here + os.sep).startswith(base.rstrip(os.sep) + os.sep),
-            f"{out} is inside the folder data.path {path} reads recursively: the prepared files would be read as "
-            "corpus text", "--workdir", "prepare into a folder outside the corpus folder")
-
-
 def prepare(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Prepare `config.data`'s corpus into `workdir` (see the module docstring); returns the manifest."""
     validate(config)
     require(not files.is_remote(workdir), f"{workdir} is a bucket path; prepare writes a local folder", "--workdir",
             "prepare into a local folder, then copy it (`gcloud storage cp -r`; docs/tpu.md, section 3)")
     out = Path(workdir)
-    _refuse_nested(config, out)
+    sources.refuse_inside_corpus(config, str(out), "--workdir", "prepare into")
     splits = splits_of(config)
     for split in splits:   # an empty split is refused before anything is written
         next(_nonempty(documents(config, split), config, split))

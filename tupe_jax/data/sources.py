@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from tupe_jax.data.cache import cache_path
 from tupe_jax.errors import UserError, require
 
 TEXT_SUFFIXES = (".txt", ".tokens", ".raw", ".text")
@@ -59,6 +60,23 @@ def check_train_files(data: Any, fix: str = "add a train file or point data.path
     by_split, named = assign_files(find_files(path, str(data.get("file_pattern", "") or "")))
     require(not named or "train" in by_split, f"data.path {path} has no training file (a name containing 'train'; "
             f"its files are for {' and '.join(sorted(by_split))})", "--config.data.path", fix)
+
+
+def refuse_inside_corpus(config: Any, folder: str, flag: str, verb: str) -> None:
+    """`folder` (a run's or a prepared one, and the data cache) where a recursive data.path (`**`) finds files: what
+    is written there (tokenizer/vocab.txt, checkpoint markers, a learned vocabulary) would be read as corpus text,
+    from the next read on (a folder, a plain glob or a file never reads below itself)."""
+    data = config.data
+    path, pattern = str(data.get("path", "") or ""), str(data.get("file_pattern", "") or "")
+    if str(data.get("name", "")) not in ("text_files", "wikitext") or "**" not in path + pattern or "://" in path:
+        return
+    base = os.path.realpath(os.path.expanduser(path.split("*")[0].split("?")[0].split("[")[0]) or ".")
+    for where, here, fix in ((flag, folder, f"{verb} a folder outside the corpus folder"),
+                             ("--config.data.cache_dir", str(cache_path(config)), "give a data cache outside it")):
+        inside = "://" not in here and (os.path.realpath(os.path.expanduser(here)) + os.sep).startswith(
+            base.rstrip(os.sep) + os.sep)
+        require(not inside, f"{here} is inside the folder data.path {path} reads recursively: what is written there "
+                "would be read as corpus text", where, fix)
 
 
 def find_files(path: str, pattern: str = "") -> list[Path]:

@@ -53,6 +53,7 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str, stop_after: Option
     """
     devices = list(devices) if devices is not None else jax.devices()
     validate(config, len(devices))
+    data_lib.refuse_inside_corpus(config, workdir, "--workdir", "train into")
     with workdir_lib.claim(workdir, config):   # the gate: same run, one process, cleanup after a failure
         return _pretrain(config, workdir, devices, stop_after)
 

@@ -72,11 +72,15 @@ class Before:
     texts: dict[str, Optional[str]]
     steps: frozenset[str]
     events: frozenset[str]
+    parents: tuple[str, ...] = ()   # local folders above a new workdir that did not exist either (deepest first)
 
     @classmethod
     def take(cls, workdir: str) -> "Before":
         if not files.isdir(workdir):
-            return cls(workdir, None, {}, frozenset(), frozenset())
+            parents, up = [], os.path.dirname(os.path.abspath(workdir))
+            while not files.is_remote(workdir) and up != os.path.dirname(up) and not os.path.exists(up):
+                parents, up = parents + [up], os.path.dirname(up)
+            return cls(workdir, None, {}, frozenset(), frozenset(), tuple(parents))
         names = frozenset(files.listdir(workdir))
         texts = {name: files.read_text(files.join(workdir, name)) if name in names else None for name in REWRITTEN}
         return cls(workdir, names, texts, frozenset(_steps(workdir)),
@@ -97,8 +101,9 @@ class Before:
         for name in self.new_entries():
             _remove(files.join(self.workdir, name))
         if self.names is None:
-            if not files.is_remote(self.workdir) and not os.listdir(self.workdir):
-                os.rmdir(self.workdir)
+            for folder in (self.workdir, *self.parents) if not files.is_remote(self.workdir) else ():
+                if os.path.isdir(folder) and not os.listdir(folder):   # what `mkdir -p` made for it, if still empty
+                    os.rmdir(folder)
             return
         events = files.join(self.workdir, "tensorboard")
         for name in sorted(_names(events) - self.events) if "tensorboard" in self.names else ():
