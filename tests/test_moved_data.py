@@ -2,6 +2,7 @@
 moved): `data.path` and `data.glue_dir` may change on resume, and the text itself is held to the run's by the keys
 its checkpoints keep (the data iterator's, the GLUE examples'). Both were refused as "a run with data.path=...",
 though the copy was the same text."""
+import hashlib
 import json
 import shutil
 
@@ -15,6 +16,16 @@ PRETRAIN = ["pretrain", "--config=configs/pretrain.py:pe=bert_a,size=tiny", "--c
             "--config.model.vocab_size=200", "--config.train.batch_size=8", "--config.train.eval_every=0",
             "--config.checkpoint.every=3", "--config.checkpoint.async_save=false", "--config.data.name=text_files",
             "--config.train.decay_steps=9", "--config.train.log_every=1"]
+
+
+def hashed_then(config: dict) -> str:
+    """The identity session 40's meta.identity_hash gave: data.path and data.glue_dir were not resumable then."""
+    from tupe_jax import config as config_lib
+    from tupe_jax.workdir import meta
+    flat = config_lib.flatten({s: config[s] for s in ("model", "data")})
+    kept = {k: v for k, v in flat.items() if not (meta.resumable(k) and k not in ("data.path", "data.glue_dir"))
+            and not (k in meta.ADDED_DEFAULTS and v == meta.ADDED_DEFAULTS[k])}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def losses(run):
@@ -61,25 +72,41 @@ def test_a_fine_tune_resumes_from_a_copy_of_its_glue_folder_elsewhere(tmp_path, 
 def test_a_checkpoint_that_hashed_the_paths_still_resumes_from_its_folder_or_a_copy():
     """Checkpoints made before session 41 keep an identity hash over every model/data key but the resumable ones
     of then, data.path and data.glue_dir included; they resume, from the old path and from a moved one."""
-    import hashlib
     from tests.glue_fixtures import load_config_module
-    from tupe_jax import config as config_lib
     from tupe_jax.workdir import meta
-
-    def hashed_then(config):   # the identity of session 40's meta.identity_hash
-        flat = config_lib.flatten({s: config.to_dict()[s] for s in ("model", "data")})
-        kept = {k: v for k, v in flat.items() if not (meta.resumable(k) and k not in ("data.path", "data.glue_dir"))
-                and not (k in meta.ADDED_DEFAULTS and v == meta.ADDED_DEFAULTS[k])}
-        return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     config = load_config_module("pretrain").get_config("pe=bert_a,size=tiny")
     config.data.name, config.data.path = "text_files", "/data/a"
-    stored = hashed_then(config)
+    stored = hashed_then(config.to_dict())
     moved = config.copy_and_resolve_references()
     moved.data.path = "/mnt/b"
-    assert meta.same_identity(stored, config) and meta.same_identity(stored, moved, config_lib.flatten(config.to_dict()))
+    then = [{"data.path": "/data/a", "data.glue_dir": ""}]          # what the run had (gate.paths_then)
+    assert meta.same_identity(stored, config) and meta.same_identity(stored, moved, then)
     assert not meta.same_identity(stored, moved)                     # the path it had is needed to tell
     other = moved.copy_and_resolve_references()
     other.data.split_by = "file"
-    assert not meta.same_identity(stored, other, config_lib.flatten(config.to_dict()))
+    assert not meta.same_identity(stored, other, then)
     assert meta.same_identity(meta.identity_hash(config), moved)     # made now: the paths are not in it
+
+
+
+def test_a_checkpoint_that_hashed_an_older_path_resumes_after_config_json_moved_on(tmp_path, capsys):
+    """A run of before session 41, moved, and killed before its next checkpoint: config.json names the new path
+    while the newest checkpoint hashed the old one, which config_history.jsonl records."""
+    from tupe_jax.workdir import meta
+    corpus, cache = write_corpus(tmp_path / "corpus"), f"--config.data.cache_dir={tmp_path / 'cache'}"
+    run = tmp_path / "run"
+    assert launch.main([*PRETRAIN, f"--workdir={run}", f"--config.data.path={corpus}", cache,
+                        "--config.train.steps=3"]) == 0
+    config = json.loads((run / "config.json").read_text())
+    then = hashed_then(config)
+    now = meta.identity_hash(config)
+    (saved,) = [p for p in (run / "checkpoints" / "3").rglob("*") if p.is_file() and now.encode() in p.read_bytes()]
+    saved.write_bytes(saved.read_bytes().replace(now.encode(), then.encode()))   # as session 40 saved it
+    copy = shutil.copytree(corpus, tmp_path / "copy")
+    config["data"]["path"] = str(copy)                     # the moved resume's gate wrote these, then it was killed
+    (run / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (run / "config_history.jsonl").write_text(json.dumps({"changes": {"data.path": [str(corpus), str(copy)]}}) + "\n")
+    assert launch.main([*PRETRAIN, f"--workdir={run}", f"--config.data.path={copy}", cache,
+                        "--config.train.steps=6"]) == 0
+    assert [s for s, _ in losses(run)] == [1, 2, 3, 4, 5, 6]

@@ -24,7 +24,7 @@ from tupe_jax import config as config_lib
 from tupe_jax import files
 from tupe_jax.errors import UserError, require
 from tupe_jax.optim import schedule_span
-from tupe_jax.workdir.meta import latest_meta, resumable, same_identity, with_added_defaults
+from tupe_jax.workdir.meta import HASHED_RESUMABLE, latest_meta, resumable, same_identity, with_added_defaults
 
 HISTORY = "config_history.jsonl"
 
@@ -204,7 +204,8 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, overwrite: Opt
     more = not (isinstance(steps, int) and 0 < steps <= step) if step is not None else False   # steps left to train
     if more and not same_schedule and any(k in changed for k in ("train.steps", "train.epochs")):
         _refuse_new_schedule(flat_old, flat_new, "task" in new)
-    if step is not None and meta.get("identity") and not same_identity(meta["identity"], new, flat_old):
+    if step is not None and meta.get("identity") and not same_identity(meta["identity"], new,
+                                                                      paths_then(workdir, flat_old)):
         raise UserError(f"{path} does not match its checkpoint step {step} (model/data settings differ: was "
                         "config.json edited by hand?)", "--workdir", "restore the run's config.json or use a fresh "
                         "workdir")
@@ -218,6 +219,20 @@ def write_config(workdir: str, config: ml_collections.ConfigDict, overwrite: Opt
     changes = check_config(workdir, config, overwrite=overwrite)
     if write:
         store_config(workdir, config, changes)
+
+
+def paths_then(workdir: str, flat_old: dict[str, Any]) -> list[dict[str, Any]]:
+    """The values `HASHED_RESUMABLE` keys had in this run: config.json's, and each older one config_history.jsonl
+    records (a checkpoint made before session 41 hashed the path it was made with, maybe not config.json's now)."""
+    now = {k: flat_old[k] for k in HASHED_RESUMABLE if k in flat_old}
+    then, path = [now], files.join(workdir, HISTORY)
+    for line in (files.read_text(path).splitlines() if files.isfile(path) else []):
+        try:
+            changes = json.loads(line).get("changes") or {}
+        except (ValueError, AttributeError):
+            continue                # a torn or foreign line: its values are not needed to read the others
+        then += [{**now, k: v[0]} for k, v in changes.items() if k in now and isinstance(v, list) and v]
+    return then
 
 
 def store_config(workdir: str, config: ml_collections.ConfigDict, changes: list[tuple[str, Any, Any]]) -> None:

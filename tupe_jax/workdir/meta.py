@@ -77,15 +77,14 @@ def identity_hash(config: ml_collections.ConfigDict | dict, *, keep_added: tuple
 
 
 def same_identity(stored: str, config: ml_collections.ConfigDict | dict,
-                  before: Mapping[str, Any] | None = None) -> bool:
+                  then: Optional[list[Mapping[str, Any]]] = None) -> bool:
     """Whether a checkpoint's stored identity is `config`'s, as hashed now, or as hashed by the version that kept
-    HASHED_AT_DEFAULT keys at their default, or by the versions that hashed HASHED_RESUMABLE keys: with the values
-    of `before` (the flattened config.json the checkpoint was made with), or `config`'s own without one."""
-    flat = before if before is not None else config_lib.flatten(
-        config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config))
-    old = {k: flat[k] for k in HASHED_RESUMABLE if k in flat}
+    HASHED_AT_DEFAULT keys at their default, or by the versions that hashed HASHED_RESUMABLE keys: with any of the
+    values in `then` (those the run had: `gate.paths_then`), or `config`'s own without them."""
+    flat = config_lib.flatten(config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config))
+    olds = then if then is not None else [{k: flat[k] for k in HASHED_RESUMABLE if k in flat}]
     return stored in {identity_hash(config, keep_added=keep, hashed=h)
-                      for keep in ((), HASHED_AT_DEFAULT) for h in (None, old)}
+                      for keep in ((), HASHED_AT_DEFAULT) for h in (None, *olds)}
 
 
 def make_meta(config: Any, params: Any, tokenizer_fingerprint: str = "") -> dict[str, Any]:
