@@ -276,6 +276,8 @@ def test_a_corpus_reached_through_links_keeps_its_stamps_and_a_nested_prepared_f
     with pytest.raises(UserError, match=r"cache is inside .*, --config.data.cache_dir, give a data cache outside it"):
         sources.refuse_inside_corpus(config(str(raw) + "/**/*.txt", raw / "cache"), str(tmp_path / "run"), "--w", "x")
     sources.refuse_inside_corpus(config(str(raw) + "/**/*.txt"), str(tmp_path / "prepared"), "--workdir", "x")
+    with pytest.raises(UserError, match="reads recursively"):        # a wildcard inside a name: its folder is read
+        sources.refuse_inside_corpus(config(str(tmp_path) + "/r*w/**/*.txt"), str(raw / "run"), "--workdir", "x")
     assert not (tmp_path / "cache").exists()                   # the check makes no folder
 
 

@@ -6,10 +6,13 @@ import hashlib
 import json
 import shutil
 
+import pytest
+
 import launch
 from tests.glue_fixtures import glue_env, make_config
 from tests.test_data_prepare import write_corpus
 from tests.workdir_fixtures import tree
+from tupe_jax.errors import UserError
 from tupe_jax.finetune import loop as ft_loop
 
 PRETRAIN = ["pretrain", "--config=configs/pretrain.py:pe=bert_a,size=tiny", "--config.model.max_len=32",
@@ -49,10 +52,11 @@ def test_a_pretraining_run_resumes_from_a_copy_of_its_corpus_elsewhere(tmp_path,
     other = shutil.copytree(copy, tmp_path / "other")
     (other / "train.txt").write_text((other / "train.txt").read_text().replace("a", "b"))
     before = tree(str(moved))
-    assert launch.main([*PRETRAIN, f"--workdir={moved}", f"--config.data.path={other}", cache,
-                        "--config.train.steps=9"]) == 2
-    assert "the saved data-iterator state belongs to different data settings" in capsys.readouterr().err
-    assert tree(str(moved)) == before                                # config.json still names the copy
+    for steps in (9, 6):             # to train on, and finished (its config.json took any data.path unchecked)
+        assert launch.main([*PRETRAIN, f"--workdir={moved}", f"--config.data.path={other}", cache,
+                            f"--config.train.steps={steps}"]) == 2
+        assert "the saved data-iterator state belongs to different data settings" in capsys.readouterr().err
+        assert tree(str(moved)) == before                            # config.json still names the copy
 
 
 def test_a_fine_tune_resumes_from_a_copy_of_its_glue_folder_elsewhere(tmp_path, capsys):
@@ -67,6 +71,17 @@ def test_a_fine_tune_resumes_from_a_copy_of_its_glue_folder_elsewhere(tmp_path, 
     again = ft_loop.finetune(config, str(tmp_path / "ft"))
     assert "resumed rte from step 8" in capsys.readouterr().out
     assert again["final"]["metrics"] == straight["final"]["metrics"]
+    edited = shutil.copytree(env["glue"], tmp_path / "edited")   # one dev label swapped: other examples
+    dev = next(edited.rglob("RTE/dev.tsv"))
+    rows = dev.read_text().splitlines()
+    rows[1] = rows[1].replace("not_entailment", "entailment") if "not_entailment" in rows[1] else \
+        rows[1].replace("entailment", "not_entailment")
+    dev.write_text("\n".join(rows) + "\n")
+    config.data.glue_dir = str(edited)
+    before = tree(str(tmp_path / "ft"))
+    with pytest.raises(UserError, match="the rte examples differ from those this run started on"):
+        ft_loop.finetune(config, str(tmp_path / "ft"))              # finished, yet not on other examples
+    assert tree(str(tmp_path / "ft")) == before
 
 
 def test_a_checkpoint_that_hashed_the_paths_still_resumes_from_its_folder_or_a_copy():
@@ -110,3 +125,15 @@ def test_a_checkpoint_that_hashed_an_older_path_resumes_after_config_json_moved_
     assert launch.main([*PRETRAIN, f"--workdir={run}", f"--config.data.path={copy}", cache,
                         "--config.train.steps=6"]) == 0
     assert [s for s, _ in losses(run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_paths_a_run_had_are_read_from_its_history(tmp_path):
+    """Each older value config_history.jsonl records is tried, and a row that moved both paths as one pair."""
+    from tupe_jax.workdir import gate
+    (tmp_path / "config_history.jsonl").write_text(
+        json.dumps({"changes": {"data.path": ["/a", "/b"]}}) + "\n" + "torn {\n"
+        + json.dumps({"changes": {"data.path": ["/b", "/c"], "data.glue_dir": ["/g", "/h"], "train.steps": [3, 6]}})
+        + "\n")
+    then = gate.paths_then(str(tmp_path), {"data.path": "/c", "data.glue_dir": "/h", "train.steps": 6})
+    assert {"data.path": "/a", "data.glue_dir": "/h"} in then and {"data.path": "/b", "data.glue_dir": "/g"} in then
+    assert then[0] == {"data.path": "/c", "data.glue_dir": "/h"}

@@ -70,7 +70,9 @@ def refuse_inside_corpus(config: Any, folder: str, flag: str, verb: str) -> None
     path, pattern = str(data.get("path", "") or ""), str(data.get("file_pattern", "") or "")
     if str(data.get("name", "")) not in ("text_files", "wikitext") or "**" not in path + pattern or "://" in path:
         return
-    base = os.path.realpath(os.path.expanduser(path.split("*")[0].split("?")[0].split("[")[0]) or ".")
+    prefix = re.split(r"[*?\[]", path, maxsplit=1)[0]      # a wildcard inside a name: its folder is the base
+    base = os.path.realpath(os.path.expanduser(prefix if prefix == path or prefix.endswith("/")
+                                               else os.path.dirname(prefix)) or ".")
     for where, here, fix in ((flag, folder, f"{verb} a folder outside the corpus folder"),
                              ("--config.data.cache_dir", str(cache_path(config)), "give a data cache outside it")):
         inside = "://" not in here and (os.path.realpath(os.path.expanduser(here)) + os.sep).startswith(

@@ -65,12 +65,6 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
     runner.bind(trainer.shardings["params"])
     state, progress = trainer.restore_or_init(fresh=lambda s: runner.load_encoder(s, trainer.abstract_params))
     resumed = progress is not None
-    done = os.path.join(workdir, "results.json")
-    if resumed and int(state["step"]) >= total and files.isfile(done):   # finished: nothing trained or rewritten
-        checkpointer.close()
-        print(f"{workdir} finished its {total} steps before: nothing to train (its results: {done}; give a larger "
-              "train.steps or train.epochs to train on)", flush=True)
-        return files.read_json(done)
     source = {"workdir": runner.source.workdir, "step": runner.source.step} if runner.source else \
         ({"workdir": str(config.init_from), "step": None} if config.init_from else None)   # a resume read none
     if progress is None:    # the checkpoint read now; a resumed run reports the one its first start read
@@ -85,6 +79,12 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
         progress.setdefault("best", None)
         progress.setdefault("predictions", [])
         progress.setdefault("init", source)     # saved by versions before the field: the checkpoint read now
+        done = os.path.join(workdir, "results.json")
+        if int(state["step"]) >= total and files.isfile(done):   # finished: nothing trained or rewritten
+            checkpointer.close()
+            print(f"{workdir} finished its {total} steps before: nothing to train (its results: {done}; give a "
+                  "larger train.steps or train.epochs to train on)", flush=True)
+            return files.read_json(done)
         print(f"resumed {task} from step {int(state['step'])} of {workdir}", flush=True)
     before = progress.get("process_count", jax.process_count())     # saved by versions before the field: not known
     moved = {"process_count_before": before, "process_count": jax.process_count()} \

@@ -103,6 +103,14 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
                         "its config.json keeps this project's default data and train keys, not the model's own",
                         "--workdir", f"continue it in a fresh workdir with --config.init_from={workdir}, fine-tune "
                         "it (--config.init_from) or analyse it")
+    if data_state is not None:     # the text and tokenizer it trained on, also for a finished run (a data.path
+        try:                       # now naming other text would be written into its config.json)
+            workdir_lib.check_tokenizer(checkpointer.restore_meta(start_step), tokenizer.fingerprint,
+                                        workdir_lib.tokenizer_path(workdir))
+            train_iter.set_state(data_state)
+        except BaseException:
+            checkpointer.close()
+            raise
     finished = start_step >= total_steps
     if finished and not _final_eval_missing(config, workdir, tokenizer, start_step, batch_size):
         print(f"{workdir} is at step {start_step} (train.steps = {total_steps}): nothing to train; evaluate it with "
@@ -111,9 +119,6 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
         return {"step": start_step}
     writer = metrics_lib.MetricsWriter(workdir, owns_folder=lambda: workdir_lib.owns_folder(workdir))
     if data_state is not None:
-        workdir_lib.check_tokenizer(checkpointer.restore_meta(start_step), tokenizer.fingerprint,
-                                    workdir_lib.tokenizer_path(workdir))
-        train_iter.set_state(data_state)
         print(f"{workdir} is at step {start_step}: writing the final evaluation its run stopped before" if finished
               else f"resumed from step {start_step} of {workdir}", flush=True)
         before = train_iter.saved_process_count        # read from the state, or its key for a state without it

@@ -231,7 +231,8 @@ def paths_then(workdir: str, flat_old: dict[str, Any]) -> list[dict[str, Any]]:
             changes = json.loads(line).get("changes") or {}
         except (ValueError, AttributeError):
             continue                # a torn or foreign line: its values are not needed to read the others
-        then += [{**now, k: v[0]} for k, v in changes.items() if k in now and isinstance(v, list) and v]
+        row = {k: v[0] for k, v in changes.items() if k in now and isinstance(v, list) and v}
+        then += [{**now, k: v} for k, v in row.items()] + ([{**now, **row}] if len(row) > 1 else [])
     return then
 
 
