@@ -226,16 +226,16 @@ class PretrainIterator(grain.DatasetIterator):
         if not (isinstance(saved, int) and saved > 0):     # saved before the key: the count its key was made with
             saved = next((c for c in [now, *range(1, MAX_PROCESSES + 1)]
                           if state.get("fingerprint") in self.fingerprints(c)), now)
-        count = self.saved_process_count = saved
-        if state.get("fingerprint") not in self.fingerprints(count):
-            if count != now:
+        self.saved_process_count = saved
+        if state.get("fingerprint") not in self.fingerprints(saved):
+            if saved != now:
                 raise UserError(f"the saved data-iterator state is of a run with {_processes(saved)} and other data "
                                 f"settings; this one has {_processes(now)}", "checkpoint data-iterator state",
                                 "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
             raise UserError("the saved data-iterator state belongs to different data settings",
                             "checkpoint data-iterator state",
                             "resume with the same data/tokenizer/batch/seed settings, or start a new workdir")
-        if count != now:
+        if saved != now:
             log.warning("data: the checkpoint was saved by %s, this run has %s: the next steps read the same "
                         "examples, in another row order of the global batch (the continuation is not bitwise the "
                         "one on %s)", _processes(saved), _processes(now), _processes(saved))

@@ -78,10 +78,11 @@ def dev_splits(task: str) -> list[tuple[str, str]]:
     return [("validation_matched", ""), ("validation_mismatched", "_mm")] if task == "mnli" else [("validation", "")]
 
 
-def check_examples(config: ml_collections.ConfigDict, task: str) -> None:
-    """The task's train and dev files read (every row parsed: a bad label, id or column count is refused naming
-    its line) and each dev split has examples; a sweep checks every task so before its first sub-run trains."""
-    data_lib.glue_examples(config, task, "train")
+def check_examples(config: ml_collections.ConfigDict, task: str, train: bool = True) -> None:
+    """The task's train (`train`) and dev files read (every row parsed: a bad label, id or column count is refused
+    naming its line) and each dev split has examples; a sweep checks every task so before its first sub-run trains."""
+    if train:
+        data_lib.glue_examples(config, task, "train")
     for split, _ in dev_splits(task):
         require(len(data_lib.glue_examples(config, task, split)) > 0, f"the {task} {split} split has no examples",
                 f"data.glue_dir={config.data.glue_dir}", "give the task's dev file with at least one row")
@@ -135,7 +136,7 @@ class Runner:
                 "--config.train.batch_size", "use a smaller batch")
         self.total_steps = int(t.steps) or (int(t.epochs) or paper_epochs(self.task)) * self.steps_per_epoch
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
-        check_examples(config, self.task)    # a run is scored on dev: refuse before training, not after it
+        check_examples(config, self.task, train=False)   # scored on dev: refused before training (train: read above)
         self.data_key = glue_fingerprint(config, self.task)     # stored with the checkpoints: resume on the same data
         self.diagnostic = read_diagnostic(config) if self.task == "mnli" and bool(t.predict_test) else None
         self.tx, self.schedule = make_optimizer(schedule_section(config, self.total_steps))

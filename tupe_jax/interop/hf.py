@@ -164,9 +164,10 @@ def bert_params(tensors: dict, hf: dict, cfg: ModelConfig, tokenizer: Tokenizer,
     prefix = bert_prefix(tensors, where)
     check_vocab(tensors, prefix, hf, tokenizer, where)
     layers = sorted({int(m.group(1)) for m in map(LAYER.match, tensors) if m})   # before building anything of N
-    require(layers == list(range(len(layers))) and len(layers) == cfg.num_layers, f"the weights hold {len(layers)} encoder layers (numbered "
-            f"{layers[0] if layers else '-'} to {layers[-1] if layers else '-'}) but config.json has "
-            f"num_hidden_layers={cfg.num_layers}", where, "fix num_hidden_layers in config.json")
+    require(layers == list(range(len(layers))) and len(layers) == cfg.num_layers,   # no range(num_layers): 1e12
+            f"the weights hold {len(layers)} encoder layers (numbered {layers[0] if layers else '-'} to "
+            f"{layers[-1] if layers else '-'}) but config.json has num_hidden_layers={cfg.num_layers}", where,
+            "fix num_hidden_layers in config.json")
     has_head = "cls.predictions.transform.dense.weight" in tensors
     part = sorted(k for k in tensors if k.startswith("cls.predictions.transform."))
     require(has_head or not part, f"the checkpoint holds part of an MLM head ({', '.join(part[:3])}) without "

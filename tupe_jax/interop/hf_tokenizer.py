@@ -78,8 +78,9 @@ def _refuse_added_tokens(src: str, vocab: list[str], tok_cfg: dict, where: str) 
     words = ((fast or {}).get("model") or {}).get("vocab") if isinstance(fast, dict) else None
     if isinstance(words, dict):   # the fast tokenizer's own WordPiece table, which transformers prefers
         bad = next((t for t in words if index.get(t) != words[t]), None)
-        what = f"{len(words)} tokens, vocab.txt {len(vocab)}" if len(words) != len(vocab) else None if bad is None \
-            else f"{bad!r} has id {words[bad]} there, {index.get(bad)} in vocab.txt"
+        what = f"{bad!r} has id {words[bad]} there, {index.get(bad)} in vocab.txt" if bad is not None else None
+        if len(words) != len(vocab):
+            what = f"{len(words)} tokens, vocab.txt {len(vocab)}"
         require(what is None, f"{src}/tokenizer.json's vocabulary differs from vocab.txt ({what})", where,
                 "give the vocab.txt of that tokenizer.json (transformers tokenizes with tokenizer.json)")
 

@@ -162,7 +162,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict, overwrite: Opt
                 "no config.json", "--workdir", "use a fresh workdir")
         # a run's tokenizer too (not a prepare's, which records the text it was learned on): a new run would take
         # that vocabulary as its own, over data.vocab_file or the one its corpus gives
-        ours = WRITTEN + (("tokenizer/vocab.txt",) if folder_kind(new) != folder_kind({"prepare": 1}) else ())
+        ours = WRITTEN + (("tokenizer/vocab.txt",) if "prepare" not in new else ())
         found = [n for n in RESULTS + ours if files.exists(files.join(workdir, n))]
         require(not found, f"{workdir} holds {found[0] if found else ''} but no config.json: a file of the name a "
                 "command writes there, made by something else (or its run's config.json was removed)", "--workdir",
