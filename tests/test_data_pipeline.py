@@ -1,5 +1,6 @@
 """grain pretraining pipelines: MLM/CLM batch layout, resume from saved state, process sharding."""
 import json
+import re
 
 import ml_collections
 import numpy as np
@@ -221,8 +222,14 @@ def test_a_copied_corpus_with_new_mtimes_resumes_and_an_edited_one_does_not(tmp_
     copy = it(configs["b"], tok, split="train")
     copy.set_state(state)
     assert_same(next(copy), expected)
-    with pytest.raises(UserError, match="different data settings"):
-        it(configs["c"], tok, split="train").set_state(state)
+    edited = it(configs["c"], tok, split="train")
+    with pytest.raises(UserError, match=r"^error: the text read is not the one this run trained on \(its content "
+                                        rf"key differs .*\), data.path={re.escape(str(tmp_path / 'c'))}, point data"):
+        edited.set_state(state)
+    with pytest.raises(UserError, match="different data settings"):      # a state saved before it kept the key
+        edited.set_state({k: v for k, v in state.items() if k != "corpus"})
+    with pytest.raises(UserError, match="different data settings"):      # other text and other settings
+        it(configs["c"], tok, split="train", seed=8).set_state(state)
     legacy = builders.digest([builders.legacy_corpus_key(configs["a"]), "train", tok.fingerprint, "mlm", 32, 8, 1, 7,
                               True, True, 0.15, 5, "full_sentences"])
     again = it(configs["a"], tok, split="train")

@@ -55,7 +55,8 @@ def test_a_pretraining_run_resumes_from_a_copy_of_its_corpus_elsewhere(tmp_path,
     for steps in (9, 6):             # to train on, and finished (its config.json took any data.path unchecked)
         assert launch.main([*PRETRAIN, f"--workdir={moved}", f"--config.data.path={other}", cache,
                             f"--config.train.steps={steps}"]) == 2
-        assert "the saved data-iterator state belongs to different data settings" in capsys.readouterr().err
+        assert "error: the text read is not the one this run trained on (its content key differs from the one its " \
+            f"checkpoint's data-iterator state saved), data.path={other}, point data.path" in capsys.readouterr().err
         assert tree(str(moved)) == before                            # config.json still names the copy
 
 

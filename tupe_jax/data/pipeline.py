@@ -203,11 +203,13 @@ class PretrainIterator(grain.DatasetIterator):
     """Batches of one process; `get_state()`/`set_state()` checkpoint it (also via grain's Orbax handler)."""
 
     def __init__(self, parent: grain.DatasetIterator, batcher: _Batcher,
-                 fingerprints: Callable[[int], tuple[str, ...]]):
+                 fingerprints: Callable[..., tuple[str, ...]], corpus_key: str = "",
+                 text_where: tuple[str, str, str] = ("the data", "data.name", "resume with the run's data")):
         super().__init__(parent)
-        # process count -> the keys of these settings on that many processes: the current one first, then the same
-        # settings as an older data format keyed them
+        # (process count[, another text's key]) -> the keys of these settings on that many processes: the current
+        # one first, then the same settings as an older data format keyed them
         self.batcher, self.fingerprints = batcher, fingerprints
+        self.corpus_key, self.text_where = corpus_key, text_where   # the text's key; (what, where, fix) if it differs
         self.fingerprint = fingerprints(batcher.pc)[0]
         self.saved_process_count = batcher.pc   # set_state: the count of the processes that saved the state
         self.per_host_batch_size = batcher.local
@@ -219,7 +221,7 @@ class PretrainIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict:
         return {"pipeline": self._parent.get_state(), "fingerprint": self.fingerprint,
-                "process_count": self.batcher.pc}
+                "process_count": self.batcher.pc, "corpus": self.corpus_key}
 
     def set_state(self, state: dict) -> None:
         saved, now = state.get("process_count"), self.batcher.pc
@@ -228,6 +230,12 @@ class PretrainIterator(grain.DatasetIterator):
                           if state.get("fingerprint") in self.fingerprints(c)), now)
         self.saved_process_count = saved
         if state.get("fingerprint") not in self.fingerprints(saved):
+            other = state.get("corpus")
+            if isinstance(other, str) and other != self.corpus_key and \
+                    state.get("fingerprint") in self.fingerprints(saved, other):
+                what, where, fix = self.text_where
+                raise UserError(f"{what} read is not the one this run trained on (its content key differs from the "
+                                "one its checkpoint's data-iterator state saved)", where, fix)
             if saved != now:
                 raise UserError(f"the saved data-iterator state is of a run with {_processes(saved)} and other data "
                                 f"settings; this one has {_processes(now)}", "checkpoint data-iterator state",
@@ -298,9 +306,15 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)).__iter__()
     legacy = builders.legacy_corpus_key(config)        # '' unless text_files/wikitext
 
-    def fingerprints(count: int) -> tuple[str, ...]:   # these settings, on `count` processes
+    def fingerprints(count: int, text: str = key) -> tuple[str, ...]:   # these settings on `count` processes
         rest = [split, tokenizer.fingerprint, objective, max_len, global_batch_size, count, int(seed), shuffle, repeat,
                 mask_prob, max_pred, config.data.get("packing", "full_sentences")]
-        return (builders.digest([key] + rest),) + ((builders.digest([legacy] + rest),) if legacy else ())
+        return (builders.digest([text] + rest),) + ((builders.digest([legacy] + rest),) if legacy and text == key
+                                                     else ())
 
-    return PretrainIterator(it, batcher, fingerprints)
+    path = config.data.get("path", "")
+    where = ("the prepared data" if config.data.get("name") == "prepared" else "the text",
+             f"data.path={path}" if path else f"data.name={config.data.get('name')}",
+             "point data.path at the run's text (a copy of it anywhere resumes), or start a new workdir" if path
+             else "resume with the corpus this run trained on, or start a new workdir")
+    return PretrainIterator(it, batcher, fingerprints, key, where)
