@@ -4,6 +4,7 @@ its checkpoints keep (the data iterator's, the GLUE examples'). Both were refuse
 though the copy was the same text."""
 import hashlib
 import json
+import re
 import shutil
 
 import pytest
@@ -138,3 +139,57 @@ def test_the_paths_a_run_had_are_read_from_its_history(tmp_path):
     then = gate.paths_then(str(tmp_path), {"data.path": "/c", "data.glue_dir": "/h", "train.steps": 6})
     assert {"data.path": "/a", "data.glue_dir": "/h"} in then and {"data.path": "/b", "data.glue_dir": "/g"} in then
     assert then[0] == {"data.path": "/c", "data.glue_dir": "/h"}
+
+
+def test_a_tfds_dataset_resumes_from_a_copy_in_another_folder(tmp_path):
+    """`data.tfds_data_dir` is resumable: the iterator state holds a TFDS dataset by its full name, text feature and
+    split sizes (its info), no longer by its folder; a state keyed by the folder, as before, resumes from there."""
+    import ml_collections
+    from tupe_jax import data as D
+    from tupe_jax.data import builders
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for split in ("train", "valid"):
+        (folder / f"{split}.txt").write_text("\n\n".join(f"document {i} has words and more words {i * 7}"
+                                                         for i in range(200)))
+
+    def config(**data):
+        c = ml_collections.ConfigDict({"data": D.default_data_config(),
+                                       "model": {"vocab_size": 300, "max_len": 32, "objective": "mlm"}})
+        c.data.update(dict(cache_dir=str(tmp_path / "cache"), prefetch=0, holdout=0, **data))
+        return c
+
+    raw = config(name="text_files", path=str(folder))
+    built = builders.corpus_builder(raw)            # a dataset under <cache>/tfds, read back by its name
+    name = f"tfds:{built.name}/{built.builder_config.name}"
+    here = config(name=name, tfds_data_dir=str(tmp_path / "cache" / "tfds"))
+    tok = D.get_tokenizer(raw, tmp_path / "run")
+
+    def it(c):
+        return D.pretrain_iterator(c, tok, split="train", global_batch_size=8, seed=7, process_index=0,
+                                   process_count=1)
+
+    def same(batch, other):
+        return batch.keys() == other.keys() and all((batch[k] == v).all() for k, v in other.items())
+    first = it(here)
+    next(first)
+    state = json.loads(json.dumps(first.get_state()))
+    expected = next(first).present()
+    moved_dir = shutil.copytree(tmp_path / "cache" / "tfds", tmp_path / "elsewhere" / "tfds")
+    moved = it(config(name=name, tfds_data_dir=str(moved_dir)))
+    moved.set_state(state)
+    assert same(next(moved).present(), expected)
+    (info,) = moved_dir.rglob("dataset_info.json")             # another dataset of that name: its sizes differ
+    record = json.loads(info.read_text())
+    record["splits"][0]["numBytes"] = str(int(record["splits"][0]["numBytes"]) + 1)
+    info.write_text(json.dumps(record))
+    with pytest.raises(UserError, match=rf"^error: the text read is not the one this run trained on .*, "
+                                        rf"data.name={re.escape(name)}, resume with the corpus"):
+        it(config(name=name, tfds_data_dir=str(moved_dir))).set_state(state)
+    folder_key = builders.corpus_fingerprint(here, "train")[0]           # as a state saved before this keyed it
+    old = {**state, "fingerprint": builders.digest([folder_key, "train", tok.fingerprint, "mlm", 32, 8, 1, 7, True,
+                                                    True, 0.15, 5, "full_sentences"])}
+    del old["corpus"]
+    again = it(here)
+    again.set_state(old)
+    assert same(next(again).present(), expected)

@@ -160,6 +160,22 @@ def _as_str(v) -> str:
 
 # ---------------------------------------------------------------------------------------- documents
 
+def resume_keys(config, split: str) -> tuple[str, str]:
+    """(key, older key or ''): what a data-iterator state holds the documents of `split` by, and what an earlier
+    version held them by. text_files/wikitext: their files' content (`corpus_fingerprint`); earlier, mtime stamps.
+    tfds: the dataset's full name, text feature and split sizes as its info records them, so the same dataset
+    resumes from another folder (`data.tfds_data_dir` is resumable); earlier, its name and folder. Others: their
+    cache key."""
+    name = config.data.get("name", "embedded")
+    key, _ = corpus_fingerprint(config, split)
+    if not name.startswith("tfds:"):
+        return key, legacy_corpus_key(config)
+    src = tfds_source(config, name[5:], split)
+    info = src.dataset_info
+    sizes = [[s, int(v.num_bytes), [int(n) for n in v.shard_lengths]] for s, v in sorted(info.splits.items())]
+    return f"tfds/{name[5:].replace('/', '_')}/i{digest([info.full_name, _tfds_text_key(config, src), sizes])}", key
+
+
 def legacy_corpus_key(config) -> str:
     """The key data format 1 gave a text_files/wikitext corpus (its mtime stamps as they are now), '' for others:
     an iterator state saved by that version is accepted when it matches (same files, untouched since)."""

@@ -285,11 +285,11 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
         raise UserError(f"model.max_len {max_len} is too small", "config.model.max_len", "use at least 8")
     if config.data.get("name") == "prepared":
         source = prepared.open_split(config, split)
-        key = source.key
+        key, legacy = source.key, ""
     else:
         stream, unit_ends = token_stream(config, tokenizer, split)
         source = StreamRows(stream, *example_windows(config, len(stream), unit_ends, objective, max_len))
-        key, _ = builders.corpus_fingerprint(config, split)
+        key, legacy = builders.resume_keys(config, split)
     mask_prob = float(config.data.get("mask_prob", 0.15))
     max_pred = resolve_max_predictions(config, max_len)
     batcher = _Batcher(source, objective=objective, max_len=max_len, tokenizer=tokenizer,
@@ -304,7 +304,6 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
     prefetch = int(config.data.get("prefetch", 4))
     threads = int(config.data.get("num_threads", 2)) if prefetch > 0 else 0
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)).__iter__()
-    legacy = builders.legacy_corpus_key(config)        # '' unless text_files/wikitext
 
     def fingerprints(count: int, text: str = key) -> tuple[str, ...]:   # these settings on `count` processes
         rest = [split, tokenizer.fingerprint, objective, max_len, global_batch_size, count, int(seed), shuffle, repeat,
