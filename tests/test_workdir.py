@@ -126,6 +126,11 @@ def test_claim_cleans_up_after_a_failure_but_keeps_what_was_there(tmp_path):
         with workdir_lib.claim(str(tmp_path / "new" / "deep" / "run"), load_config()):
             raise RuntimeError("boom")
     assert not (tmp_path / "new").exists()
+    with pytest.raises(RuntimeError):             # written with `..`: mkdir -p made n1 as well as n2
+        with workdir_lib.claim(str(tmp_path / "n1" / ".." / "n2" / "run"), load_config()):
+            raise RuntimeError("boom")
+    assert sorted(os.listdir(tmp_path)) == sorted(set(os.listdir(tmp_path)) - {"n1", "n2"})
+    assert not (tmp_path / "n1").exists() and not (tmp_path / "n2").exists()
 
 
 def test_a_command_refused_inside_the_claim_leaves_the_run_byte_identical(tmp_path):

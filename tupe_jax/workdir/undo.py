@@ -77,8 +77,9 @@ class Before:
     @classmethod
     def take(cls, workdir: str) -> "Before":
         if not files.isdir(workdir):
-            parents, up = [], os.path.dirname(os.path.abspath(workdir))
-            while not files.is_remote(workdir) and up != os.path.dirname(up) and not os.path.exists(up):
+            # the path as written (`mkdir -p` of `n1/../n2/run` makes `n1` too); `n1/..` itself is never empty
+            parents, up = [], os.path.dirname(workdir.rstrip(os.sep))
+            while not files.is_remote(workdir) and up and up != os.path.dirname(up) and not os.path.exists(up):
                 parents, up = parents + [up], os.path.dirname(up)
             return cls(workdir, None, {}, frozenset(), frozenset(), tuple(parents))
         names = frozenset(files.listdir(workdir))
