@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tupe_jax.dropout import Dropout16, keep_bits16, keep_mask16
+from tupe_jax.dropout import Dropout16, keep_bits16, keep_mask16, threshold16
 
 N = 1 << 20
 
@@ -119,6 +119,20 @@ def test_dropout16_is_unbiased_and_keeps_or_zeroes():
         assert values == {0.0, float(np.float32(2.0) * np.float32(1 / p))}
         assert abs(float(jnp.mean(y)) - 2.0) <= 6 * 2.0 * math.sqrt((1 - p) / p / N)
     assert (Dropout16(0.1).apply({}, x, deterministic=True) == x).all()
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.1, 0.15, 0.3])
+def test_dropout16_in_bfloat16_scales_each_kept_value_by_the_exact_ratio(rate):
+    """Each kept value is x·2¹⁶/t rounded once to bfloat16, so E[y] = x up to that rounding; the scale rounded to
+    bfloat16 first made every kept value 0.16% small at rate 0.1 (and 0.27% large at 0.15)."""
+    x = jax.random.normal(jax.random.PRNGKey(3), (512, 512)).astype(jnp.bfloat16)
+    y = np.asarray(Dropout16(rate).apply({}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)}),
+                   np.float32)
+    exact = np.asarray(x, np.float32) * (65536 / threshold16(1 - rate))
+    kept = y != 0
+    expected = np.asarray(jnp.asarray(exact).astype(jnp.bfloat16), np.float32)
+    assert (y[kept] == expected[kept]).all()
+    assert abs(float(np.mean(y[kept] / exact[kept])) - 1) < 2e-4     # rounding to nearest: no bias in the mean
 
 
 def test_a_model_with_16_bit_masks_trains_deterministically_and_evaluates_as_before():

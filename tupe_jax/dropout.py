@@ -116,9 +116,12 @@ def keep_bits16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax
 
 
 def apply_mask16(inputs: jax.Array, rng: jax.Array, rate: float) -> jax.Array:
-    """`inputs` with keep_mask16(rng, inputs.shape, 1 − rate) applied and the kept values scaled by 2¹⁶/t."""
+    """`inputs` with keep_mask16(rng, inputs.shape, 1 − rate) applied and the kept values scaled by 2¹⁶/t. The
+    product is taken in float32 and rounded once: a bfloat16 scale, 2¹⁶/58982 rounded to 1.109375 at rate 0.1,
+    would shrink every kept value by 0.16% (E[y] = 0.9984·x)."""
     keep, p = keep_mask16(rng, inputs.shape, 1.0 - rate)
-    return jnp.where(keep, inputs * jnp.asarray(1.0 / p, inputs.dtype), jnp.zeros((), inputs.dtype))
+    scaled = (inputs.astype(jnp.float32) * jnp.float32(1.0 / p)).astype(inputs.dtype)
+    return jnp.where(keep, scaled, jnp.zeros((), inputs.dtype))
 
 
 class Dropout16(nn.Module):
