@@ -11,6 +11,7 @@ from tupe_jax.analysis import report as report_lib
 from tupe_jax.analysis import suite as suite_lib
 from tupe_jax import config as config_lib
 from tupe_jax.errors import UserError
+from tests.workdir_fixtures import tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "compare.py")
@@ -197,6 +198,22 @@ def test_tiny_tupe_suite_fine_tunes_and_tabulates(tmp_path):
     assert report["glue"]["tupe_a-mlm"]["0"]["wordorder"]["steps"] == 3
     assert (workdir / "glue" / "tupe_a-mlm-s0" / "wordorder" / "results.json").is_file()
     assert (workdir / "glue.png").is_file() and "## Fine-tuning" in (workdir / "REPORT.md").read_text()
+    # the pretraining run trained again (moved aside and rerun, as the suite advises for a bad checkpoint): the
+    # fine-tune's scores are of weights no longer there, and the suite said nothing and reused them
+    results = json.loads((workdir / "glue" / "tupe_a-mlm-s0" / "wordorder" / "results.json").read_text())
+    saved = workdir / "tupe_a-mlm-s0" / "checkpoints" / str(results["init_step"]) / "_CHECKPOINT_METADATA"
+    made = saved.read_text()
+    record = json.loads(made)
+    assert results["init_checkpoint"] == f"{record['init_timestamp_nsecs']}-{record['commit_timestamp_nsecs']}"
+    saved.write_text(json.dumps({**record, "commit_timestamp_nsecs": record["commit_timestamp_nsecs"] + 1}))
+    before = tree(str(workdir))
+    with pytest.raises(UserError, match=r"wordorder was fine-tuned from .*tupe_a-mlm-s0 step \d+ as saved then, and "
+                                        r"that checkpoint is another one now \(the run was trained again\), --workdir, "
+                                        r"move .*tupe_a-mlm-s0 aside"):
+        suite_lib.run(config, str(workdir))
+    assert tree(str(workdir)) == before                   # refused before any pretraining, nothing rewritten
+    saved.write_text(made)
+    assert suite_lib.run(config, str(workdir))["glue"] == report["glue"]      # the same checkpoint: reused
 
 
 def test_a_finished_run_is_shared_by_suites_with_and_without_glue(tmp_path):

@@ -94,6 +94,14 @@ def test_a_sweep_whose_sub_runs_have_started_needs_no_init_from_run(env, tmp_pat
     assert launch.main(argv) == 2
     assert f"error: init_from {source} does not exist" in capsys.readouterr().err
     assert tree(str(sweep)) == before
+    shutil.copytree(env["pre"], source)        # the run trained again into its folder: another step-10 checkpoint
+    saved = source / "checkpoints" / "10" / "_CHECKPOINT_METADATA"
+    record = json.loads(saved.read_text())
+    saved.write_text(json.dumps({**record, "commit_timestamp_nsecs": record["commit_timestamp_nsecs"] + 1}))
+    assert launch.main(argv) == 2              # the finished sub-run's scores are of weights no longer there
+    assert f"started from {source} step 10 as saved then, and that checkpoint is another one now" in \
+        capsys.readouterr().err
+    assert tree(str(sweep)) == before
 
 
 def test_a_finished_fine_tune_is_not_resumed_again(env, tmp_path, capsys):

@@ -136,10 +136,30 @@ def _check_same_finetune(path: str, g: ml_collections.ConfigDict) -> None:
                          "(glue.*, finetune.*, the data)")
 
 
+def _check_same_source(path: str, pretrained: str) -> None:
+    """Refuse to reuse a finished fine-tune whose pretraining checkpoint is gone or another now (the run was moved
+    aside and trained again, as the suite advises for a bad checkpoint): its scores belong to weights that are no
+    longer there. A results.json made before it recorded the checkpoint (`init_checkpoint`) is not checked."""
+    done = os.path.join(path, "results.json")
+    if not files.isfile(done):
+        return
+    made = files.read_json(done)
+    saved = made.get("init_checkpoint") if isinstance(made, dict) else None
+    if not saved:
+        return
+    step = made.get("init_step")
+    now = workdir_lib.checkpoint_identity(pretrained, step)
+    require(now == saved, f"{path} was fine-tuned from {pretrained} step {step} as saved then, and that checkpoint is "
+            f"{'another one now (the run was trained again)' if now else 'no longer there'}", "--workdir",
+            f"move {os.path.dirname(path)} aside (its fine-tunes are made again from the run as it is), or restore "
+            "the run it was fine-tuned from")
+
+
 def check_finetunes(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme], seeds: list[int],
                     runs_root: str, tasks: list[str]) -> None:
     """Before any pretraining: every fine-tune already in the suite folder must be the one this suite would make
-    (one made with other glue.* settings was found at its turn, after hours of pretraining)."""
+    (one made with other glue.* settings was found at its turn, after hours of pretraining), from the checkpoint its
+    pretraining run holds."""
     for seed in seeds:
         for scheme in (s for s in schemes if s.objective == "mlm"):
             pretrained = run_path(runs_root, scheme, seed)
@@ -147,6 +167,7 @@ def check_finetunes(config: ml_collections.ConfigDict, workdir: str, schemes: li
                 path = os.path.join(workdir, "glue", run_name(scheme, seed), task)
                 if files.isfile(workdir_lib.config_path(path)):
                     _check_same_finetune(path, glue_config(config, scheme, seed, pretrained, task))
+                    _check_same_source(path, pretrained)
 
 
 def finetune_all(config: ml_collections.ConfigDict, workdir: str, schemes: list[Scheme],
@@ -169,6 +190,7 @@ def _finetune_tasks(config: ml_collections.ConfigDict, workdir: str, scheme: Sch
         done = os.path.join(path, "results.json")
         g = glue_config(config, scheme, seed, pretrained, task)
         _check_same_finetune(path, g)
+        _check_same_source(path, pretrained)
         if not os.path.isfile(done):
             print(f"[compare {config.suite}] fine-tuning {run_name(scheme, seed)} on {task}: "
                   f"{int(g.train.steps)} steps -> {path}", flush=True)

@@ -65,7 +65,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
     runner.bind(trainer.shardings["params"])
     state, progress = trainer.restore_or_init(fresh=lambda s: runner.load_encoder(s, trainer.abstract_params))
     resumed = progress is not None
-    source = {"workdir": runner.source.workdir, "step": runner.source.step} if runner.source else \
+    source = {"workdir": runner.source.workdir, "step": runner.source.step,
+              "checkpoint": workdir_lib.checkpoint_identity(runner.source.workdir, runner.source.step)} \
+        if runner.source else \
         ({"workdir": str(config.init_from), "step": None} if config.init_from else None)   # a resume read none
     if progress is None:    # the checkpoint read now; a resumed run reports the one its first start read
         progress = {"best": None, "last_eval": None, "predictions": [], "init": source, "data": runner.data_key,
@@ -150,6 +152,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, devices: list) ->
         "best": best, "final": last, "steps": total, "epochs": total / spe, "steps_per_epoch": spe,   # epochs trained
         "batch_size": runner.batch_size, "learning_rate": float(t.learning_rate), "seed": runner.seed,
         "init_from": init["workdir"] if init else "", "init_step": init["step"] if init else None,
+        "init_checkpoint": init.get("checkpoint", "") if init else "",   # '' = not known (meta.checkpoint_identity)
         "majority_baseline": runner.majority_baseline(), "predictions": progress.get("predictions", []),
         "data": progress["data"],      # the examples' key (`glue_fingerprint`): a sweep reuses the run on them alone
     }

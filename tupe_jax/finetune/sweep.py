@@ -131,6 +131,11 @@ def check_existing(sub: ml_collections.ConfigDict, path: str, init: tuple[str, i
             f"sweep's new ones from {now[0] or 'scratch'} step {now[1]}", "--config.init_step",
             (f"give --config.init_step={had[1]} (the step its sub-runs read), or " if had[1] is not None else "")
             + "sweep into a fresh workdir")
+    saved = (source or {}).get("checkpoint")         # '' or absent: recorded before the field, not checked
+    now_saved = workdir_lib.checkpoint_identity(*init) if saved and init else ""
+    require(not now_saved or now_saved == saved, f"the {what} sub-run {path} started from {had[0]} step {had[1]} as "
+            "saved then, and that checkpoint is another one now (the run was trained again)", "--config.init_from",
+            "sweep into a fresh workdir to fine-tune the run as it is now, or restore the run it started from")
     task = str(sub.task)
     if "data" in made:             # results.json of earlier versions lack it
         if task not in data_keys:
@@ -146,8 +151,8 @@ def _recorded(path: str) -> tuple[str, dict, dict | None] | None:
     done = files.join(path, "results.json")
     if files.isfile(done):
         made = files.read_json(done)
-        return "finished", made, ({"workdir": made.get("init_from"), "step": made.get("init_step")}
-                                  if made.get("init_from") else None)
+        return "finished", made, ({"workdir": made.get("init_from"), "step": made.get("init_step"),
+                                   "checkpoint": made.get("init_checkpoint", "")} if made.get("init_from") else None)
     steps = workdir_lib.checkpoint_steps(path)
     if not steps:
         return None

@@ -116,6 +116,18 @@ def check_compatible(meta: Mapping[str, Any], pe: str, shapes: Mapping[str, list
                             "use the same model size (model.* keys) as the pretraining run")
 
 
+def checkpoint_identity(workdir: str, step: int) -> str:
+    """When Orbax began and committed `workdir`'s checkpoint `step`: '<init ns>-<commit ns>' from the step's
+    _CHECKPOINT_METADATA, '' where that does not read. A copy of the folder keeps it; a run trained again into the
+    folder gets another. A fine-tune records its source's (results.json `init_checkpoint`), and a suite reuses a
+    fine-tune only while its pretraining run's step still has it."""
+    try:
+        record = json.loads(files.read_text(files.join(workdir, "checkpoints", str(int(step)), "_CHECKPOINT_METADATA")))
+        return f"{int(record['init_timestamp_nsecs'])}-{int(record['commit_timestamp_nsecs'])}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+
+
 def checkpoint_steps(workdir: str) -> list[int]:
     """Committed checkpoint steps of `workdir` ([] when it has none)."""
     if not files.isdir(files.join(workdir, "checkpoints")):
