@@ -130,6 +130,21 @@ def test_unknown_sinusoidal_style_is_refused():
         validate_config(model)
 
 
+@pytest.mark.parametrize("head_dim,fraction,rotated", [(100, 0.58, 58), (180, 0.7, 126), (200, 0.29, 58),
+                                                       (64, 0.35, 22), (64, 0.5, 32)])
+def test_a_rope_fraction_rotates_head_dim_times_fraction_features(head_dim, fraction, rotated):
+    """100 · 0.58 is 57.99999999999999 in floats: validation refused it as 57 (odd) features, and the module would
+    have rotated 56; 64 · 0.35 = 22.4 rotates 22, as before."""
+    import ml_collections
+    from tupe_jax.positional import validate_config
+    from tupe_jax.positional.rope import rotary_dim
+    model = ml_collections.ConfigDict(dict(pe="rope", rope_style="half", tupe_form="bias", rope_fraction=fraction,
+                                           hidden_size=head_dim, num_heads=1, rel_num_buckets=32, rel_max_distance=128,
+                                           sinusoidal_style="scaled"))
+    validate_config(model)
+    assert rotary_dim(head_dim, fraction) == rotated
+
+
 # ----------------------------------------------------------------------------------------------- RoPE
 def reference_rope(x, positions, base, style, rot):
     """Block-diagonal 2x2 rotations of RoFormer eq. (13), plane i at angle m * base^(-2i/rot)."""

@@ -13,7 +13,7 @@ from tupe_jax.positional.alibi import ALiBi, alibi_bias, alibi_slopes
 from tupe_jax.positional.base import NoPos, PositionalSettings, PositionalTerms
 from tupe_jax.positional.learned import LearnedAbsolute
 from tupe_jax.positional.relative import RelativeBias, bucket_grid, relative_position_bucket
-from tupe_jax.positional.rope import ROPE_STYLES, Rotary, apply_rope, rope_angles
+from tupe_jax.positional.rope import ROPE_STYLES, Rotary, apply_rope, rope_angles, rotated_count
 from tupe_jax.positional.sinusoidal import SINUSOIDAL_STYLES, Sinusoidal, fairseq_sinusoid_table, sinusoid_table
 from tupe_jax.positional.tupe import TUPE_FORMS, DisentangledAbsolute, UntiedPositional
 
@@ -44,7 +44,7 @@ def validate_config(model) -> None:
     require(0.0 < model.rope_fraction <= 1.0, f"model.rope_fraction = {model.rope_fraction} is outside (0, 1]",
             "--config.model.rope_fraction", "give a fraction in (0, 1]")
     head_dim = model.hidden_size // model.num_heads
-    rotary = int(head_dim * model.rope_fraction)
+    rotary = rotated_count(head_dim, model.rope_fraction)
     require(model.pe != "rope" or (rotary >= 2 and rotary % 2 == 0),
             f"rope rotates {rotary} of {head_dim} head dims, which must be even and >= 2",
             "--config.model.rope_fraction", "pick a fraction giving an even number of dims")

@@ -30,9 +30,15 @@ import numpy as np
 from tupe_jax.positional.base import PositionalSettings, PositionalTerms, standard_scale
 
 
+def rotated_count(head_dim: int, fraction: float) -> int:
+    """head_dim · fraction truncated to an integer, after rounding off float error (100 · 0.58 is 57.99999999999999
+    in floats: 58 features, not 57)."""
+    return int(round(head_dim * fraction, 9))
+
+
 def rotary_dim(head_dim: int, fraction: float) -> int:
-    """Number of rotated features per head (even)."""
-    return 2 * int(head_dim * fraction // 2)
+    """Number of rotated features per head (even): `rotated_count` rounded down to even."""
+    return 2 * (rotated_count(head_dim, fraction) // 2)
 
 
 def rope_angles(positions: jax.Array, rot_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
