@@ -164,3 +164,29 @@ def test_other_bit_counts_are_refused():
         config.model.dropout_bits = 8
     with pytest.raises(UserError, match=r"unknown model.dropout_bits 8.*--config.model.dropout_bits.*32\|16"):
         validate_config(config.model)
+
+
+def test_a_mask_past_2_32_hashes_is_refused_where_its_counters_would_wrap():
+    """The hashes' counters are one uint32 word: at batch 342 × 12 heads × 2048² the attention mask's hash
+    (341, 4, 0, 0) has counter ((341·12 + 4)·2048)·512 = 2³², the counter of (0, 0, 0, 0): the same mask block.
+    Refused before any compute (`model.validate_training`) and at trace time; one example fewer fits."""
+    from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax import model as model_lib  # pylint: disable=import-outside-toplevel
+    from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    assert ((341 * 12 + 4) * 2048) * 512 == 2 ** 32
+    key = jax.random.PRNGKey(0)
+    jax.eval_shape(lambda k: keep_mask16(k, (341, 12, 2048, 2048), 0.9)[0], key)      # traced only: no compute
+    with pytest.raises(ValueError, match=r"needs 4303355904 hashes, past the 4294967296 .*dropout_bits=32"):
+        jax.eval_shape(lambda k: keep_mask16(k, (342, 12, 2048, 2048), 0.9)[0], key)
+    config = get_config("pe=tupe_r,size=base")
+    with config.unlocked():
+        config.model.max_len, config.model.dropout_bits, config.train.batch_size = 2048, 16, 341
+    model_lib.validate_training(config, "cpu", (2048,))
+    config.train.batch_size = 342
+    with pytest.raises(UserError, match=r"16-bit dropout mask of shape \(342, 12, 2048, 2048\) \(train.batch_size "
+                                        r"342\) needs 4303355904 hashes.*, --config.model.dropout_bits, set it to 32"):
+        model_lib.validate_training(config, "cpu", (2048,))
+    config.model.attention_dropout_rate = 0.0               # no attention mask: the hidden ones are far smaller
+    model_lib.validate_training(config, "cpu", (2048,))
+    config.model.attention_dropout_rate, config.model.dropout_bits = 0.1, 32
+    model_lib.validate_training(config, "cpu", (2048,))

@@ -35,7 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tupe_jax.dropout import apply_mask16, keep_bits16, make_dropout, threefry_words
+from tupe_jax.dropout import apply_mask16, check_hashes16, keep_bits16, make_dropout, threefry_words
 from tupe_jax.positional.base import PositionalTerms
 from tupe_jax.projection import dense_dot_general
 
@@ -227,6 +227,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, terms: Positional
     if dropout_key is not None and PALLAS_DROPOUT_MASK == "precomputed":
         bits = keep_bits16(dropout_key, (batch, heads, length, length), 1.0 - dropout_rate)
     elif dropout_key is not None:
+        check_hashes16((batch, heads, length, length))    # the kernel hashes keep_bits16's counters itself
         words = threefry_words(dropout_key)
     block_q, block_k = flash.blocks(length)
     return flash.flash_attention(

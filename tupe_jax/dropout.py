@@ -18,12 +18,15 @@ its rolled loop (`_hash_words`).
 
     make_dropout(rate, bits) -> nn.Module          nn.Dropout for 32, Dropout16 for 16
     keep_mask16(rng, shape, keep_prob) -> (bool mask, realised keep probability)
+    hashes16(shape) -> the hashes a mask of `shape` takes; check_hashes16(shape) refuses more than 2³² (ValueError)
     keep_bits16(rng, shape, keep_prob) -> the same mask, four bits a byte (one byte per hash)
     threshold16(keep_prob) -> t, the 16-bit threshold of keep_mask16 (and of kernels/flash.py's masks)
     apply_mask16(x, rng, rate) -> x masked and scaled (what Dropout16 does with the rng it draws)
     threefry2x32_primitive(k0, k1, x0, x1) -> (y0, y1)   JAX's threefry primitive (the hash off XLA:CPU)
 """
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax
@@ -33,6 +36,7 @@ from jax.extend.random import threefry2x32_p
 from tupe_jax.kernels.threefry import threefry2x32
 
 DROPOUT_BITS = (32, 16)
+MAX_HASHES16 = 1 << 32     # keep_mask16's counters are one uint32 word: distinct for this many hashes per mask
 
 
 def _counters(shape: tuple[int, ...]) -> jax.Array:
@@ -80,10 +84,24 @@ def _hash_words(rng: jax.Array, counter_shape: tuple[int, ...]) -> tuple[jax.Arr
     return tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
 
 
+def hashes16(shape: tuple[int, ...]) -> int:
+    """How many threefry hashes keep_mask16 makes for a mask of `shape`: one per four elements of the last axis."""
+    return math.prod(shape[:-1]) * -(-shape[-1] // 4)
+
+
+def check_hashes16(shape: tuple[int, ...]) -> None:
+    """Refuse a mask whose hashes' 32-bit counters would wrap (`MAX_HASHES16`): two of its blocks would repeat one
+    mask. `model.validate_training` refuses such a run's settings before any compute; this guards every call."""
+    if hashes16(shape) > MAX_HASHES16:
+        raise ValueError(f"a 16-bit dropout mask of shape {tuple(shape)} needs {hashes16(shape)} hashes, past the "
+                         f"{MAX_HASHES16} its 32-bit counters number apart; use model.dropout_bits=32")
+
+
 def _quarter_keeps(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tuple[list[jax.Array], int]:
     """The four boolean shape[:-1] + (q,) masks of keep_mask16's hashes, q = ceil(L/4), in quarter order t = 0..3
     (the low and high halves of the first word, then of the second), and q. Quarter t's element (…, c) is the mask
     at (…, c + t·q)."""
+    check_hashes16(shape)
     threshold = threshold16(keep_prob)
     quarter = -(-shape[-1] // 4)
     words = _hash_words(rng, shape[:-1] + (quarter,))

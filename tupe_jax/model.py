@@ -22,7 +22,7 @@ from tupe_jax import attention as attention_lib
 from tupe_jax import positional
 from tupe_jax.activations import gelu
 from tupe_jax.attention import ATTENTION_BACKENDS, SelfAttention, attention_mask
-from tupe_jax.dropout import DROPOUT_BITS, make_dropout
+from tupe_jax.dropout import DROPOUT_BITS, MAX_HASHES16, hashes16, make_dropout
 from tupe_jax.errors import require
 from tupe_jax.head import tied_cross_entropy, tied_logits
 from tupe_jax.positional import PositionalSettings, canonical_name, make_positional
@@ -122,6 +122,15 @@ def validate_training(config: Any, platform: str, lengths: Sequence[int]) -> Non
     (`attention.PALLAS_IN_KERNEL_DROPOUT_COMPILES_ON_GPU`). Readers of a run (`workdir.run.load_run`) read a cudnn
     run off a GPU with xla instead, and say so."""
     m = config.model
+    if m.dropout_bits == 16:       # the largest masks' hashes, over the global batch (dropout.check_hashes16)
+        batch, length = int(config.train.batch_size), max(lengths)
+        masks = [(batch, m.num_heads, length, length)] * (m.attention_dropout_rate > 0) + \
+            [(batch, length, m.hidden_size)] * (m.dropout_rate > 0)
+        worst = max(masks, key=hashes16, default=None)
+        require(worst is None or hashes16(worst) <= MAX_HASHES16, f"a 16-bit dropout mask of shape {worst} (train."
+                f"batch_size {batch}) needs {hashes16(worst) if worst else 0} hashes, past the {MAX_HASHES16} its "
+                "32-bit counters number apart: masks would repeat", "--config.model.dropout_bits",
+                "set it to 32 (flax's masks, 64-bit counters), or train a smaller global batch or length")
     require(not (m.attention_backend == "cudnn" and platform != "gpu"),
             f"model.attention_backend=cudnn needs a GPU, and this machine's JAX backend is {platform}",
             "--config.model.attention_backend", "use xla (the same maths, any machine) or einsum here")
