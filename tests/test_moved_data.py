@@ -52,13 +52,14 @@ def test_a_pretraining_run_resumes_from_a_copy_of_its_corpus_elsewhere(tmp_path,
     assert json.loads((moved / "config.json").read_text())["data"]["path"] == str(copy)
     other = shutil.copytree(copy, tmp_path / "other")
     (other / "train.txt").write_text((other / "train.txt").read_text().replace("a", "b"))
-    before = tree(str(moved))
+    before, streams = tree(str(moved)), sorted((tmp_path / "cache").rglob("*.tokens.npy"))
     for steps in (9, 6):             # to train on, and finished (its config.json took any data.path unchecked)
         assert launch.main([*PRETRAIN, f"--workdir={moved}", f"--config.data.path={other}", cache,
                             f"--config.train.steps={steps}"]) == 2
         assert "error: the text read is not the one this run trained on (its content key differs from the one its " \
             f"checkpoint's data-iterator state saved), data.path={other}, point data.path" in capsys.readouterr().err
         assert tree(str(moved)) == before                            # config.json still names the copy
+        assert sorted((tmp_path / "cache").rglob("*.tokens.npy")) == streams    # refused before tokenizing it
 
 
 def test_a_fine_tune_resumes_from_a_copy_of_its_glue_folder_elsewhere(tmp_path, capsys):

@@ -176,6 +176,15 @@ def resume_keys(config, split: str) -> tuple[str, str]:
     return f"tfds/{name[5:].replace('/', '_')}/i{digest([info.full_name, _tfds_text_key(config, src), sizes])}", key
 
 
+def resume_key(config, split: str) -> str:
+    """`resume_keys`' first key, without preparing a text_files/wikitext corpus (the digest of its spec: the name
+    its prepared dataset gets)."""
+    name = config.data.get("name", "embedded")
+    if name in ("text_files", "wikitext"):
+        return f"tupe_{name}/c{digest(_corpus_spec(config)[3])}"
+    return resume_keys(config, split)[0]
+
+
 def legacy_corpus_key(config) -> str:
     """The key data format 1 gave a text_files/wikitext corpus (its mtime stamps as they are now), '' for others:
     an iterator state saved by that version is accepted when it matches (same files, untouched since)."""

@@ -204,12 +204,12 @@ class PretrainIterator(grain.DatasetIterator):
 
     def __init__(self, parent: grain.DatasetIterator, batcher: _Batcher,
                  fingerprints: Callable[..., tuple[str, ...]], corpus_key: str = "",
-                 text_where: tuple[str, str, str] = ("the data", "data.name", "resume with the run's data")):
+                 text_differs: Callable[[], UserError] = lambda: UserError("the data read is not the run's")):
         super().__init__(parent)
         # (process count[, another text's key]) -> the keys of these settings on that many processes: the current
         # one first, then the same settings as an older data format keyed them
         self.batcher, self.fingerprints = batcher, fingerprints
-        self.corpus_key, self.text_where = corpus_key, text_where   # the text's key; (what, where, fix) if it differs
+        self.corpus_key, self.text_differs = corpus_key, text_differs   # the text's key; the error if it differs
         self.fingerprint = fingerprints(batcher.pc)[0]
         self.saved_process_count = batcher.pc   # set_state: the count of the processes that saved the state
         self.per_host_batch_size = batcher.local
@@ -233,9 +233,7 @@ class PretrainIterator(grain.DatasetIterator):
             other = state.get("corpus")
             if isinstance(other, str) and other != self.corpus_key and \
                     state.get("fingerprint") in self.fingerprints(saved, other):
-                what, where, fix = self.text_where
-                raise UserError(f"{what} read is not the one this run trained on (its content key differs from the "
-                                "one its checkpoint's data-iterator state saved)", where, fix)
+                raise self.text_differs()
             if saved != now:
                 raise UserError(f"the saved data-iterator state is of a run with {_processes(saved)} and other data "
                                 f"settings; this one has {_processes(now)}", "checkpoint data-iterator state",
@@ -311,9 +309,26 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
         return (builders.digest([text] + rest),) + ((builders.digest([legacy] + rest),) if legacy and text == key
                                                      else ())
 
+    return PretrainIterator(it, batcher, fingerprints, key, lambda: _text_differs(config))
+
+
+def _text_differs(config) -> UserError:
     path = config.data.get("path", "")
-    where = ("the prepared data" if config.data.get("name") == "prepared" else "the text",
-             f"data.path={path}" if path else f"data.name={config.data.get('name')}",
-             "point data.path at the run's text (a copy of it anywhere resumes), or start a new workdir" if path
-             else "resume with the corpus this run trained on, or start a new workdir")
-    return PretrainIterator(it, batcher, fingerprints, key, where)
+    return UserError(f"the {'prepared data' if config.data.get('name') == 'prepared' else 'text'} read is not the one "
+                     "this run trained on (its content key differs from the one its checkpoint's data-iterator state "
+                     "saved)", f"data.path={path}" if path else f"data.name={config.data.get('name')}",
+                     "point data.path at the run's text (a copy of it anywhere resumes), or start a new workdir" if path
+                     else "resume with the corpus this run trained on, or start a new workdir")
+
+
+def check_saved_text(config, state: dict) -> None:
+    """Refuse a data-iterator state saved over other training text, before the text is tokenized (`PretrainIterator
+    .set_state` refuses it too, once the iterator is built: at corpus scale, an hour later). A state saved before
+    it kept the text's key is left to set_state."""
+    saved = state.get("corpus") if isinstance(state, dict) else None
+    if not isinstance(saved, str):
+        return
+    now = prepared.open_split(config, "train").key if config.data.get("name") == "prepared" else \
+        builders.resume_key(config, "train")
+    if now != saved:
+        raise _text_differs(config)

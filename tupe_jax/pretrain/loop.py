@@ -84,8 +84,6 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
         trainer_lib.init_state_fn(model, tx, int(config.model.max_len)), int(config.train.seed), mesh, step_fn,
         checkpointer, meta=lambda s: workdir_lib.make_meta(config, s["params"], tokenizer.fingerprint),
         log_every=int(config.train.log_every), profile=_profile(config, workdir))
-    train_iter = data_lib.pretrain_iterator(config, tokenizer, split="train", global_batch_size=batch_size,
-                                            seed=int(config.train.seed))
     read: list[init_from.InitSource] = []     # the checkpoint a fresh continued run started from
 
     def continue_from(state: dict) -> dict:
@@ -103,14 +101,18 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
                         "its config.json keeps this project's default data and train keys, not the model's own",
                         "--workdir", f"continue it in a fresh workdir with --config.init_from={workdir}, fine-tune "
                         "it (--config.init_from) or analyse it")
-    if data_state is not None:     # the text and tokenizer it trained on, also for a finished run (a data.path
-        try:                       # now naming other text would be written into its config.json)
+    try:     # the text and tokenizer it trained on, also for a finished run (a data.path now naming other text
+        if data_state is not None:      # would be written into its config.json); other text before it is tokenized
             workdir_lib.check_tokenizer(checkpointer.restore_meta(start_step), tokenizer.fingerprint,
                                         workdir_lib.tokenizer_path(workdir))
+            data_lib.pipeline.check_saved_text(config, data_state)
+        train_iter = data_lib.pretrain_iterator(config, tokenizer, split="train", global_batch_size=batch_size,
+                                                seed=int(config.train.seed))
+        if data_state is not None:
             train_iter.set_state(data_state)
-        except BaseException:
-            checkpointer.close()
-            raise
+    except BaseException:
+        checkpointer.close()
+        raise
     finished = start_step >= total_steps
     if finished and not _final_eval_missing(config, workdir, tokenizer, start_step, batch_size):
         print(f"{workdir} is at step {start_step} (train.steps = {total_steps}): nothing to train; evaluate it with "
