@@ -232,6 +232,11 @@ def extrapolate(runs: Sequence[common.Run], lengths: Sequence[int], *, mode: str
     if mode != "sliding" and stride is not None:
         raise UserError(f"--stride={stride} is read by --mode=sliding only (mode {mode} would ignore it)", "--stride",
                         "add --mode=sliding (causal LMs), or drop --stride")
+    mlm = [run.name for run in runs if not run.model_cfg.causal]
+    if mode != "nonoverlapping" and mlm:   # before any compute: not after the causal runs were scored
+        raise UserError(f"--mode={mode} is defined for causal LMs only; '{mlm[0]}' is an MLM encoder", "--mode",
+                        "drop --mode (MLM uses nonoverlapping windows)"
+                        + (", or extrapolate the MLM runs apart" if len(mlm) < len(runs) else ""))
     for run in runs:   # before any compute: every defined length must fit in memory
         for length in lengths:
             if not undefined(run, int(length)):
