@@ -39,6 +39,8 @@ Keys beyond configs/pretrain.py's (model/data/train/mesh/checkpoint are shared b
   runs_dir       '' = the compare workdir; else where the pretraining runs live, so suites can share them (a
                  finished run is reused, never retrained; a run with other model/data/train keys is refused);
   eval.lengths / eval.mode / eval.max_tokens   extrapolation (max_tokens 0 = whole validation split);
+  eval.stride    the stride S of eval.mode=sliding (required there, a positive number of tokens, capped at each
+                 length L: analysis/extrapolate.py); 0 = unset, as eval.mode=nonoverlapping needs;
   probe.steps / probe.train_tokens / probe.eval_tokens / probe.learning_rate   the position probes;
   glue.tasks     comma-separated tasks; 'auto' = wordorder + every GLUE task with train and dev TSVs under
                  data.glue_dir (WNLI excluded, as in the TUPE paper; a data.glue_dir holding none is refused);
@@ -111,7 +113,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint.every = 100_000            # the final step is always saved; intermediate ones are not needed
     config.metrics = ml_collections.ConfigDict(pre.metrics.to_dict())
     config.eval = ml_collections.ConfigDict(dict(lengths=(128, 256, 512, 1024), mode="nonoverlapping",
-                                                 max_tokens=65536))
+                                                 max_tokens=65536, stride=0))
     config.probe = ml_collections.ConfigDict(dict(steps=300, train_tokens=16384, eval_tokens=4096,
                                                   learning_rate=2e-3))
     config.glue = ml_collections.ConfigDict(dict(tasks="wordorder", epochs=3, learning_rate=1e-4, batch_size=32,

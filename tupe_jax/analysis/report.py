@@ -155,6 +155,7 @@ def _extrapolation(report: dict, workdir: str) -> list[str]:
     per_scheme_plot(report, os.path.join(workdir, "extrapolation.png"), series, "evaluation length",
                      "validation perplexity", "extrapolation, every seed", log_y=True)
     return (["## Extrapolation", "", f"Perplexity on the validation split ({p['mode']} windows"
+             + (f" every {p['stride']} tokens (capped at L)" if p.get("stride") else "")
              + (f", first {p['max_tokens']} tokens" if p.get("max_tokens") else "") + "), models trained at length "
              f"{report['config']['model']['max_len']}, mean ± std over seeds; n/a = a learned position table has "
              "no rows past max_len. ![extrapolation](extrapolation.png)", ""]

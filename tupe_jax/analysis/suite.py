@@ -66,6 +66,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             "needs lengths of at least 2", "--config.eval.lengths", "write e.g. '(128,256,512,1024)'")
     require(str(config.eval.mode) in extrapolate.MODES, f"unknown eval.mode {config.eval.mode!r}",
             "--config.eval.mode", "use one of " + "|".join(extrapolate.MODES))
+    stride = int(config.eval.stride)
+    require(str(config.eval.mode) != "sliding" or stride > 0, f"eval.mode=sliding needs a positive eval.stride (it "
+            f"is {stride}; without one the windows do not overlap)", "--config.eval.stride",
+            "give the stride in tokens (e.g. --config.eval.stride=64), or use eval.mode=nonoverlapping")
+    require(str(config.eval.mode) == "sliding" or stride == 0, f"eval.stride = {stride} is read by eval.mode=sliding "
+            f"only (eval.mode={config.eval.mode} would ignore it)", "--config.eval.stride",
+            "add --config.eval.mode=sliding, or drop eval.stride (0 = unset)")
     require(int(config.eval.max_tokens) >= 0, f"eval.max_tokens = {config.eval.max_tokens} is negative",
             "--config.eval.max_tokens", "give a token count, or 0 for the whole validation split")
     require(not int(config.eval.max_tokens) or int(config.eval.max_tokens) > max(config.eval.lengths),
@@ -190,6 +197,7 @@ def _analyses(config: ml_collections.ConfigDict, schemes: list[Scheme], infos: l
               f"{tuple(config.eval.lengths)}", flush=True)
         result["extrapolation"] = extrapolate.run(causal, [int(x) for x in config.eval.lengths],
                                                   mode=str(config.eval.mode), out=out,
+                                                  stride=int(config.eval.stride) or None,
                                                   max_tokens=int(config.eval.max_tokens) or None)
     if suite == "probe" and paths:
         settings = probe.ProbeSettings(steps=int(config.probe.steps), train_tokens=int(config.probe.train_tokens),

@@ -42,6 +42,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "model.dropout_bits": 32,
     "model.type_vocab_size": 0,
     "init_from": "", "init_step": -1,     # a pretraining config's (a fine-tune's always had them)
+    "eval.stride": 0,     # a compare suite's (unset: nonoverlapping windows, as the suites before it scored)
 }
 
 
