@@ -55,3 +55,14 @@ def test_a_suite_folder_made_before_eval_stride_reruns_unchanged(tmp_path):
     sliding = load("suite=extrapolation", **{"eval.mode": "sliding", "eval.stride": 8})    # resumable: recorded
     assert gate.check_config(str(tmp_path), sliding) == [("eval.mode", "nonoverlapping", "sliding"),
                                                          ("eval.stride", 0, 8)]
+
+
+def test_an_extrapolation_suite_without_a_causal_scheme_is_refused_before_any_training(tmp_path, monkeypatch):
+    """suite=extrapolation with only MLM schemes trained every run, then wrote no extrapolation without a word."""
+    monkeypatch.setattr(suite_lib, "pretrain", lambda *a: pytest.fail("trained before the check"))
+    config = load("suite=extrapolation", schemes="alibi-mlm,bert_a-mlm")
+    with pytest.raises(UserError, match=r"^error: suite=extrapolation scores causal LMs only and schemes "
+                                        r"'alibi-mlm,bert_a-mlm' has none: .*, --config.schemes, add a causal scheme"):
+        suite_lib.run(config, str(tmp_path / "cmp"))
+    assert list(tmp_path.iterdir()) == []
+    suite_lib.validate(load("suite=extrapolation", schemes="alibi-mlm,rope-clm"), 8)   # one causal scheme: scored

@@ -60,8 +60,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             "file, not a folder", "--config.runs_dir", "give a folder for the suite's runs (or leave it empty)")
     require(int(config.train.seed) == 0, "train.seed is set per run from seeds in a comparison suite",
             "--config.train.seed", "use --config.seeds=<k>[,<k>...] instead")
-    for scheme in parse_schemes(config):
+    schemes = parse_schemes(config)
+    for scheme in schemes:
         validate_pretrain(scheme_config(config, scheme, seeds[0]), num_devices)
+    require(config.suite != "extrapolation" or any(s.objective == "clm" for s in schemes), "suite=extrapolation "
+            f"scores causal LMs only and schemes {config.schemes!r} has none: every run would train and no "
+            "extrapolation be written", "--config.schemes", "add a causal scheme (e.g. alibi-clm), or use "
+            "suite=tupe or suite=probe for MLM encoders")
     require(len(config.eval.lengths) > 0 and min(config.eval.lengths) >= 2, f"eval.lengths = {config.eval.lengths} "
             "needs lengths of at least 2", "--config.eval.lengths", "write e.g. '(128,256,512,1024)'")
     require(str(config.eval.mode) in extrapolate.MODES, f"unknown eval.mode {config.eval.mode!r}",
