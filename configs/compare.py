@@ -38,7 +38,9 @@ Keys beyond configs/pretrain.py's (model/data/train/mesh/checkpoint are shared b
                  differences, "reproduced" only when they exceed the seed spread).
   runs_dir       '' = the compare workdir; else where the pretraining runs live, so suites can share them (a
                  finished run is reused, never retrained; a run with other model/data/train keys is refused);
-  eval.lengths / eval.mode / eval.max_tokens   extrapolation (max_tokens 0 = whole validation split);
+  eval.lengths / eval.mode / eval.max_tokens   extrapolation (max_tokens 0 = whole validation split); with
+                 suite=extrapolation eval.lengths must hold model.max_len and a longer length (the findings
+                 measure growth = ln ppl(longest) − ln ppl(max_len));
   eval.stride    the stride S of eval.mode=sliding (required there, a positive number of tokens, capped at each
                  length L: analysis/extrapolate.py); 0 = unset, as eval.mode=nonoverlapping needs;
   probe.steps / probe.train_tokens / probe.eval_tokens / probe.learning_rate   the position probes;

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from tupe_jax.analysis import extrapolate as E
+from tupe_jax.analysis import extrapolate as E, findings
+from tupe_jax.analysis import report as report_lib
 from tupe_jax.analysis import suite as suite_lib
 from tupe_jax.errors import UserError
 from tupe_jax.workdir import gate
@@ -66,3 +67,42 @@ def test_an_extrapolation_suite_without_a_causal_scheme_is_refused_before_any_tr
         suite_lib.run(config, str(tmp_path / "cmp"))
     assert list(tmp_path.iterdir()) == []
     suite_lib.validate(load("suite=extrapolation", schemes="alibi-mlm,rope-clm"), 8)   # one causal scheme: scored
+
+
+@pytest.mark.parametrize("lengths,needle", [("(64,128)", r"has no length above the training length model.max_len = "
+                                                          r"128: nothing past it would be scored"),
+                                            ("(256,)", r"lacks the training length model.max_len = 128: .*"),
+                                            ("(64,256)", r"lacks the training length model.max_len = 128: .*")])
+def test_extrapolation_lengths_must_hold_the_training_length_and_a_longer_one(lengths, needle):
+    """(64,128) at max_len 128 gave 'ALiBi degrades least past the training length: no evidence' from growths of
+    exactly 0; (256) or (64,256) dropped the finding without a word."""
+    config = load("suite=extrapolation", **{"eval.lengths": lengths})
+    with pytest.raises(UserError, match=rf"^error: eval.lengths = .*{needle}, --config.eval.lengths, write e.g. "
+                                        r"'\(128,256,512\)'$"):
+        suite_lib.validate(config, 8)
+    suite_lib.validate(load("suite=tupe", **{"eval.lengths": lengths}), 8)     # read by suite=extrapolation only
+
+
+def _growth_report(lengths, max_len=128):
+    def run(name, seed):
+        return {"workdir": f"/r/{name}-s{seed}", "name": name, "results": [
+            {"length": n, "defined": True, "perplexity": 50.0 + n / 64 * (1 if name == "alibi-clm" else 3)}
+            for n in lengths]}
+    names = ("alibi-clm", "rope-clm", "sinusoidal-clm")
+    return {"config": {"model": {"max_len": max_len}},
+            "schemes": [{"name": n, "objective": "clm", "seeds": {str(k): {"path": f"/r/{n}-s{k}", "final_eval": {
+                "eval_loss": 4.0}} for k in range(3)}} for n in names],
+            "extrapolation": {str(k): {"lengths": list(lengths), "runs": [run(n, k) for n in names]} for k in range(3)}}
+
+
+@pytest.mark.parametrize("lengths", [(64, 128), (256,), (64, 256)])
+def test_growth_unscored_past_the_training_length_is_no_verdict_not_zero_or_silence(lengths):
+    report = _growth_report(lengths)
+    assert all(v is None for by_seed in findings.growth(report).values() for v in by_seed.values())
+    by = {f["claim"]: f for f in findings.evaluate(report)}
+    for claim in ("ALiBi degrades least past the training length",
+                  "Sinusoidal (our scaled table) degrades most past the training length"):
+        assert by[claim]["verdict"] == findings.UNSCORED, claim
+    assert findings.UNSCORED in "\n".join(report_lib._findings({"findings": list(by.values())}))
+    scored = {f["claim"]: f for f in findings.evaluate(_growth_report((128, 512)))}     # bracketed: judged
+    assert scored["ALiBi degrades least past the training length"]["verdict"] == findings.REPRODUCED

@@ -26,6 +26,7 @@ from typing import Optional
 REPRODUCED, CONTRADICTED, NO_EVIDENCE, TOO_FEW = ("reproduced", "contradicted", "no evidence at this scale",
                                                   "no verdict (fewer than 3 seeds)")
 UNDEFINED = "no verdict (a seed's value is missing or not finite: a diverged or unfinished run)"
+UNSCORED = "no verdict (eval.lengths lacks the training length or a length above it: no growth was scored)"
 MIN_SEEDS = 3
 # NoPos Table 2's smallest model: NoPos 22.15 vs the best positional model (ALiBi) 19.94 perplexity, x1.11.
 CLOSE_PPL_RATIO = 22.15 / 19.94
@@ -113,8 +114,17 @@ def _scheme_of_path(report: dict) -> dict[str, str]:
     return {r["path"]: s["name"] for s in report["schemes"] for r in s["seeds"].values()}
 
 
+def scored_past_training(report: dict) -> bool:
+    """Whether every seed's extrapolation scored the training length (model.max_len) and a length above it."""
+    train_len = int(report["config"]["model"]["max_len"])
+    scored = [[x["length"] for x in run["results"]] for ex in report.get("extrapolation", {}).values()
+              for run in ex["runs"]]
+    return all(train_len in lengths and max(lengths) > train_len for lengths in scored)
+
+
 def growth(report: dict) -> dict[str, dict[str, Optional[float]]]:
-    """{scheme: {seed: ln ppl(longest) − ln ppl(training length)}}, None where the longest length is not defined."""
+    """{scheme: {seed: ln ppl(longest) − ln ppl(training length)}}, None where the longest length is not defined,
+    or where no growth was scored (`scored_past_training` false: never 0 from the training length against itself)."""
     out: dict[str, dict] = {}
     train_len = int(report["config"]["model"]["max_len"])
     where = _scheme_of_path(report)
@@ -122,7 +132,8 @@ def growth(report: dict) -> dict[str, dict[str, Optional[float]]]:
         for run in ex["runs"]:
             at = {x["length"]: x for x in run["results"]}
             longest = max(at)
-            if train_len not in at:
+            if train_len not in at or longest <= train_len:
+                out.setdefault(where.get(run["workdir"], run["name"]), {})[seed] = None
                 continue
             ppl = [_number(at[n].get("perplexity")) for n in (longest, train_len)]   # null in report.json: NaN
             value = ((math.log(ppl[0]) - math.log(ppl[1]) if all(_finite(p) and p > 0 for p in ppl) else float("nan"))
@@ -177,24 +188,34 @@ def _nopos_findings(report: dict) -> list[dict]:
     return out
 
 
+def _unscored(claim: str, paper: str) -> dict:
+    """A growth claim the suite's lengths cannot speak to: shown, with no verdict (not a silent omission)."""
+    part = {**_part("growth past the training length", {}, "nats"), "verdict": UNSCORED}
+    return {**_finding(claim, paper, [part], "eval.lengths must hold model.max_len and a longer length"),
+            "verdict": UNSCORED}
+
+
 def _extrapolation_findings(report: dict) -> list[dict]:
     g = growth(report)
     if not g:
         return []
-    defined = {n: v for n, v in g.items() if all(x is not None for x in v.values())}
+    scored = scored_past_training(report)
+    defined = {n: v for n, v in g.items() if not scored or all(x is not None for x in v.values())}
     out = []
     if "alibi-clm" in defined and len(defined) > 1:
-        parts = [_part(f"growth {n} − growth alibi", _paired(v, defined["alibi-clm"], lambda a, b: a - b), "nats")
-                 for n, v in defined.items() if n != "alibi-clm"]
-        out.append(_finding("ALiBi degrades least past the training length", "ALiBi Table 2 / Fig. 1", parts,
-                            "growth = ln ppl(longest) − ln ppl(training length), paired by seed"))
+        claim = ("ALiBi degrades least past the training length", "ALiBi Table 2 / Fig. 1")
+        out.append(_finding(*claim, [_part(f"growth {n} − growth alibi", _paired(v, defined["alibi-clm"],
+                                                                                lambda a, b: a - b), "nats")
+                                     for n, v in defined.items() if n != "alibi-clm"],
+                            "growth = ln ppl(longest) − ln ppl(training length), paired by seed")
+                   if scored else _unscored(*claim))
     for sin, label in (("sinusoidal-clm", "our scaled table"), ("sinusoidal-clm-fairseq", "fairseq's table")):
-        if sin in defined:
-            parts = [_part(f"growth {sin} − growth {n}", _paired(defined[sin], v, lambda a, b: a - b), "nats")
-                     for n, v in defined.items() if not n.startswith("sinusoidal")]
-            if parts:
-                out.append(_finding(f"Sinusoidal ({label}) degrades most past the training length",
-                                    "ALiBi Fig. 1", parts))
+        others = [n for n in defined if not n.startswith("sinusoidal")]
+        if sin in defined and others:
+            claim = (f"Sinusoidal ({label}) degrades most past the training length", "ALiBi Fig. 1")
+            out.append(_finding(*claim, [_part(f"growth {sin} − growth {n}", _paired(defined[sin], defined[n],
+                                                                                    lambda a, b: a - b), "nats")
+                                         for n in others]) if scored else _unscored(*claim))
     clm = _names(report, "clm")
     if "sinusoidal-clm" in clm and "sinusoidal-clm-fairseq" in clm:
         x = _paired(final(report, "sinusoidal-clm-fairseq", "eval_loss"), final(report, "sinusoidal-clm", "eval_loss"),

@@ -84,6 +84,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             f"eval.max_tokens = {config.eval.max_tokens} fills no window of length {max(config.eval.lengths)} "
             "(eval.lengths)", "--config.eval.max_tokens", "give more tokens than the longest length, or 0 for the "
             "whole validation split")
+    if config.suite == "extrapolation":   # growth = ln ppl(longest) - ln ppl(max_len): both must be scored
+        lengths, train_len = tuple(int(n) for n in config.eval.lengths), int(config.model.max_len)
+        example = f"write e.g. '({train_len},{2 * train_len},{4 * train_len})'"
+        require(train_len in lengths, f"eval.lengths = {lengths} lacks the training length model.max_len = "
+                f"{train_len}: the growth past it is measured from the perplexity at it", "--config.eval.lengths",
+                example)
+        require(max(lengths) > train_len, f"eval.lengths = {lengths} has no length above the training length "
+                f"model.max_len = {train_len}: nothing past it would be scored", "--config.eval.lengths", example)
     for key in ("steps", "train_tokens", "eval_tokens", "learning_rate"):
         require(config.probe[key] > 0, f"probe.{key} must be positive", f"--config.probe.{key}", "give a positive value")
     for key in ("epochs", "batch_size", "learning_rate"):
