@@ -2,9 +2,10 @@
 review): each refusal names its flag, and nothing is scored or trained before it."""
 import json
 
+import numpy as np
 import pytest
 
-from tupe_jax.analysis import extrapolate as E, findings
+from tupe_jax.analysis import correlations as C, extrapolate as E, findings
 from tupe_jax.analysis import report as report_lib
 from tupe_jax.analysis import suite as suite_lib
 from tupe_jax.errors import UserError
@@ -106,3 +107,20 @@ def test_growth_unscored_past_the_training_length_is_no_verdict_not_zero_or_sile
     assert findings.UNSCORED in "\n".join(report_lib._findings({"findings": list(by.values())}))
     scored = {f["claim"]: f for f in findings.evaluate(_growth_report((128, 512)))}     # bracketed: judged
     assert scored["ALiBi degrades least past the training length"]["verdict"] == findings.REPRODUCED
+
+
+# ------------------------------------------------------------------------------------------------ estimators
+@pytest.mark.parametrize("batch", [2, 8, 64])
+def test_structured_fraction_is_zero_for_noise_and_one_for_a_positional_pattern(batch):
+    """The batch-mean variance over the total had a floor of ~1/B: iid noise gave 0.126 at B = 8, 0.015 at B = 64.
+    Tolerance 0.03: the estimate's spread over seeds is 0.006 at B = 8 with 2 heads x 528 causal cells."""
+    rng = np.random.default_rng(batch)
+    pattern = rng.normal(size=(1, 2, 32, 32))
+    for causal in (True, False):
+        def fraction(x):
+            return C.noise_stats({"word-word": x}, causal)["word-word"]["structured_fraction"]
+        assert fraction(rng.normal(size=(batch, 2, 32, 32))) == pytest.approx(0.0, abs=0.03)
+        assert fraction(np.repeat(pattern, batch, 0)) == pytest.approx(1.0, abs=1e-9)
+        assert fraction(pattern + 0.05 * rng.normal(size=(batch, 2, 32, 32))) == pytest.approx(1.0, abs=0.01)
+        assert fraction(pattern + rng.normal(size=(batch, 2, 32, 32))) == pytest.approx(0.5, abs=0.1)
+    assert C.noise_stats({"word": rng.normal(size=(1, 2, 4, 4))}, False)["word"]["structured_fraction"] is None
