@@ -203,9 +203,10 @@ def test_probe_run_outputs(corpus, tmp_path):
     settings = P.ProbeSettings(steps=60, train_tokens=1024, eval_tokens=512)
     report = P.run("/unused", out=str(tmp_path), settings=settings, runs=runs)
     for r in report["runs"]:
-        assert [x["layer"] for x in r["layers"]] == [0, 1, 2] and r["chance_mad"] == pytest.approx(P.chance_mad(32))
+        n = 32 - r["first_position"]                # MLM: [CLS] at position 0 is left out
+        assert [x["layer"] for x in r["layers"]] == [0, 1, 2] and r["chance_mad"] == pytest.approx(P.chance_mad(n))
     nopos = report["runs"][1]["layers"][0]   # a position-free bidirectional embedding: no position information
-    assert nopos["mad"] > 0.6 * P.chance_mad(32)
+    assert nopos["mad"] > 0.6 * P.chance_mad(31)
     assert json.loads((tmp_path / "probe.json").read_text())["settings"]["steps"] == 60
     assert (tmp_path / "probe.png").stat().st_size > 1000
 

@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from tupe_jax.analysis import correlations as C, extrapolate as E, findings
+from tupe_jax.analysis import correlations as C, extrapolate as E, findings, probe as P
 from tupe_jax.analysis import report as report_lib
 from tupe_jax.analysis import suite as suite_lib
 from tupe_jax.errors import UserError
 from tupe_jax.workdir import gate
 
-from tests.test_analysis import corpus, make_run  # noqa: F401  (the module's fixture, reused)
+from tests.test_analysis import MAX_LEN, corpus, make_run  # noqa: F401  (the module's fixture, reused)
 from tests.test_compare import load
 
 
@@ -124,3 +124,51 @@ def test_structured_fraction_is_zero_for_noise_and_one_for_a_positional_pattern(
         assert fraction(pattern + 0.05 * rng.normal(size=(batch, 2, 32, 32))) == pytest.approx(1.0, abs=0.01)
         assert fraction(pattern + rng.normal(size=(batch, 2, 32, 32))) == pytest.approx(0.5, abs=0.1)
     assert C.noise_stats({"word": rng.normal(size=(1, 2, 4, 4))}, False)["word"]["structured_fraction"] is None
+
+
+@pytest.mark.parametrize("n", [7, 32, 128])
+def test_the_median_constant_baseline_is_the_best_constant_guess(n):
+    """Chance, (n²−1)/(3n), is a uniformly random guess; predicting the median everywhere scores about n/4, so a MAD
+    between the two shows no position information."""
+    positions = np.tile(np.arange(n), 3)
+    best = min(np.abs(positions - c).mean() for c in range(n))
+    assert P.median_mad(positions) == pytest.approx(best, abs=1e-12) and best < P.chance_mad(n)
+    assert P.median_mad(np.arange(1, n)) == pytest.approx(min(np.abs(np.arange(1, n) - c).mean() for c in range(n)))
+    if n % 2 == 0:
+        assert P.median_mad(positions) == n / 4
+
+
+def test_mlm_probes_leave_cls_at_position_0_out_and_report_both_baselines(corpus, tmp_path, monkeypatch):
+    """[CLS] always sits at index 0 of an MLM window: a probe read the token and got position 0 for free."""
+    seen = {}
+
+    def train(tx, ty, ex, ey, n, settings):
+        seen.setdefault("y", []).append((np.unique(ty), np.unique(ey), tx.shape[1], ex.shape[1]))
+        return [{"layer": i, "mad": 1.0, "accuracy": 0.0, "train_loss": 0.0} for i in range(tx.shape[0])]
+    monkeypatch.setattr(P, "train_probes", train)
+    runs = [make_run(corpus, "nopos", "mlm"), make_run(corpus, "alibi", "clm")]
+    report = P.run("/unused", out=str(tmp_path), runs=runs,
+                   settings=P.ProbeSettings(steps=1, train_tokens=64, eval_tokens=64))
+    (mlm_train, mlm_eval, *_), (clm_train, clm_eval, *_) = seen["y"]
+    assert list(mlm_train) == list(mlm_eval) == list(range(1, MAX_LEN))
+    assert list(clm_train) == list(clm_eval) == list(range(MAX_LEN))
+    mlm, clm = report["runs"]
+    assert (mlm["first_position"], clm["first_position"]) == (1, 0)
+    assert mlm["chance_mad"] == P.chance_mad(MAX_LEN - 1) and clm["chance_mad"] == P.chance_mad(MAX_LEN)
+    assert mlm["median_mad"] == P.median_mad(np.arange(1, MAX_LEN)) and clm["median_mad"] == MAX_LEN / 4
+    saved = json.loads((tmp_path / "probe.json").read_text())
+    assert saved["runs"][0]["median_mad"] == mlm["median_mad"] and "median" in saved["protocol"]
+
+
+def test_a_suite_report_shows_the_median_baseline_beside_chance_when_its_probes_wrote_one(tmp_path):
+    def scheme(name):
+        return {"name": name, "objective": "clm", "seeds": {"0": {"path": f"/r/{name}"}}}
+    run = {"workdir": "/r/nopos-clm", "name": "nopos-clm", "chance_mad": 10.66, "median_mad": 8.0,
+           "layers": [{"mad": 9.0}, {"mad": 3.0}]}
+    report = {"config": {"probe": {"steps": 1, "train_tokens": 64, "eval_tokens": 64}},
+              "schemes": [scheme("nopos-clm")], "probe": {"0": {"runs": [run]}}}
+    text = "\n".join(report_lib._probe(report, str(tmp_path)))
+    assert "| chance | median |" in text and "| 10.7 | 8.0 |" in text and "median position everywhere" in text
+    del run["median_mad"]                           # a probe made before the baseline: the table it had
+    text = "\n".join(report_lib._probe(report, str(tmp_path)))
+    assert "median" not in text and text.rstrip().endswith("| 10.7 |")

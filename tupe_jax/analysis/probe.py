@@ -8,8 +8,12 @@ classifies each token's hidden state x into its absolute position 0..n−1, n = 
 Adam(β=(0.9, 0.98), weight decay 0.01, cosine-decayed lr). Inputs are standardised per feature with the
 training tokens' mean/std (an invertible affine map: it removes no information and makes one lr fit every layer).
 Training tokens: full-length windows (`max_len` tokens; MLM: [CLS] + max_len−1) of unmasked text cut from the
-train split's token stream; evaluation on windows of the validation split. Every position occurs equally often,
-so a uniformly random guess has mean absolute distance (MAD) (n²−1)/(3n) — the "chance" line.
+train split's token stream; evaluation on windows of the validation split. MLM runs leave position 0 out of
+training and evaluation: it always holds [CLS], so a probe would read that token, not a position, and get it for
+free; their positions are 1..n−1. Every position probed occurs equally often, so over m probed positions a
+uniformly random guess has mean absolute distance (MAD) (m²−1)/(3m) — the "chance" line — and the best constant
+guess, the median position, has MAD about m/4 (`median_mad`, exact for the positions evaluated). A MAD between the
+median line and chance shows no position information: a probe that learned only the middle gets there.
 
 Reported per layer: MAD = mean |argmax − position| and accuracy. All layers' probes train together (vmapped).
 """
@@ -48,6 +52,17 @@ FIT_CHUNK = 25
 def chance_mad(n: int) -> float:
     """E|U − V| for U, V independent uniform on {0..n−1}: (n² − 1) / (3n)."""
     return (n * n - 1) / (3.0 * n)
+
+
+def median_mad(positions: np.ndarray) -> float:
+    """MAD of the best constant prediction of `positions`: the (lower) median, predicted everywhere (about m/4)."""
+    p = np.sort(np.asarray(positions, np.int64))
+    return float(np.abs(p - p[(len(p) - 1) // 2]).mean())
+
+
+def first_position(run: common.Run) -> int:
+    """The first position probed: 1 for an MLM encoder (position 0 always holds [CLS]), else 0."""
+    return 0 if run.model_cfg.causal else 1
 
 
 def _xavier(key, fan_in: int, fan_out: int, layers: int) -> jax.Array:
@@ -130,9 +145,9 @@ def _features(run: common.Run, split: str, tokens_wanted: int, seed: int) -> tup
     length = run.model_cfg.max_len
     count = max(1, -(-tokens_wanted // length))
     windows = common.model_windows(run, split, length, count=count, seed=seed)
-    states = common.hidden_states(run, windows)                      # (K, n, L, d)
+    states = common.hidden_states(run, windows)[:, :, first_position(run):]     # (K, n, L, d): MLM: no [CLS]
     k, n, l, d = states.shape
-    return states.reshape(k, n * l, d), np.tile(np.arange(l), n)
+    return states.reshape(k, n * l, d), np.tile(np.arange(first_position(run), length), n)
 
 
 def probe_run(run: common.Run, settings: ProbeSettings = ProbeSettings()) -> dict:
@@ -146,27 +161,32 @@ def probe_run(run: common.Run, settings: ProbeSettings = ProbeSettings()) -> dic
     print(f"probe {run.name}: training {train_x.shape[0]} probes on {train_x.shape[1]} tokens "
           f"for {settings.steps} steps", flush=True)
     layers = train_probes(train_x, train_y, eval_x, eval_y, n, settings)
-    return {**run.describe(), "num_classes": n, "chance_mad": chance_mad(n), "train_tokens": int(train_x.shape[1]),
-            "eval_tokens": int(eval_x.shape[1]), "layers": layers}
+    return {**run.describe(), "num_classes": n, "first_position": first_position(run),
+            "chance_mad": chance_mad(n - first_position(run)), "median_mad": median_mad(eval_y),
+            "train_tokens": int(train_x.shape[1]), "eval_tokens": int(eval_x.shape[1]), "layers": layers}
 
 
 def probe(runs: Sequence[common.Run], settings: ProbeSettings = ProbeSettings()) -> dict:
     return {"settings": dataclasses.asdict(settings),
             "protocol": ("2-layer ReLU MLP (d -> 2d -> max_len, no bias) per layer on frozen, standardised hidden "
                          "states; train split windows for training, validation split for evaluation; "
-                         "MAD = mean |argmax - position|; chance = (n^2-1)/(3n)"),
+                         "MAD = mean |argmax - position|; chance = (m^2-1)/(3m) over the m positions probed; "
+                         "median = the MAD of predicting the median position everywhere (about m/4); MLM runs "
+                         "leave position 0 ([CLS]) out"),
             "runs": [probe_run(r, settings) for r in runs]}
 
 
 def plot(report: dict, path) -> None:
-    """MAD vs layer, one line per run, dashed chance level per distinct max_len."""
+    """MAD vs layer, one line per run; dashed: chance, dotted: the median constant, per distinct position range."""
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for r in report["runs"]:
         xs = [x["layer"] for x in r["layers"]]
         ax.plot(xs, [x["mad"] for x in r["layers"]], marker="o", label=f"{r['name']} ({r['pe']}, {r['objective']})")
-    for n in sorted({r["num_classes"] for r in report["runs"]}):
-        ax.axhline(chance_mad(n), color="gray", linestyle="--", label=f"chance, n={n}: {chance_mad(n):.2f}")
+    for n, chance, median in sorted({(r["num_classes"] - r["first_position"], r["chance_mad"], r["median_mad"])
+                                     for r in report["runs"]}):
+        ax.axhline(chance, color="gray", linestyle="--", label=f"chance, {n} positions: {chance:.2f}")
+        ax.axhline(median, color="gray", linestyle=":", label=f"median constant, {n} positions: {median:.2f}")
     ax.set_xlabel("layer (0 = embedding output)")
     ax.set_ylabel("mean absolute distance (positions)")
     ax.set_title("absolute-position probe (lower = more position information)")
@@ -193,6 +213,7 @@ def run(workdir, *, out: Optional[str] = None, step: Optional[int] = None, steps
     plot(report, directory / "probe.png")
     for r in report["runs"]:
         mads = ", ".join(f"{x['mad']:.2f}" for x in r["layers"])
-        print(f"probe {r['name']} ({r['pe']}): MAD per layer [{mads}] (chance {r['chance_mad']:.2f})")
+        print(f"probe {r['name']} ({r['pe']}): MAD per layer [{mads}] (chance {r['chance_mad']:.2f}, median "
+              f"constant {r['median_mad']:.2f}" + (", position 0 ([CLS]) left out)" if r["first_position"] else ")"))
     print(f"probe: wrote probe.json and probe.png to {common.publish(directory)}")
     return report

@@ -166,19 +166,28 @@ def _probe(report: dict, workdir: str) -> list[str]:
     by = _by_scheme(report, "probe")
     layers = max((len(r["layers"]) for runs in by.values() for r in runs), default=0)
     chance = next((runs[0]["chance_mad"] for runs in by.values() if runs), None)
+    first = {name: runs[0] for name, runs in by.items() if runs}
+    median = any("median_mad" in r for r in first.values())    # written by probes made since it existed
     rows, series = [], {}
     for name, runs in by.items():
+        base = [first[name].get(k) if name in first else None for k in ("chance_mad", "median_mad")]
         rows.append([f"`{name}`"] + [_ms([r["layers"][i]["mad"] for r in runs if i < len(r["layers"])]
-                                         + _gone(report, name), 1) for i in range(layers)] + [_f(chance, 1)])
+                                         + _gone(report, name), 1) for i in range(layers)]
+                    + [_f(base[0] if name in first else chance, 1)] + ([_f(base[1], 1)] if median else []))
         series[name] = [(list(range(len(r["layers"]))), [x["mad"] for x in r["layers"]]) for r in runs]
     per_scheme_plot(report, os.path.join(workdir, "probe.png"), series, "layer (0 = embeddings)",
-                     "probe MAD (positions)", "absolute-position probes, every seed", hline=chance)
+                     "probe MAD (positions)", "absolute-position probes, every seed", hline=chance,
+                     hline2=next((r["median_mad"] for r in first.values() if "median_mad" in r), None))
     s = report["config"]["probe"]
     return (["## Position probes", "", "Mean absolute distance (MAD, positions) of a 2-layer ReLU probe predicting "
              f"each token's absolute position from frozen hidden states, mean ± std over seeds; layer 0 = embedding "
              f"output; {s['steps']} Adam steps on {s['train_tokens']} training tokens, {s['eval_tokens']} validation "
-             "tokens. Lower = more position information; chance = (n²−1)/(3n). ![probe](probe.png)", ""]
-            + _table(["run"] + [f"layer {i}" for i in range(layers)] + ["chance"], rows) + [""])
+             "tokens. Lower = more position information; chance = (n²−1)/(3n)"
+             + (" over the n positions probed (MLM: 1..max_len−1, [CLS] at 0 left out); median = predicting the "
+                "median position everywhere (≈n/4): a MAD between median and chance shows no position information"
+                if median else "") + ". ![probe](probe.png)", ""]
+            + _table(["run"] + [f"layer {i}" for i in range(layers)] + ["chance"] + (["median"] if median else []),
+                     rows) + [""])
 
 
 def _majority_cell(task: str, run: dict) -> str:

@@ -43,8 +43,10 @@ def loss_curves(report: dict, path: str) -> str:
 
 
 def per_scheme_plot(report: dict, path: str, series: dict[str, list[tuple[list, list]]], xlabel: str, ylabel: str,
-                     title: str, log_y: bool = False, hline: Optional[float] = None) -> str:
-    """One thin line per seed and scheme (same colour per scheme)."""
+                     title: str, log_y: bool = False, hline: Optional[float] = None,
+                     hline2: Optional[float] = None) -> str:
+    """One thin line per seed and scheme (same colour per scheme); dashed `hline`: chance, dotted `hline2`: the
+    median constant."""
     fig, ax = plots.plt.subplots(figsize=(6.8, 4.0))
     for i, (name, lines) in enumerate(series.items()):
         for j, (xs, ys) in enumerate(lines):
@@ -52,6 +54,8 @@ def per_scheme_plot(report: dict, path: str, series: dict[str, list[tuple[list, 
                     label=name if j == 0 else None)
     if hline is not None:
         ax.axhline(hline, color="gray", linestyle="--", label="chance")
+    if hline2 is not None:
+        ax.axhline(hline2, color="gray", linestyle=":", label="median constant")
     if log_y:
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)
