@@ -190,3 +190,26 @@ def test_a_mask_past_2_32_hashes_is_refused_where_its_counters_would_wrap():
     model_lib.validate_training(config, "cpu", (2048,))
     config.model.attention_dropout_rate, config.model.dropout_bits = 0.1, 32
     model_lib.validate_training(config, "cpu", (2048,))
+
+
+def test_32_bit_dropout_is_flax_in_float32_and_scales_exactly_in_bfloat16():
+    """The 32-bit module draws flax's masks (its class keeps flax's name: modules keep their names and rng streams)
+    and gives flax's values bit for bit in float32; in bfloat16 flax divides by bf16(0.9) = 0.8984375, every kept
+    value 0.17% large, and this module divides in float32 and rounds once."""
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+    from tupe_jax.dropout import make_dropout  # pylint: disable=import-outside-toplevel
+    ours, theirs = make_dropout(0.1, 32), nn.Dropout(0.1)
+    assert type(ours).__name__ == "Dropout"
+    rngs = {"dropout": jax.random.PRNGKey(5)}
+    x = jax.random.normal(jax.random.PRNGKey(3), (512, 512))
+    assert (np.asarray(ours.apply({}, x, deterministic=False, rngs=rngs))
+            == np.asarray(theirs.apply({}, x, deterministic=False, rngs=rngs))).all()
+    h = x.astype(jnp.bfloat16)
+    y = np.asarray(ours.apply({}, h, deterministic=False, rngs=rngs), np.float32)
+    flax_y = np.asarray(theirs.apply({}, h, deterministic=False, rngs=rngs), np.float32)
+    assert ((y != 0) == (flax_y != 0)).all()                              # the same mask
+    kept, exact = y != 0, np.asarray(h, np.float32) / 0.9
+    assert (y[kept] == np.asarray(jnp.asarray(exact[kept]).astype(jnp.bfloat16), np.float32)).all()
+    assert abs(float(np.mean(y[kept] / exact[kept])) - 1) < 2e-4
+    assert float(np.mean(flax_y[kept] / exact[kept])) - 1 > 1e-3            # flax's bias, which this removes
+    assert (ours.apply({}, h, deterministic=True) == h).all()

@@ -16,7 +16,7 @@ rbg|unsafe_rbg`) the 32-bit words come from `jax.random.bits`: two masks per wor
 of the 16-bit masks is `kernels/threefry.py`'s, written out as uint32 operations: JAX's primitive's words without
 its rolled loop (`_hash_words`).
 
-    make_dropout(rate, bits) -> nn.Module          nn.Dropout for 32, Dropout16 for 16
+    make_dropout(rate, bits) -> nn.Module          Dropout (flax's masks) for 32, Dropout16 for 16
     keep_mask16(rng, shape, keep_prob) -> (bool mask, realised keep probability)
     hashes16(shape) -> the hashes a mask of `shape` takes; check_hashes16(shape) refuses more than 2³² (ValueError)
     keep_bits16(rng, shape, keep_prob) -> the same mask, four bits a byte (one byte per hash)
@@ -27,6 +27,7 @@ its rolled loop (`_hash_words`).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -159,6 +160,29 @@ class Dropout16(nn.Module):
         return self.make_rng(self.rng_collection)
 
 
+class Dropout(nn.Dropout):
+    """`flax.linen.Dropout`'s masks (the same rng draw and bits: the class keeps its name, so modules keep their
+    names and rng streams), with the kept values divided by keep_prob in float32 and rounded once: flax divides in
+    the input's dtype, and keep_prob 0.9 in bfloat16 (0.8984375) made every kept value 0.17% large. Float32 inputs
+    give flax's values bit for bit."""
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, deterministic: Optional[bool] = None, rng: Optional[jax.Array] = None):
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        if self.rate == 0.0 or deterministic or inputs.dtype == jnp.float32:
+            return super().__call__(inputs, deterministic, rng)
+        keep_prob = 1.0 - self.rate
+        if self.rate == 1.0:
+            return jnp.zeros_like(inputs)
+        shape = list(inputs.shape)
+        for dim in self.broadcast_dims:
+            shape[dim] = 1
+        mask = jnp.broadcast_to(jax.random.bernoulli(self.make_rng(self.rng_collection) if rng is None else rng,
+                                                     p=keep_prob, shape=shape), inputs.shape)
+        scaled = (inputs.astype(jnp.float32) / jnp.float32(keep_prob)).astype(inputs.dtype)
+        return jax.lax.select(mask, scaled, jnp.zeros_like(inputs))
+
+
 def make_dropout(rate: float, bits: int = 32) -> nn.Module:
     """The dropout module for `model.dropout_bits` (checked by model.validate_config)."""
-    return nn.Dropout(rate) if bits == 32 else Dropout16(rate)
+    return Dropout(rate) if bits == 32 else Dropout16(rate)
