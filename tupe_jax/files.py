@@ -3,9 +3,9 @@
 Local paths use `os`; a path with a scheme (`gs://bucket/run`) goes through `etils.epath` (gcsfs underneath, the
 library Orbax uses too; checkpoint arrays go through tensorstore, which reads gs:// paths itself), whole-file reads
 through gcsfs's one-request get. Whole files are written atomically: locally a temporary file + rename; in a bucket
-an object upload is atomic by nature (an object appears whole or not at all). Appending (`append_text`) is native locally; in a bucket,
-objects are immutable, so the object is rewritten whole (`metrics.MetricsWriter` buffers rows and flushes them at
-intervals and at every checkpoint, so a rewrite happens seldom).
+an object upload is atomic by nature (an object appears whole or not at all). Appending (`append_text`) is native
+locally; in a bucket, objects are immutable, so the object is rewritten whole (`metrics.MetricsWriter` buffers rows
+and flushes them at intervals and at every checkpoint, so a rewrite happens seldom).
 
 Every JSON or text file the project writes as a unit (a run's `config.json`, `results.json`, `sweep.json`, reports,
 analysis outputs) goes through `write_json` / `write_text`, so a reader never sees half a file.
@@ -24,7 +24,7 @@ import shutil
 import socket
 import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -118,6 +118,15 @@ def listdir(path: Any) -> list[str]:
     return sorted(p.name for p in _epath(path).iterdir()) if is_remote(path) else os.listdir(path)
 
 
+def walk(path: Any) -> Iterator[tuple[str, list[str], list[str]]]:
+    """`os.walk` of a local or bucket folder, top down: (a folder, its folders' names, its files' names)."""
+    if not is_remote(path):
+        return os.walk(path)
+    import fsspec  # pylint: disable=import-outside-toplevel
+    fs, root = fsspec.core.url_to_fs(str(path))
+    return ((fs.unstrip_protocol(folder), dirs, names) for folder, dirs, names in fs.walk(root))
+
+
 def glob(path: Any, pattern: str) -> list[str]:
     """The paths under the folder `path` that match `pattern` (e.g. "*/config.json"), sorted."""
     return sorted(str(p) for p in _epath(path).glob(pattern))
@@ -168,8 +177,7 @@ def read_text(path: Any) -> str:
 def upload(local: Any, path: Any) -> None:
     """Copy the local file `local` to `path` (a bucket object or a local path)."""
     if is_remote(path):
-        with open(local, "rb") as f:
-            _epath(path).write_bytes(f.read())
+        _epath(path).write_bytes(Path(local).read_bytes())
     else:
         shutil.copyfile(local, path)
 
@@ -188,11 +196,6 @@ def upload_tree(local_dir: Any, path: Any) -> None:
 MIRRORED = ".mirror.json"   # in a mirror's folder: {local path: the object version it holds}
 
 
-def _version(info: dict) -> str:
-    """What changes when an object's content does: its generation or hash, as the storage reports them."""
-    return "/".join(str(info.get(k, "")) for k in ("generation", "md5Hash", "crc32c", "size"))
-
-
 def mirror(url: str, local_root: str) -> str:
     """A local copy of the bucket file or folder `url` under `local_root`, made to follow the bucket: an object is
     downloaded again when its version (generation / hash) differs from the copy's, and a file whose object is gone
@@ -208,14 +211,13 @@ def mirror(url: str, local_root: str) -> str:
     target = os.path.join(local_root, os.path.basename(root)) if single else local_root
     record = os.path.join(local_root, MIRRORED)
     try:
-        with open(record, encoding="utf-8") as f:
-            held = json.load(f)
+        held = json.loads(read_text(record))
     except (OSError, ValueError):
         held = {}
     now = {}
     for remote, info in found.items():
         local = target if single else os.path.join(local_root, remote[len(root):].lstrip("/"))
-        now[local] = _version(info)
+        now[local] = "/".join(str(info.get(k, "")) for k in ("generation", "md5Hash", "crc32c", "size"))  # its version
         if os.path.isfile(local) and held.get(local) == now[local]:
             continue
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
@@ -245,6 +247,8 @@ def append_text(path: Any, text: str) -> None:
 # does (STORAGE_EMULATOR_HOST, application default credentials). Every object generation is immutable, so a read
 # returns one whole generation and its number; a write or delete given that number happens only if nobody wrote
 # the object since, and otherwise raises FileExistsError. Generation 0 means "no object".
+_STORAGE_CLIENT = None   # google-cloud-storage's client, made at the first use
+
 
 def _blob(path: Any):
     from google.cloud import storage  # pylint: disable=import-outside-toplevel
@@ -255,9 +259,6 @@ def _blob(path: Any):
     if _STORAGE_CLIENT is None:
         _STORAGE_CLIENT = storage.Client()
     return _STORAGE_CLIENT.bucket(bucket).blob(name)
-
-
-_STORAGE_CLIENT = None
 
 
 def read_object(path: Any) -> tuple[str, int]:

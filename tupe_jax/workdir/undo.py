@@ -41,13 +41,11 @@ def _steps(workdir: str) -> set[str]:
 
 
 def holds_results(path: str) -> bool:
-    """True if `path` holds a committed checkpoint step or a results file (worth keeping after an error)."""
-    if files.is_remote(path):
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        return name in RESULTS or (name == "checkpoints" and any(d.isdigit() for d in files.listdir(path)))
-    if os.path.isfile(path):
-        return False
-    for root, dirs, names in os.walk(path):
+    """True if `path` is a results file or holds, at any depth (a sweep's or a suite's runs are folders in it), a
+    committed checkpoint step or a results file: worth keeping after an error."""
+    if files.isfile(path):
+        return os.path.basename(path) in RESULTS
+    for root, dirs, names in files.walk(path):
         if os.path.basename(root) == "checkpoints" and any(d.isdigit() for d in dirs):
             return True
         if set(RESULTS) & set(names):
