@@ -71,8 +71,9 @@ def render_errors_doc() -> str:
               "(`error: checkpoint step N ... failed to restore on process K (...)`); `evaluate`, `export`, the "
               "analyses and `init_from` read only the step asked for "
               "(default: the newest): `error: checkpoint step N ... failed to restore (...)` naming the other steps |",
-              "| kill -9 (also during an asynchronous save) | the unfinished `<step>.orbax-checkpoint-tmp` is never "
-              "restored (the restart removes it); the restart resumes bitwise-exactly from the last committed step, "
+              "| kill -9 (also during an asynchronous save) | the unfinished `<step>.orbax-checkpoint-tmp` (in a "
+              "bucket: a `<step>/` without `commit_success.txt`) is never restored (the restart removes it); the "
+              "restart resumes bitwise-exactly from the last committed step, "
               "and a run killed after its last checkpoint writes its final evaluation then |",
               "| SIGTERM | the current step is checkpointed and committed, exit 0 (during a process's first step, its "
               "compile, nothing is saved: a rerun starts from the checkpoint it restored; a `compare` suite stops the "

@@ -1,11 +1,14 @@
 """What a failed command leaves in a bucket run folder (`workdir/undo.py`), against the emulator of gcs_fixtures:
-finished sub-runs of a sweep or a suite are kept, as in a local folder."""
+finished sub-runs of a sweep or a suite are kept, as in a local folder, and a half-written checkpoint step (in a
+bucket a `<step>/` without Orbax's commit file) is no step."""
 import pytest
 
 from tests.gcs_fixtures import BUCKET
-from tests.workdir_fixtures import load_config
+from tests.workdir_fixtures import fake_checkpoint, load_config
+from tupe_jax import checkpoint as ckpt
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
+from tupe_jax.workdir.claim import view
 
 
 def test_a_failed_sweep_in_a_bucket_keeps_the_runs_it_finished(gcs):
@@ -20,3 +23,22 @@ def test_a_failed_sweep_in_a_bucket_keeps_the_runs_it_finished(gcs):
                 raise RuntimeError("the second run diverged")
         assert files.isfile(f"{wd}/{kept}") and files.isfile(f"{wd}/config.json")
         assert not files.exists(f"{wd}/.lock")
+
+
+def test_a_half_written_step_in_a_bucket_is_no_step_and_a_writer_removes_it(gcs, capsys):
+    """In a bucket Orbax writes straight into `<step>/` and adds commit_success.txt last: a save that failed or was
+    killed half-way left a `<step>/` that the folder checks counted as a step (kept a failed command's config,
+    `view` saw 2 steps where Orbax listed 1) and that no writer removed."""
+    wd = f"gs://{BUCKET}/half-written"
+    with workdir_lib.claim(wd, load_config()):
+        fake_checkpoint(wd, load_config(), 3)
+    config = files.read_text(f"{wd}/config.json")
+    with pytest.raises(RuntimeError):
+        with workdir_lib.claim(wd, load_config(**{"checkpoint.every": 50})):
+            files.write_text(f"{wd}/checkpoints/6/state/_METADATA", "{}")
+            raise RuntimeError("the storage failed during the save of step 6")
+    assert files.read_text(f"{wd}/config.json") == config          # it produced nothing: put back
+    assert view(wd) == "config.json, checkpoints/ with 1 steps (newest 3)"
+    ckpt.Checkpointer(wd, async_=False).close()                      # a writer: a resume's
+    assert files.listdir(f"{wd}/checkpoints") == ["3"] and workdir_lib.checkpoint_steps(wd) == [3]
+    assert f"{wd}/checkpoints: removed 6, a save that a stopped run did not finish" in capsys.readouterr().out

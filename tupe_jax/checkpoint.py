@@ -9,13 +9,15 @@ Each step holds three items:
   refuses a checkpoint of another scheme, shape or vocabulary. This module only stores it. Paths may be local or
   in a bucket (`gs://`: Orbax + tensorstore write there directly).
 
-Orbax writes each step into a temporary directory and renames it when complete, so unfinished saves are never
-listed; a writer removes those a stopped run left (`Checkpointer._remove_unfinished`). If the newest step fails to restore (corrupt files), `restore` warns naming it and falls back to the
-previous step; nothing is deleted. The read-only paths (`restore_params`, `restore_meta`: evaluate, export, the
-analyses, init_from) never fall back by themselves: a step that does not read is a one-line error naming the other
-steps, and what a failed read leaves in flight is kept off stderr (`failed_reads`). Preemption:
-`install_sigterm_handler()` makes SIGTERM set a flag; the loop polls `Checkpointer.reached_preemption(step)` (that
-flag, or Orbax/JAX's multi-host preemption sync point), then saves with `force=True`, calls `wait()` and exits 0.
+Locally Orbax writes each step into a temporary folder and renames it when complete; in a bucket it writes straight
+into `<step>/` and adds `commit_success.txt` last. Either way an unfinished save is not a step (`committed`), and a
+writer removes those a stopped run left (`Checkpointer._remove_unfinished`). If the newest step fails to restore
+(corrupt files), `restore` warns naming it and falls back to the previous step; nothing is deleted. The read-only
+paths (`restore_params`, `restore_meta`: evaluate, export, the analyses, init_from) never fall back by themselves: a
+step that does not read is a one-line error naming the other steps, and what a failed read leaves in flight is kept
+off stderr (`failed_reads`). Preemption: `install_sigterm_handler()` makes SIGTERM set a flag; the loop polls
+`Checkpointer.reached_preemption(step)` (that flag, or Orbax/JAX's multi-host preemption sync point), then saves with
+`force=True`, calls `wait()` and exits 0.
 
 Several processes (a pod) decide together: SIGTERM is left to JAX's preemption notifier (a notice to any host
 reaches every host, and all reach one sync step), and a step that does not restore stops them with a line instead
@@ -50,8 +52,7 @@ def write_replicas_whole_in_one_process() -> None:
     so the hosts of a pod share the writes. In one process every slice is written by that same process anyway, and
     each slice is an eager `lax.slice`, compiled once per shape and offset: ~500 slices and ~80 compiles, ~3–5 s of
     the first save of a tiny run on 8 CPU devices, for no gain. With several processes Orbax's default stays. Only the
-    write is affected: the values, and a restore of checkpoints written either way, are the same.
-    """
+    write is affected: the values, and a restore of checkpoints written either way, are the same."""
     if jax.process_count() == 1 and not _ONE_PROCESS_HANDLER["registered"]:
         ocp.type_handlers.register_type_handler(
             jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
@@ -80,11 +81,15 @@ def stop_requested() -> bool:
 
 
 def checkpoint_dir(path: str) -> str:
-    """Absolute `path/checkpoints` if `path` is a workdir, else `path` itself (already a checkpoints directory).
-
-    Absolute because Orbax refuses relative checkpoint paths (`--workdir=runs/x` is the common spelling)."""
+    """Absolute `path/checkpoints` if `path` is a workdir, else `path` itself (already a checkpoints directory);
+    absolute because Orbax refuses relative checkpoint paths (`--workdir=runs/x` is the common spelling)."""
     sub = files.join(path, "checkpoints")
     return files.absolute(sub if files.isdir(sub) else path)
+
+
+def committed(step_dir: str) -> bool:
+    """Whether the folder `step_dir` (`checkpoints/<step>`) is a finished save, as Orbax decides (module doc)."""
+    return bool(ocp.step.is_path_finalized(step_dir))
 
 
 def param_shapes(params: Any) -> dict[str, list[int]]:
@@ -96,8 +101,7 @@ def param_shapes(params: Any) -> dict[str, list[int]]:
 class Checkpointer:
     """Save / restore train state + data-iterator state + meta under `workdir/checkpoints/`."""
 
-    def __init__(self, workdir: str, every: int = 1000, keep: int = 3, async_: bool = True,
-                 read_only: bool = False):
+    def __init__(self, workdir: str, every: int = 1000, keep: int = 3, async_: bool = True, read_only: bool = False):
         self.workdir = files.absolute(workdir)
         self.directory = files.absolute(files.join(workdir, "checkpoints"))
         self.every = max(int(every), 1)
@@ -106,8 +110,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(  # the interval is decided in `save`, not by Orbax
             save_interval_steps=1, max_to_keep=keep, create=not read_only, read_only=read_only,
             enable_async_checkpointing=async_)
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_names=("state", "data", "meta"))
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
         if not read_only and jax.process_index() == 0:
             self._remove_unfinished()
         self._async = bool(async_)
@@ -116,12 +119,13 @@ class Checkpointer:
         self._failed_tmp: str | None = None
 
     def _remove_unfinished(self) -> None:
-        """Orbax's unfinished saves (`<step>.orbax-checkpoint-tmp*`, left by a kill during a save) are never read;
-        one at a step the run saves again is replaced, any other would stay for good. A writer holds the run's lock
-        (`workdir.claim`), so no save of another process is in flight here."""
+        """Orbax's unfinished saves (`<step>.orbax-checkpoint-tmp*`; in a bucket a `<step>/` not `committed`), left
+        by a kill during a save, are never read; one at a step saved again is replaced, any other would stay for
+        good. A writer holds the run's lock (`workdir.claim`): no other process's save is in flight here."""
         for name in files.listdir(self.directory) if files.isdir(self.directory) else []:
-            if ".orbax-checkpoint-tmp" in name:
-                files.rmtree(files.join(self.directory, name))
+            path = files.join(self.directory, name)
+            if ".orbax-checkpoint-tmp" in name or (name.isdigit() and not committed(path)):
+                files.rmtree(path)
                 print(f"{self.directory}: removed {name}, a save that a stopped run did not finish", flush=True)
 
     def save(self, step: int, state: Any, data_state: Mapping[str, Any] | None = None,
@@ -129,8 +133,7 @@ class Checkpointer:
         """Save at `step` if it is due (`step % every == 0`) or `force`; asynchronous when enabled. True if saved."""
         if not force and step % self.every:
             return False
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  data=ocp.args.JsonSave(dict(data_state or {})),
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(dict(data_state or {})),
                                   meta=ocp.args.JsonSave(dict(meta or {})))
         with self._write_errors():   # also surfaces a failure of the previous (asynchronous) save
             self._manager.wait_until_finished()
@@ -206,8 +209,7 @@ class Checkpointer:
         """Restore (state, data_state) onto the shardings in `abstract_state` (ShapeDtypeStructs).
 
         `step=None`: the newest step that restores cleanly (warning about each bad one, deleting nothing); None if
-        there is no checkpoint. An explicit `step` that is missing or fails raises UserError.
-        """
+        there is no checkpoint. An explicit `step` that is missing or fails raises UserError."""
         if step is not None:
             if step not in self.all_steps():
                 raise UserError(f"no checkpoint at step {step} in {self.directory}", "--step",
@@ -318,8 +320,7 @@ def restore_params(path_or_workdir: str, step: int | None = None, abstract_param
     With `abstract_params` (ShapeDtypeStructs with shardings) only the params subtree is read, onto those
     shardings; without it the whole state item is read and its params returned. A step that does not read is a
     UserError naming it and `where` (`unreadable`); a missing step names `where` too, with the steps there;
-    a folder without checkpoints names `where_run` (the flag that gave the folder).
-    """
+    a folder without checkpoints names `where_run` (the flag that gave the folder)."""
     quiet_leftovers()
     directory = checkpoint_dir(path_or_workdir)
     if not files.isdir(directory):

@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from tupe_jax import files
+from tupe_jax.checkpoint import committed
 from tupe_jax.config import flatten
 from tupe_jax.errors import UserError
 from tupe_jax.workdir import provenance
@@ -102,7 +103,7 @@ def view(workdir: str) -> str:
     config = "config.json" if files.exists(files.join(workdir, "config.json")) else "no config.json"
     if not files.isdir(ckpt):
         return f"{config}, no checkpoints/"
-    steps = sorted(int(d) for d in files.listdir(ckpt) if d.isdigit())
+    steps = sorted(int(d) for d in files.listdir(ckpt) if d.isdigit() and committed(files.join(ckpt, d)))
     return f"{config}, checkpoints/ with {len(steps)} steps" + (f" (newest {steps[-1]})" if steps else "")
 
 

@@ -23,6 +23,7 @@ import socket
 from typing import Optional
 
 from tupe_jax import files
+from tupe_jax.checkpoint import committed
 from tupe_jax.workdir.gate import HISTORY, RESULTS
 from tupe_jax.workdir.lock import LOCK_NAME
 from tupe_jax.workdir.provenance import NAME as PROVENANCE
@@ -36,8 +37,9 @@ def _names(path: str) -> set[str]:
 
 
 def _steps(workdir: str) -> set[str]:
-    """The committed checkpoint steps (Orbax's unfinished saves are `<step>.orbax-checkpoint-tmp-*`)."""
-    return {name for name in _names(files.join(workdir, "checkpoints")) if name.isdigit()}
+    """The committed checkpoint steps (not Orbax's unfinished saves: `checkpoint.committed`)."""
+    folder = files.join(workdir, "checkpoints")
+    return {name for name in _names(folder) if name.isdigit() and committed(files.join(folder, name))}
 
 
 def holds_results(path: str) -> bool:
@@ -46,7 +48,8 @@ def holds_results(path: str) -> bool:
     if files.isfile(path):
         return os.path.basename(path) in RESULTS
     for root, dirs, names in files.walk(path):
-        if os.path.basename(root) == "checkpoints" and any(d.isdigit() for d in dirs):
+        if os.path.basename(root) == "checkpoints" and any(d.isdigit() and committed(files.join(root, d))
+                                                           for d in dirs):
             return True
         if set(RESULTS) & set(names):
             return True
