@@ -1,6 +1,7 @@
 """One run per folder: the lock (a second process is refused with one line before the gate reads anything, a
 dead holder's lock is taken over, kill -9 then resume), the bucket lease's torn reads, and its generation
 preconditions (against an in-memory bucket: the emulator ignores them on delete)."""
+import fcntl
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import pytest
 
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
+from tupe_jax.workdir.undo import Before
 from tests.workdir_fixtures import LOCKER, ROOT, load_config, tree
 from tests import xla_flags
 
@@ -260,3 +262,28 @@ def test_bucket_objects_are_written_and_deleted_only_at_the_generation_last_seen
     with lock_lib.RunLock("gs://b/run2") as lock:
         pass
     assert files.read_object(lock.path) == ("", 0)                  # a lease still its holder's is removed
+
+
+def test_a_failed_command_puts_its_folder_back_before_it_releases_the_lock(tmp_path, monkeypatch):
+    """The folder of a failed command was put back after its lock was released: a launch that took the folder in
+    between could lose its new files to that clean-up. Now the lock is held until the folder is as it was."""
+    wd, seen, undo = str(tmp_path / "run"), [], Before.undo
+    workdir_lib.write_config(wd, load_config())
+
+    def undo_and_look(self):        # what another launch's RunLock would meet now
+        try:
+            with open(os.path.join(wd, ".lock"), encoding="utf-8") as f:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+                seen.append("free")
+        except FileNotFoundError:
+            seen.append("released")
+        except BlockingIOError:
+            seen.append("held")
+        undo(self)
+
+    monkeypatch.setattr(Before, "undo", undo_and_look)
+    with pytest.raises(RuntimeError):
+        with workdir_lib.claim(wd, load_config(**{"checkpoint.every": 50})):
+            raise RuntimeError("boom")
+    assert seen == ["held"] and workdir_lib.read_config(wd).checkpoint.every == 1000
+    assert not os.path.exists(os.path.join(wd, ".lock"))

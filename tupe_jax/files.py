@@ -47,8 +47,7 @@ def _epath(path: Any):
 
 
 def stat_bucket(url: str) -> dict:
-    """The bucket's metadata; FileNotFoundError if it does not exist, the transport's error if unreachable (unlike
-    `exists`/`isdir`, which answer False for both)."""
+    """The bucket's metadata; FileNotFoundError if it does not exist, the transport's error if unreachable."""
     if str(url).startswith("gs://"):   # a refused connection fails at once here, not after gcsfs's ~60 s of retries
         endpoint = urllib.parse.urlsplit(os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com")
         port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
@@ -124,7 +123,8 @@ def walk(path: Any) -> Iterator[tuple[str, list[str], list[str]]]:
         return os.walk(path)
     import fsspec  # pylint: disable=import-outside-toplevel
     fs, root = fsspec.core.url_to_fs(str(path))
-    return ((fs.unstrip_protocol(folder), dirs, names) for folder, dirs, names in fs.walk(root))
+    found = fs.walk(root, refresh=True)   # not listings gcsfs kept: objects others wrote since would be missed
+    return ((fs.unstrip_protocol(folder), dirs, names) for folder, dirs, names in found)
 
 
 def glob(path: Any, pattern: str) -> list[str]:
@@ -186,8 +186,7 @@ def upload_tree(local_dir: Any, path: Any) -> None:
     """Copy every file under the local folder `local_dir` to the same relative path under `path`."""
     for root, _, names in os.walk(local_dir):
         for name in names:
-            relative = os.path.relpath(os.path.join(root, name), local_dir).split(os.sep)
-            target = join(path, *relative)
+            target = join(path, *os.path.relpath(os.path.join(root, name), local_dir).split(os.sep))
             if not is_remote(target):
                 os.makedirs(os.path.dirname(target), exist_ok=True)
             upload(os.path.join(root, name), target)

@@ -12,8 +12,8 @@ its type and first line), and every other process of a run in a local folder see
 (`see_what_process_0_wrote`: a folder of each host's own is refused before any compute, even for a fresh run). If
 the command then fails — a UserError or anything unexpected, but not an interrupt — and produced no checkpoint or
 results, the folder is put back as it was (`undo.Before`: what it created is removed, the files the claim rewrote
-get their text back). A run whose bucket lease was taken over (`still_held`, asked before every checkpoint) stops
-and removes nothing: the folder is the other command's.
+get their text back) before the lock is released. A run whose bucket lease was taken over (`still_held`, asked
+before every checkpoint) stops and removes nothing: the folder is the other command's.
 """
 from __future__ import annotations
 
@@ -252,37 +252,43 @@ def claim(workdir: str, config: ml_collections.ConfigDict, overwrite: Optional[b
         failure = err
     agree(workdir, failure, "", stage="gate")
     wait_for_all_processes(workdir)
-    before = Before.take(workdir) if lead else None
-    try:
-        with contextlib.ExitStack() as held:
+    with contextlib.ExitStack() as held:   # exits in reverse: the undo, the lock's release, then the empty folders
+        failure = None
+        try:                 # process 0 alone; another launch may have taken the lock since refuse_if_held
+            if lead:
+                before = Before.take(workdir)
+                held.push(_on_failure(before.remove_new_folders))
+                held.enter_context(RunLock(workdir))
+                held.push(_on_failure(before.undo))
+                store_config(workdir, config, changes)
+                provenance.record(workdir)
+        except Exception as err:  # pylint: disable=broad-except  # as above
+            failure = err
+        agree(workdir, failure, "", stage="lock")
+        if jax.process_count() > 1:
             failure = None
-            try:                 # process 0 alone; another launch may have taken the lock since refuse_if_held
-                if lead:
-                    held.enter_context(RunLock(workdir))
-                    store_config(workdir, config, changes)
-                    provenance.record(workdir)
-            except Exception as err:  # pylint: disable=broad-except  # as above
-                failure = err
-            agree(workdir, failure, "", stage="lock")
-            if jax.process_count() > 1:
-                failure = None
-                try:
-                    if not lead:
-                        see_what_process_0_wrote(workdir)
-                except UserError as err:
-                    failure = err
-                agree(workdir, failure, "", stage="shared")
-            _CLAIMED.add(key)
             try:
-                yield
-            finally:
-                _CLAIMED.discard(key)
-    except LeaseLost:   # the folder is another command's now: nothing in it is this command's to remove
-        raise
-    except Exception:   # an interrupt (Ctrl-C) keeps everything: the same command continues where it stopped
-        if before is not None:
-            before.undo()
-        raise
+                if not lead:
+                    see_what_process_0_wrote(workdir)
+            except UserError as err:
+                failure = err
+            agree(workdir, failure, "", stage="shared")
+        _CLAIMED.add(key)
+        try:
+            yield
+        finally:
+            _CLAIMED.discard(key)
+
+
+def _on_failure(action: Callable[[], None]) -> Callable[..., bool]:
+    """An exit callback for an ExitStack: `action()` if the block failed (a UserError or anything unexpected), but
+    not on an interrupt (Ctrl-C keeps everything: the same command continues where it stopped) nor when the bucket
+    lease was taken over (`LeaseLost`: the folder is another command's now, nothing in it is this one's to remove)."""
+    def on_exit(kind: Any, err: Optional[BaseException], trace: Any) -> bool:  # pylint: disable=unused-argument
+        if isinstance(err, Exception) and not isinstance(err, LeaseLost):
+            action()
+        return False
+    return on_exit
 
 
 def still_held(workdir: str) -> None:

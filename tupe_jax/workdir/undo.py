@@ -1,5 +1,7 @@
 """What a failed command undoes in its run folder: `Before.take(workdir)` just before `claim` writes anything,
-`before.undo()` after the command failed (a UserError or anything unexpected, not an interrupt).
+`before.undo()` after the command failed (a UserError or anything unexpected, not an interrupt), while it still holds
+the folder's lock (another launch could otherwise claim the folder first and lose its new files), then
+`before.remove_new_folders()` once the lock is released.
 
 A command that produced nothing worth keeping — no new committed checkpoint step, no new results file — leaves the
 folder as it found it: what it created at the top level (config.json, tokenizer/, metrics, ...) and in an existing
@@ -103,9 +105,6 @@ class Before:
         for name in self.new_entries():
             _remove(files.join(self.workdir, name))
         if self.names is None:
-            for folder in (self.workdir, *self.parents) if not files.is_remote(self.workdir) else ():
-                if os.path.isdir(folder) and not os.listdir(folder):   # what `mkdir -p` made for it, if still empty
-                    os.rmdir(folder)
             return
         events = files.join(self.workdir, "tensorboard")
         for name in sorted(_names(events) - self.events) if "tensorboard" in self.names else ():
@@ -117,6 +116,13 @@ class Before:
                     files.remove(path)
             elif not files.isfile(path) or files.read_text(path) != text:
                 files.write_text(path, text)
+
+    def remove_new_folders(self) -> None:
+        """After `undo`, once the lock is released (its file is in the folder until then): the local folder of a new
+        run and those `mkdir -p` made above it, each if it is empty."""
+        for folder in (self.workdir, *self.parents) if self.names is None and not files.is_remote(self.workdir) else ():
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
 
 
 def _alive(pid: int) -> bool:
