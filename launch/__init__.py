@@ -99,6 +99,9 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+TRAINS = ("pretrain", "finetune", "glue-sweep", "compare", "demo")   # their loops stop on SIGTERM (checkpoint.py)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but usage errors are one line `error: ...` and exit 2, and a flag must be spelled out (`--work`
     is not taken for `--workdir`)."""
@@ -197,6 +200,9 @@ def run(argv: Sequence[str]) -> int:
     else:    # --config.data.*: another corpus for the commands that score a run; other overrides are refused
         args.data = flags.corpus_overrides(args.command, overrides)
     cluster.maybe_initialize_distributed(args)
+    if args.command in TRAINS:   # from here: a SIGTERM during the setup (minutes on a big corpus) is seen by the
+        from tupe_jax import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel  # loop, which stops
+        ckpt_lib.install_sigterm_handler()           # before its first step; the folder's lock is released as usual
     fn = resolve(f"{command.module}:{command.function}")
     if config is None:
         cluster.agree_on_command(args)

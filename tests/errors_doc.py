@@ -75,8 +75,8 @@ def render_errors_doc() -> str:
               "bucket: a `<step>/` without `commit_success.txt`) is never restored (the restart removes it); the "
               "restart resumes bitwise-exactly from the last committed step, "
               "and a run killed after its last checkpoint writes its final evaluation then |",
-              "| SIGTERM | the current step is checkpointed and committed, exit 0 (during a process's first step, its "
-              "compile, nothing is saved: a rerun starts from the checkpoint it restored; a `compare` suite stops the "
+              "| SIGTERM | the current step is checkpointed and committed, exit 0 (before a process's first step, its "
+              "setup, or during it, its compile, nothing is saved: a rerun starts from the checkpoint it restored; a `compare` suite stops the "
               "same way); `prepare` ends its workers, keeps the finished shards and exits 130 with `error: interrupted, "
               "...` |",
               "| Ctrl-C (SIGINT) while training in one process | the current step is checkpointed and committed, then "

@@ -5,13 +5,16 @@ stops its heartbeat and its run stops before its next checkpoint, and a heartbea
 import importlib
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
 import jax
 import pytest
 
-from tests.gcs_fixtures import BUCKET, ROOT, tiny
+from tests import xla_flags
+from tests.gcs_fixtures import BUCKET, ROOT, TINY, tiny
 from tupe_jax import files
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.errors import UserError
@@ -215,3 +218,36 @@ def test_a_run_whose_lease_object_is_gone_says_so(gcs, tmp_path, monkeypatch):
     assert str(caught.value).startswith(f"error: this run's lease object {remote}/.lock is gone (the run folder or "
                                         "its bucket was deleted")
     assert "taken over" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+SETUP_STOPPED = r'''
+import os, signal, sys
+import launch
+from tupe_jax import data
+real = data.get_tokenizer
+def get_tokenizer(*a, **k):      # a SIGTERM (a preempted VM's notice) while the setup builds the tokenizer
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a, **k)
+data.get_tokenizer = get_tokenizer
+sys.exit(launch.main(sys.argv[1:]))
+'''
+
+
+def test_a_sigterm_during_the_setup_exits_0_and_releases_the_lease(gcs, tmp_path):
+    """SIGTERM before the loop's Trainer was built had its default action (rc -15): nothing ran its `finally`, and
+    the lease it left in the bucket refused the relaunch for up to 300 s. It stops before the first step, as a
+    preemption before the first checkpoint does, and the relaunch trains the run."""
+    wd = f"gs://{BUCKET}/stopped-in-setup"
+    argv = ["pretrain", "--config=configs/pretrain.py:pe=tupe_r", f"--workdir={wd}",
+            f"--config.data.cache_dir={tmp_path / 'cache'}", *[f"--config.{k}={v}" for k, v in TINY.items()]]
+    env = dict(os.environ, XLA_FLAGS=xla_flags.devices(1), PYTHONPATH=ROOT)
+    first = subprocess.run([sys.executable, "-c", SETUP_STOPPED, *argv], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300, check=False)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "preemption before this process's first step: nothing saved; a rerun starts from the beginning" in \
+        first.stdout
+    assert files.read_object(f"{wd}/.lock") == ("", 0) and not files.exists(f"{wd}/checkpoints/3")
+    again = subprocess.run([sys.executable, "-m", "launch", *argv], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300, check=False)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert workdir_lib.checkpoint_steps(wd) == [3, 6]

@@ -43,25 +43,41 @@ def test_a_run_stopped_after_its_last_checkpoint_writes_its_final_evaluation_on_
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
 
 
-def test_a_preemption_during_a_process_first_step_saves_nothing_and_the_rerun_is_the_uninterrupted_run(
+def sigterm(monkeypatch, when):
+    """The SIGTERM flag set `when` = "before" the loop's first step (the setup, the restore) or "during" it (its
+    compile: set as its batch is placed); `monkeypatch.undo()` clears it."""
+    if when == "before":
+        monkeypatch.setitem(ckpt._STOP, "requested", True)   # pylint: disable=protected-access
+        return
+    real = trainer_lib.sharding_lib.global_batch
+
+    def global_batch(*a, **k):
+        monkeypatch.setitem(ckpt._STOP, "requested", True)   # pylint: disable=protected-access
+        return real(*a, **k)
+    monkeypatch.setattr(trainer_lib.sharding_lib, "global_batch", global_batch)
+
+
+def test_a_preemption_before_or_during_a_process_first_step_saves_nothing_and_the_rerun_is_the_uninterrupted_run(
         tmp_path, monkeypatch, capsys):
     """SIGTERM while a process's first step compiles (minutes for a big model; no signal cuts that short): the run
     used to finish the step and save it, spending the notice's seconds to spare a rerun one step. It stops without
-    saving, and the rerun's history and checkpoints are the uninterrupted run's."""
+    saving, and the rerun's history and checkpoints are the uninterrupted run's. A SIGTERM before that step (the
+    setup, the restore) stops it before the compile."""
     devices = jax.devices()[:1]
     config = tiny_config(tmp_path / "cache", 4, **{"checkpoint.async_save": "false", "checkpoint.every": "2"})
     pretrain_loop.pretrain(config, str(tmp_path / "ref"), devices=devices)
-    for stopped_at, resumes_from in ((0, "the beginning"), (2, "step 2")):
-        run = tmp_path / f"run{stopped_at}"
+    for when, stopped_at, resumes_from in (("during", 0, "the beginning"), ("during", 2, "step 2"),
+                                           ("before", 0, "the beginning"), ("before", 2, "step 2")):
+        run = tmp_path / f"run-{when}{stopped_at}"
         if stopped_at:
             pretrain_loop.pretrain(config, str(run), devices=devices, stop_after=stopped_at)
         before = ckpt.Checkpointer(str(run), read_only=True).all_steps() if stopped_at else []
-        monkeypatch.setitem(ckpt._STOP, "requested", True)   # pylint: disable=protected-access
+        sigterm(monkeypatch, when)
         capsys.readouterr()
         pretrain_loop.pretrain(config, str(run), devices=devices)
-        monkeypatch.setitem(ckpt._STOP, "requested", False)  # pylint: disable=protected-access
+        monkeypatch.undo()
         out = capsys.readouterr().out
-        assert f"preemption during this process's first step: nothing saved; a rerun starts from {resumes_from}" \
+        assert f"preemption {when} this process's first step: nothing saved; a rerun starts from {resumes_from}" \
             in out and "saved step" not in out, out
         assert ckpt.Checkpointer(str(run), read_only=True).all_steps() == before
         pretrain_loop.pretrain(config, str(run), devices=devices)
@@ -69,9 +85,10 @@ def test_a_preemption_during_a_process_first_step_saves_nothing_and_the_rerun_is
         assert ckpt.Checkpointer(str(run), read_only=True).all_steps() == [2, 4]
     run = tmp_path / "run-last"                 # a first step that is the run's last is saved: the run is done
     pretrain_loop.pretrain(config, str(run), devices=devices, stop_after=3)
-    monkeypatch.setitem(ckpt._STOP, "requested", True)   # pylint: disable=protected-access
+    sigterm(monkeypatch, "during")
     capsys.readouterr()
     pretrain_loop.pretrain(config, str(run), devices=devices)
+    monkeypatch.undo()
     assert "preemption: saved step 4" in capsys.readouterr().out
     assert ckpt.Checkpointer(str(run), read_only=True).all_steps()[-1] == 4
 

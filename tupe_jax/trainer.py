@@ -244,7 +244,11 @@ class Trainer:
             if hooks.log is not None:
                 hooks.log(at, values)
 
-        preempted = False
+        preempted = ckpt_lib.stop_requested() and stop_after is None and step < total_steps
+        if preempted:   # SIGTERM during the setup (the launcher's handler) or the restore: not even a compile
+            print(f"preemption before this process's first step: nothing saved; a rerun starts from "
+                  f"{f'step {start}' if start else 'the beginning'}; exiting", flush=True)
+            return Outcome(state, step, True)
         traced: Optional[int] = None         # the first step of a trace in progress
         iterator = iter(batches)
         while step < total_steps:
