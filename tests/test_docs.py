@@ -99,3 +99,41 @@ def test_the_scheme_lists_of_the_docs_name_every_scheme():
         line = next(x for x in f if x.startswith("Schemes (`pe=`):"))
     listed = [w.split(" ")[0] for w in line.split(":", 1)[1].strip().rstrip(".").split(", ")]
     assert listed == list(SCHEMES), "configs/pretrain.py's docstring: 'Schemes (`pe=`): ...' names every scheme"
+
+
+FAKE_GCLOUD = """#!/bin/sh
+# `gcloud storage cat gs://B/P ...`: the files $FAKE_BUCKET/B/P, a missing one said on stderr and skipped
+shift 2
+status=0
+for url in "$@"; do
+  if [ -f "$FAKE_BUCKET/${url#gs://}" ]; then cat "$FAKE_BUCKET/${url#gs://}"; else echo "$url: not found" >&2; status=1; fi
+done
+exit $status
+"""
+
+
+def test_the_tpu_relaunch_loop_stops_only_once_the_run_is_finished(tmp_path):
+    """docs/tpu.md's loop wrote its `done` marker after any exit 0, and a preempted run exits 0: the loop ended
+    after the first preemption. Its `finished` test (run here with a fake gcloud) asks for the final evaluation."""
+    with open(os.path.join(ROOT, "docs", "tpu.md"), encoding="utf-8") as f:
+        doc = f.read()
+    function = re.search(r"^finished\(\) \{.*?^\}$", doc, re.S | re.M).group(0)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "gcloud").write_text(FAKE_GCLOUD)
+    (tmp_path / "bin" / "gcloud").chmod(0o755)
+    run = tmp_path / "bucket" / "b" / "tupe_r"
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", FAKE_BUCKET=str(tmp_path / "bucket"),
+               BUCKET="b")
+
+    def finished():
+        return subprocess.run(["bash", "-c", function + "\nfinished"], env=env, capture_output=True).returncode == 0
+
+    assert not finished()                                            # not started
+    run.mkdir(parents=True)
+    (run / "config.json").write_text('{\n  "train": {\n    "steps": 6\n  }\n}\n')
+    rows = ['{"loss": 2.0, "step": 3}', '{"eval_loss": 1.0, "split": "validation", "step": 6}']
+    (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")      # preempted at 3; an `evaluate` row
+    assert not finished()
+    (run / "metrics.jsonl").write_text("\n".join(rows + ['{"loss": 1.5, "step": 6}', '{"eval_loss": 1.2, "step": 6}'])
+                                       + "\n")
+    assert finished()
