@@ -286,6 +286,7 @@ class Trainer:
                 if step % self.log_every == 0 or step == total_steps:
                     log(step, values)
                 pending = None
+            paused = time.perf_counter()       # evaluation and saving are no step's time (step_time_s, tokens/s)
             if hooks.after_step is not None:
                 hooks.after_step(step, state)
             if save:
@@ -294,6 +295,7 @@ class Trainer:
                 workdir_lib.still_held(self.checkpointer.workdir)   # a bucket lease taken over: stop, write nothing
                 interrupt["saving"] = preempted
                 self.checkpointer.save(step, state, hooks.payload() if hooks.payload else {}, meta, force=True)
+            window["start"] += time.perf_counter() - paused
             if preempted:
                 why = "interrupted" if interrupt["set"] else "preemption"
                 self.checkpointer.wait()             # "saved" once it is committed, not while it is in flight
