@@ -22,9 +22,10 @@ def env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value is None or value == "":
         return None
-    if not value.strip().lstrip("-").isdigit():
+    text = value.strip()
+    if not text.removeprefix("-").isdigit():      # one sign at most ("--2" is no int)
         raise UserError(f"environment variable {name}={value!r} is not an int", name, "unset it or give an int")
-    return int(value)
+    return int(text)
 
 
 def check_processes(args: argparse.Namespace) -> None:

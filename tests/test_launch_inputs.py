@@ -211,3 +211,16 @@ def test_an_mlm_key_given_to_a_causal_run_is_refused_not_ignored(tmp_path, capsy
     (tmp_path / "old" / "config.json").write_text("{}")
     config = load_config_module("pretrain").get_config("pe=rope,objective=clm")
     assert validate.refuse_unread_keys(config, frozenset(), frozenset({key}), workdir=str(tmp_path / "old")) == []
+
+
+@pytest.mark.parametrize("value,expected", [("--2", None), ("-+2", None), ("2-", None), (" 3 ", 3), ("-1", -1)])
+def test_a_process_count_variable_is_an_int_or_one_line(monkeypatch, value, expected):
+    """`JAX_NUM_PROCESSES=--2` read as -2 past the check (every leading dash was stripped) and crashed in int()."""
+    from launch import cluster  # pylint: disable=import-outside-toplevel
+    from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
+    monkeypatch.setenv("JAX_NUM_PROCESSES", value)
+    if expected is None:
+        with pytest.raises(UserError, match=r"JAX_NUM_PROCESSES=.* is not an int, JAX_NUM_PROCESSES, unset it"):
+            cluster.env_int("JAX_NUM_PROCESSES")
+    else:
+        assert cluster.env_int("JAX_NUM_PROCESSES") == expected
