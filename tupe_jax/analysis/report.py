@@ -118,7 +118,8 @@ def _pretraining(report: dict) -> list[str]:
         rows.append([f"`{s['name']}`", str(len(runs)), _ms([_eval_value(r, "eval_loss") for r in runs]), extra,
                      minutes, _f(sorted(tps)[len(tps) // 2] if tps else None, 0)])
     lines = ["## Pretraining", "", "Validation metrics at the last step, mean ± std over seeds. Train min: the "
-             "training steps' own time (no compile, eval or checkpointing); tokens/s: median over seeds of each "
+             "logged step times summed (the first logged window holds the compile; in runs made before 2026-12-06 "
+             "the window after each evaluation held the evaluation too); tokens/s: median over seeds of each "
              "run's median. ![loss curves](loss_curves.png)", ""]
     gone = [f"`{s['name']}` seed {seed}: {r['diverged']}" for s in report["schemes"] for seed, r in
             sorted(s["seeds"].items(), key=lambda kv: int(kv[0])) if r.get("diverged")]
