@@ -154,3 +154,19 @@ def test_unknown_dropout_rng_is_a_user_error():
     from tupe_jax.errors import UserError  # pylint: disable=import-outside-toplevel
     with pytest.raises(UserError, match="--config.train.dropout_rng"):
         optim.dropout_key(jax.random.PRNGKey(0), "philox")
+
+
+def test_steps_past_the_decay_are_said_to_train_at_rate_0(capsys):
+    """A run extended with its old schedule kept (`decay_steps` = its steps, as README advises) trained its new
+    steps at learning rate 0 without a word."""
+    from configs.pretrain import get_config  # pylint: disable=import-outside-toplevel
+    from tupe_jax.pretrain.validate import validate  # pylint: disable=import-outside-toplevel
+    config = get_config("pe=bert_a,size=tiny")
+    with config.unlocked():
+        config.train.steps, config.train.decay_steps, config.train.warmup_steps = 12, 9, 2
+    validate(config, 8)
+    assert ("warning: train.decay_steps = 9 ends the schedule before train.steps = 12: steps 10 to 12 train at "
+            "learning rate 0 (the weights do not change)") in capsys.readouterr().out
+    config.train.decay_steps = 12
+    validate(config, 8)
+    assert "learning rate 0" not in capsys.readouterr().out

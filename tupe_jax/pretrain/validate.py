@@ -29,6 +29,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
             f"ends after the run's last step (train.steps = {steps})", "--config.train.profile_steps",
             f"give a range within 1..{steps}")
     span, warmup = optim.schedule_span(steps, config.train.decay_steps, config.train.warmup_steps)
+    if span < steps:      # a run extended with the old schedule kept (README): the steps past it do not learn
+        warn_once(f"warning: train.decay_steps = {config.train.decay_steps} ends the schedule before train.steps = "
+                  f"{steps}: steps {span + 1} to {steps} train at learning rate 0 (the weights do not change)")
     if warmup < int(config.train.warmup_steps):     # learning_rate_fn cuts it: say so (smoke runs do this)
         warn_once(f"warning: train.warmup_steps = {config.train.warmup_steps} is longer than the schedule's {span} "
                    f"steps; the warmup is cut to {span} (the rate peaks at the last step)")
