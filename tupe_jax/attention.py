@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from tupe_jax.dropout import apply_mask16, check_hashes16, keep_bits16, make_dropout, threefry_words
 from tupe_jax.positional.base import PositionalTerms
 from tupe_jax.projection import dense_dot_general
+from tupe_jax.sharding import constrain
 
 NEG_INF = -1e30  # finite, so fully masked rows (padding queries) stay NaN-free
 
@@ -270,6 +271,7 @@ class SelfAttention(nn.Module):
             (3, self.num_heads, self.head_dim), dtype=self.dtype, name="qkv", dot_general=dense_dot_general,
             kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "qkv", "heads", "kv")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("qkv", "heads", "kv")))(x)
+        qkv = constrain(qkv, ("batch", "length", "qkv", "heads", "kv"))    # (B, L, 3, H, D): heads over tensor
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if terms.qk_transform is not None:
             q, k = terms.qk_transform(q, k)
@@ -289,6 +291,7 @@ class SelfAttention(nn.Module):
         if out is None:
             probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
             out = jnp.einsum("bhqk,bkhd->bqhd", dropped(probs).astype(self.dtype), v)
+        out = constrain(out, ("batch", "length", "heads", "kv"))
         out = nn.DenseGeneral(
             x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out", dot_general=dense_dot_general,
             kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("heads", "kv", "embed")),

@@ -27,6 +27,7 @@ from tupe_jax.errors import require
 from tupe_jax.head import tied_cross_entropy, tied_logits
 from tupe_jax.positional import PositionalSettings, canonical_name, make_positional
 from tupe_jax.projection import dense_dot_general
+from tupe_jax.sharding import constrain
 
 # The one dtype table: validation and compute both read it. float16 is absent on purpose: training in it needs
 # loss scaling, which this project does not implement; bfloat16 has float32's range and needs none.
@@ -172,7 +173,7 @@ class Block(nn.Module):
         mlp_out = dense(cfg.hidden_size, ("mlp", "embed"), cfg, "mlp_out")
 
         def mlp(h):
-            return mlp_out(gelu(mlp_in(h)))
+            return mlp_out(gelu(constrain(mlp_in(h), ("batch", "length", "mlp"))))
 
         if cfg.causal:  # pre-LN
             a, probs = attn(layer_norm(cfg, "ln_attention")(x), terms, mask, deterministic, return_probs, causal_only)
@@ -182,7 +183,7 @@ class Block(nn.Module):
             a, probs = attn(x, terms, mask, deterministic, return_probs)
             x = layer_norm(cfg, "ln_attention")(x + drop(a, deterministic=deterministic))
             x = layer_norm(cfg, "ln_mlp")(x + drop(mlp(x), deterministic=deterministic))
-        return x, probs
+        return constrain(x, ("batch", "length", "embed")), probs
 
 
 class Transformer(nn.Module):
@@ -226,7 +227,7 @@ class Transformer(nn.Module):
             x = x + terms.input_vector[None].astype(x.dtype)
         if self.embed_ln is not None:
             x = self.embed_ln(x)
-        x = self.dropout(x, deterministic=deterministic)
+        x = constrain(self.dropout(x, deterministic=deterministic), ("batch", "length", "embed"))
         mask = attention_mask(input_mask, length, cfg.causal)
         causal_only = cfg.causal and input_mask is None   # the mask is the bare triangle (attention.fused_attention)
         hidden, attentions = [x], []
@@ -279,7 +280,8 @@ class TransformerLM(nn.Module):
         h, extras = encoder(tokens, input_mask, deterministic, position_offset, return_hidden, return_attention,
                             segments)
         if mlm_positions is not None:
-            h = jnp.take_along_axis(h, mlm_positions[..., None].astype(jnp.int32), axis=1)
+            h = constrain(jnp.take_along_axis(h, mlm_positions[..., None].astype(jnp.int32), axis=1),
+                          ("batch", "length", "embed"))
         bias = None
         if not cfg.causal:
             h = dense(cfg.hidden_size, ("embed", "mlp"), cfg, "head_dense")(h)

@@ -10,8 +10,9 @@ materialises the transpose of the smaller operand instead (xᵀ (K, M) and xᵀ�
 and (gᵀ·x)ᵀ, the (F, K) result transposed back), with optimization barriers so that XLA does not fold the
 transposes away again. The (F, K) product is barriered too: folded into its transpose it became a dot contracting
 dim 0 of x and dim 1 of gᵀ, which XLA:CPU hands to Eigen (asynchronously) rather than YNNPACK. Other backends,
-batch dimensions, other contractions and an explicit precision get `lax.dot_general` unchanged. Same values up to
-float rounding (summation order); benchmarks/RESULTS.md has the measured effect.
+batch dimensions, other contractions, an explicit precision and a kernel with several feature axes under tensor
+parallelism (QKV's (3, heads, kv): flattened, its split heads axis would be gathered) get `lax.dot_general`.
+Same values up to float rounding (summation order); benchmarks/RESULTS.md has the measured effect.
 
     matmul(x, w) -> x · w                  (M, K) x (K, F) with the backward above (also head.tied_logits')
     dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None) -> y
@@ -22,6 +23,8 @@ import math
 
 import jax
 from jax import lax
+
+from tupe_jax import sharding
 
 
 @jax.custom_vjp
@@ -51,6 +54,7 @@ def dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_el
     (x_axes, k_axes), (x_batch, k_batch) = dimension_numbers
     n = len(x_axes)
     plain = (jax.default_backend() != "cpu" or x_batch or k_batch or precision is not None
+             or (kernel.ndim - n > 1 and sharding.tensor_parallel())   # flattened, (3, heads, kv) loses heads' split
              or tuple(x_axes) != tuple(range(x.ndim - n, x.ndim)) or tuple(k_axes) != tuple(range(n))
              or preferred_element_type is not None)
     if plain:

@@ -4,12 +4,16 @@ Parameters are created in the model with `nn.with_logical_partitioning(init, ('e
 `jax.eval_shape(init)` yields boxed `nn.LogicallyPartitioned` leaves. `logical_to_shardings` maps them through
 `LOGICAL_RULES` to `NamedSharding`s on the ('data', 'fsdp', 'tensor') mesh; a dimension that its mesh axes do not
 divide is replicated instead (logged once). Unboxed leaves (optimizer counters, step, rng) are replicated.
+Activations are pinned by the same rules: the model calls `constrain(x, ('batch', 'length', 'embed'))` etc., which
+acts only inside a function wrapped by `with_activation_layout(fn, mesh)` (the Trainer's step, the eval steps).
 """
 from __future__ import annotations
 
+import contextvars
+import functools
 import logging
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -23,7 +27,8 @@ log = logging.getLogger(__name__)
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # The ONE logical→mesh table. Params: embed→fsdp (ZeRO-3 style), mlp/heads/vocab→tensor (Megatron style).
-# Activations: batch over every data-parallel axis; sequence length and per-head dims stay whole.
+# Activations: batch over every data-parallel axis (embed then stays whole: fsdp is taken); sequence length and
+# per-head dims stay whole.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("embed", "fsdp"),
@@ -124,9 +129,38 @@ def check_rows_per_process(processes: np.ndarray, shape: tuple[int, ...]) -> Non
             f"each on mesh {tuple(shape)}", "--config.mesh", "give every host the same number of devices")
 
 
-def axis_rules() -> Any:
-    """Context manager installing LOGICAL_RULES for `nn.with_logical_constraint` inside the model."""
-    return nn.logical_axis_rules(LOGICAL_RULES)
+_LAYOUT_MESH: contextvars.ContextVar[Optional[Mesh]] = contextvars.ContextVar("activation_layout", default=None)
+
+
+def with_activation_layout(fn: Callable, mesh: Mesh) -> Callable:
+    """`fn` traced with `mesh` in scope, so that the model's `constrain` calls pin its activations (batch over
+    data x fsdp, heads and mlp over tensor) instead of leaving them to XLA's propagation. Wrap before `jax.jit`."""
+    @functools.wraps(fn)
+    def laid_out(*args: Any, **kwargs: Any) -> Any:
+        token = _LAYOUT_MESH.set(mesh)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _LAYOUT_MESH.reset(token)
+    return laid_out
+
+
+def tensor_parallel() -> bool:
+    """Whether the `with_activation_layout` mesh being traced splits heads and mlp over `tensor` (> 1 device)."""
+    mesh = _LAYOUT_MESH.get()
+    return mesh is not None and mesh.shape["tensor"] > 1
+
+
+def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
+    """Activation `x` (one logical name per dim, e.g. ('batch', 'length', 'embed')) laid out as LOGICAL_RULES map
+    `names`, a dimension its mesh axes do not divide left whole; `x` itself outside `with_activation_layout` (one
+    device, evaluation tools, analyses, export)."""
+    mesh = _LAYOUT_MESH.get()
+    if mesh is None:
+        return x
+    spec = nn.logical_to_mesh_axes(tuple(names), LOGICAL_RULES)
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, fit_spec(P(*spec), x.shape, mesh, f"activation {tuple(names)}")))
 
 
 def _axes_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:

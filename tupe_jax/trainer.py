@@ -176,7 +176,8 @@ class Trainer:
         self.abstract = jax.eval_shape(init_fn, self.rng)
         self.shardings = sharding_lib.logical_to_shardings(self.abstract, mesh)
         self.meta_fn = meta or (lambda state: {})
-        self.step_fn = xla_options.jit(step_fn, in_shardings=(self.shardings, sharding_lib.batch_sharding(mesh)),
+        self.step_fn = xla_options.jit(sharding_lib.with_activation_layout(step_fn, mesh),
+                                       in_shardings=(self.shardings, sharding_lib.batch_sharding(mesh)),
                                        out_shardings=(self.shardings, sharding_lib.replicated(mesh)), donate_argnums=0)
         self._all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
                                                                    for x in jax.tree_util.tree_leaves(tree)])))

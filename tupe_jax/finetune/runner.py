@@ -147,7 +147,7 @@ class Runner:
 
     def bind(self, params_sharding: Any) -> None:
         """Jit the eval step for params laid out as `params_sharding` (the trainer's)."""
-        self.eval_step = xla_options.jit(make_eval_step(self.model),
+        self.eval_step = xla_options.jit(sh.with_activation_layout(make_eval_step(self.model), self.mesh),
                                          in_shardings=(params_sharding, sh.batch_sharding(self.mesh)),
                                          out_shardings=sh.replicated(self.mesh))
 

@@ -134,8 +134,8 @@ def _pretrain(config: ml_collections.ConfigDict, workdir: str, devices: list, st
         writer.write(0, {"event": "init_from", "init_from": got.workdir, "init_step": got.step})
 
     # --------------------------------------------------------------------------------------- hooks
-    eval_step = xla_options.jit(steps.make_eval_step(model), in_shardings=(trainer.shardings["params"],
-                                                                           sharding_lib.batch_sharding(mesh)))
+    eval_step = xla_options.jit(sharding_lib.with_activation_layout(steps.make_eval_step(model), mesh),
+                                in_shardings=(trainer.shardings["params"], sharding_lib.batch_sharding(mesh)))
     flops = steps.step_flops(config)
     peak = metrics_lib.peak_tflops(float(config.metrics.peak_tflops))
     tokens_per_step = batch_size * int(config.model.max_len)
