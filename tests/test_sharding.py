@@ -1,5 +1,6 @@
 """Mesh, logical→mesh rules and batch assembly on 8 fake CPU devices."""
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,8 @@ from jax.sharding import PartitionSpec as P
 from tupe_jax import sharding
 from tupe_jax.config import apply_overrides, load_config
 from tupe_jax.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _mesh(data=2, fsdp=2, tensor=2):
@@ -111,3 +114,43 @@ def test_a_batch_row_block_spread_over_two_processes_is_refused():
     uneven = np.array([0, 0, 0, 1])                               # 3 devices on one host, 1 on the other
     with pytest.raises(UserError, match=r"the processes hold \[1, 3\] batch row blocks each"):
         check_rows_per_process(uneven.reshape(4, 1, 1), (4, 1, 1))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"mesh.data": 2, "mesh.tensor": 4}, r"model.num_heads = 2 and model.mlp_dim = 64 are not both divisible by "
+                                         r"mesh.tensor = 4.*, --config.mesh.tensor, use a common divisor \(1, 2\)"),
+    ({"mesh.data": 1, "mesh.fsdp": 8, "model.hidden_size": 36},
+     r"model.hidden_size = 36 is not divisible by mesh.fsdp = 8.*, --config.mesh.fsdp, .*\(1, 2, 3, 4, 6\)")])
+def test_a_mesh_that_would_replicate_the_model_is_refused_before_any_compute(overrides, needle, tmp_path, capsys):
+    """fit_spec replicated these dims with a warning per leaf, and the run trained with whole weights per device."""
+    import launch  # pylint: disable=import-outside-toplevel
+    from tupe_jax.finetune.validate import validate  # pylint: disable=import-outside-toplevel
+    tiny = {"model.num_layers": 1, "model.hidden_size": 32, "model.num_heads": 2, "model.mlp_dim": 64, **overrides}
+    argv = ["pretrain", "--config=" + os.path.join(ROOT, "configs", "pretrain.py") + ":pe=tupe_r,size=tiny",
+            f"--workdir={tmp_path / 'run'}", *[f"--config.{k}={v}" for k, v in tiny.items()]]
+    assert launch.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and re.match("^error: " + needle, err[0]), err
+    glue = apply_overrides(load_config(os.path.join(ROOT, "configs", "glue.py") + ":task=rte,pe=tupe_r"),
+                           {k: str(v) for k, v in tiny.items()})
+    with pytest.raises(UserError, match=needle):
+        validate(glue, 8)
+
+
+def test_a_vocabulary_that_does_not_split_is_replicated_and_said_once_per_parameter(caplog, monkeypatch):
+    """BERT's 30522 rows over tensor 4: allowed; one line per table, not one per leaf of params, mu and nu."""
+    from tupe_jax import optim, trainer  # pylint: disable=import-outside-toplevel
+    from tupe_jax.model import ModelConfig, TransformerLM  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(sharding, "_LOGGED", set())
+    model = TransformerLM(ModelConfig(vocab_size=1001, hidden_size=32, num_heads=4, mlp_dim=64, num_layers=2))
+    tx, _ = optim.make_optimizer(ml_collections.ConfigDict(dict(
+        steps=10, decay_steps=0, warmup_steps=2, learning_rate=1e-3, weight_decay=0.01, clip_norm=1.0, adam_b1=0.9,
+        adam_b2=0.999, adam_eps=1e-6)))
+    abstract = jax.eval_shape(trainer.init_state_fn(model, tx, 16), jax.random.key(0))
+    shardings = sharding.logical_to_shardings(abstract, _mesh(data=2, fsdp=1, tensor=4))
+    assert shardings["opt_state"][1][0].mu["encoder"]["embed"]["embedding"].spec == P(None, "fsdp")
+    said = [r.getMessage() for r in caplog.records if "cannot be split" in r.getMessage()]
+    assert [m.split(" dim ")[0] for m in said] == ["sharding: encoder/embed/embedding", "sharding: head_bias"], said
+    nu = [p for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]
+          if ".nu['encoder']['blocks_1']['mlp_in']['kernel" in jax.tree_util.keystr(p)]
+    assert [sharding.param_name(p) for p in nu] == ["encoder/blocks_*/mlp_in/kernel"]

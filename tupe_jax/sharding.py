@@ -13,6 +13,7 @@ import contextvars
 import functools
 import logging
 import math
+import re
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax.linen as nn
@@ -99,6 +100,23 @@ def check_batch(train: Any, mesh_shape: tuple[int, int, int]) -> None:
         require(int(train.eval_batch_size) % shards == 0,
                 f"train.eval_batch_size = {train.eval_batch_size} is not divisible by mesh.data*mesh.fsdp = {shards}",
                 "--config.train.eval_batch_size", f"use a multiple of {shards}")
+
+
+def check_model(model: Any, mesh_shape: tuple[int, int, int]) -> None:
+    """The model's dimensions must split over the mesh where a split is the point of the axis: `hidden_size` (embed,
+    in every weight) over fsdp, `num_heads` and `mlp_dim` over tensor; otherwise `fit_spec` would replicate them
+    and each device hold those weights and their Adam moments whole. The vocabulary may not split (BERT's 30522
+    rows over tensor 4): that table is replicated, said once."""
+    fsdp, tensor, devices = mesh_shape[1], mesh_shape[2], math.prod(mesh_shape)
+    hidden, heads, mlp = int(model.hidden_size), int(model.num_heads), int(model.mlp_dim)
+    divisors = lambda n: ", ".join(str(d) for d in range(1, min(n, devices) + 1) if n % d == 0)  # noqa: E731
+    require(hidden % fsdp == 0, f"model.hidden_size = {hidden} is not divisible by mesh.fsdp = {fsdp}: fsdp splits "
+            "every weight along hidden_size, so each device would hold the whole model", "--config.mesh.fsdp",
+            f"use a divisor of {hidden} ({divisors(hidden)}) and give the other devices to mesh.data")
+    require(heads % tensor == 0 and mlp % tensor == 0, f"model.num_heads = {heads} and model.mlp_dim = {mlp} are "
+            f"not both divisible by mesh.tensor = {tensor}: attention or MLP weights would be replicated on every "
+            "tensor device", "--config.mesh.tensor", f"use a common divisor ({divisors(math.gcd(heads, mlp))}) and "
+            "give the other devices to mesh.data")
 
 
 def make_mesh(config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -192,6 +210,15 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, nn.Partitioned)
 
 
+def param_name(path: Sequence[Any]) -> str:
+    """'encoder/blocks_*/mlp_in/kernel' for a leaf's tree path: the state's top keys (params, opt_state), the
+    optimizer's wrappers and the layer number dropped, so that a parameter and its moments in every layer read
+    alike (one log line each)."""
+    keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+    keys = keys[1:] if keys and keys[0] in ("params", "opt_state") else keys
+    return "/".join(re.sub(r"^blocks_\d+$", "blocks_*", k) for k in keys) or jax.tree_util.keystr(path)
+
+
 def logical_to_shardings(abstract_tree: Any, mesh: Mesh,
                          rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
     """NamedShardings for a (possibly boxed) abstract tree; the result has the UNBOXED tree's structure.
@@ -203,7 +230,7 @@ def logical_to_shardings(abstract_tree: Any, mesh: Mesh,
     unboxed = nn.meta.unbox(abstract_tree)
 
     def one(path: Any, leaf: Any, spec: P) -> NamedSharding:
-        where = jax.tree_util.keystr(path)
+        where = param_name(path)
         if isinstance(leaf, nn.LogicallyPartitioned):
             unknown = [n for n in leaf.names if n is not None and n not in KNOWN_LOGICAL]
             if unknown:

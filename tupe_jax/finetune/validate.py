@@ -30,6 +30,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
             "[CLS] at position 0, which a causal decoder computes without seeing the rest of the text",
             "--config.model.objective", "fine-tune an MLM (bidirectional) run")
     mesh = sharding.resolve_mesh_shape(config.mesh, num_devices)
+    sharding.check_model(config.model, mesh)
     sharding.warn_miscompiled_mesh(mesh, jax.default_backend())
     require(config.task in GLUE_TASKS, f"unknown GLUE task {config.task!r}", "--config.task",
             "use one of " + "|".join(GLUE_TASKS))

@@ -16,6 +16,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, 
     model.validate_config(config.model)
     model.validate_training(config, jax.default_backend(), (config.model.max_len,))
     mesh = sharding.resolve_mesh_shape(config.mesh, num_devices)
+    sharding.check_model(config.model, mesh)
     sharding.warn_miscompiled_mesh(mesh, jax.default_backend())
     require_positive(config, ("train.steps", "train.batch_size", "train.grad_accum_steps", "train.log_every"))
     require_positive(config, ("train.warmup_steps", "train.decay_steps", "train.eval_every", "train.eval_steps"),
