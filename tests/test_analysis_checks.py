@@ -11,8 +11,11 @@ from tupe_jax.analysis import suite as suite_lib
 from tupe_jax.errors import UserError
 from tupe_jax.workdir import gate
 
-from tests.test_analysis import MAX_LEN, corpus, make_run  # noqa: F401  (the module's fixture, reused)
+from tests import test_analysis
+from tests.test_analysis import MAX_LEN, make_run
 from tests.test_compare import load
+
+corpus = test_analysis.corpus        # that module's fixture, reused here
 
 
 def test_sliding_with_an_mlm_run_is_refused_before_the_causal_runs_are_scored(corpus, tmp_path, monkeypatch):
