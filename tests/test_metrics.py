@@ -118,3 +118,6 @@ def test_flops_and_mfu():
     assert np.isnan(metrics.mfu(1e12, 1.0, 2, 0.0))
     assert metrics.peak_tflops(0.0, "TPU v4") == 275.0 and metrics.peak_tflops(123.0) == 123.0
     assert metrics.peak_tflops(0.0, "cpu") == 0.0
+    # the PCIe H100's dense bf16 peak, not the SXM part's (its device kind also contains "h100")
+    assert metrics.peak_tflops(0.0, "NVIDIA H100 PCIe") == 756.0
+    assert metrics.peak_tflops(0.0, "NVIDIA H100 80GB HBM3") == 989.0

@@ -28,7 +28,7 @@ from tupe_jax.errors import UserError
 # Dense bf16 peak TFLOP/s per device, by `jax.devices()[0].device_kind` substring (lower-cased). 0 = unknown.
 PEAK_TFLOPS = (
     ("v6 lite", 918.0), ("v6e", 918.0), ("v5p", 459.0), ("v5 lite", 197.0), ("v5e", 197.0), ("v4", 275.0),
-    ("h200", 989.0), ("h100", 989.0), ("a100", 312.0), ("l4", 121.0),
+    ("h200", 989.0), ("h100 pcie", 756.0), ("h100", 989.0), ("a100", 312.0), ("l4", 121.0),   # dense bf16
 )
 
 
