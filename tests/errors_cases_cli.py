@@ -113,6 +113,22 @@ CLI_CASES = [
     Case("compare_finetune_warmup", "a suite's fine-tune warmup_ratio 5 (refused after all the pretraining)",
          lambda e: _compare(e, "c31", "suite=tupe", "--config.finetune.train.warmup_ratio=5"),
          "--config.finetune.train.warmup_ratio"),
+    Case("compare_sliding_without_stride", "a suite's eval.mode=sliding without eval.stride (it scored the "
+         "nonoverlapping windows and said 'sliding')",
+         lambda e: _compare(e, "c32", "", "--config.eval.mode=sliding"), "--config.eval.stride"),
+    Case("compare_extrapolation_without_causal", "suite=extrapolation without a causal scheme (it trained every run, "
+         "then wrote no extrapolation)",
+         lambda e: _compare(e, "c33", "suite=extrapolation", "--config.schemes=alibi-mlm"), "--config.schemes"),
+    Case("compare_lengths_not_past_training", "suite=extrapolation with no length past model.max_len (its verdict "
+         "came from growths of 0)",
+         lambda e: _compare(e, "c34", "suite=extrapolation", "--config.eval.lengths=(64,128)"),
+         "nothing past it would be scored"),
+    # ---------------------------------------------------------------- the mesh and the masks
+    Case("mesh_tensor_heads", "mesh.tensor that does not divide the heads (each weight was replicated, with a "
+         "warning per leaf)", lambda e: pretrain(e, "c35", mesh__data=2, mesh__tensor=4), "--config.mesh.tensor"),
+    Case("dropout_hashes", "16-bit dropout masks past 2³² hashes (two blocks of the mask repeated one mask)",
+         lambda e: pretrain(e, "c36", model__max_len=2048, model__dropout_bits=16, train__batch_size=4104),
+         "--config.model.dropout_bits"),
     # ---------------------------------------------------------------- folders of another kind
     Case("pretrain_into_suite", "pretrain into a compare folder (--overwrite_config was suggested and ruined it)",
          lambda e: pretrain(e, "x")[:2] + [f"--workdir={suite_with_runs(e)}"] + pretrain(e, "x")[3:],
