@@ -164,13 +164,19 @@ def apply_bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
 
 def read_dictionary(text: str, source: str = "dict.txt") -> list[str]:
     """A fairseq dict.txt ('symbol count' per line) -> the full symbol list by id: specials, the file, <mask>."""
-    symbols = list(SPECIALS)
+    symbols, seen = list(SPECIALS), {s: 0 for s in (*SPECIALS, MASK)}
     for n, line in enumerate(text.splitlines(), 1):
         cut = line.rstrip("\n").rfind(" ")
         if cut <= 0 or not line[cut + 1:].strip().lstrip("-").isdigit():
             raise UserError(f"line {n} of {source} is not '<symbol> <count>' ({line[:60]!r})", source,
                             "give the dict.txt released with the checkpoint")
-        symbols.append(line[:cut])
+        symbol = line[:cut]
+        if symbol in seen:
+            raise UserError(f"line {n} of {source} repeats the symbol {symbol!r}" + (
+                f" of line {seen[symbol]}" if seen[symbol] else " (a special symbol fairseq adds itself)"), source,
+                "give the dict.txt released with the checkpoint")
+        seen[symbol] = n
+        symbols.append(symbol)
     return symbols + [MASK]
 
 

@@ -68,7 +68,11 @@ class _Meter:
 
 
 SAFE_GLOBALS = [argparse.Namespace] + [(_Meter, f"fairseq.meters.{n}")
-                                        for n in ("AverageMeter", "TimeMeter", "StopwatchMeter")]
+                                        for n in ("AverageMeter", "TimeMeter", "StopwatchMeter")] + [
+    # numpy scalars (a fine-tune's best metric, e.g. scipy's pearsonr for STS-B, in extra_state): rebuilt from
+    # their dtype and bytes, under numpy 2's name and numpy 1's
+    np._core.multiarray.scalar, (np._core.multiarray.scalar, "numpy.core.multiarray.scalar"), np.dtype,
+    *(getattr(np.dtypes, f"{k}DType") for k in ("Float16", "Float32", "Float64", "Int32", "Int64", "Bool"))]
 
 
 def _torch():
@@ -93,7 +97,7 @@ def safe_load(path: str) -> dict:
             or re.search(r"but got <class '([\w.]+)'>", text)
         if found:
             raise UserError(f"{path} holds {found.group(1)}, which is not on the allowlist of a safe load (tensors, "
-                            "containers, argparse.Namespace, fairseq meters); it was not run", WHERE,
+                            "containers, argparse.Namespace, fairseq meters, numpy scalars); it was not run", WHERE,
                             "give the checkpoint as the TUPE code saved it, or re-save its 'args' and 'model' with "
                             "torch.save where you trust the file") from None
         detail = re.search(r"WeightsUnpickler error: (.*?) Check the documentation", text)
@@ -191,6 +195,10 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE):
     ckpt = safe_load(pt)
     torch = _torch()
     tensors = {k: v.detach().to(torch.float32).numpy() for k, v in ckpt["model"].items() if torch.is_tensor(v)}
+    for name in sorted(tensors):     # an fp16 run that overflowed saves infs; NaN would pass every check below
+        bad = int(np.size(tensors[name]) - np.count_nonzero(np.isfinite(tensors[name])))
+        require(not bad, f"tensor {name} in {pt} holds {bad} non-finite value(s) (NaN or inf)", WHERE,
+                "give a checkpoint of finite weights (an earlier one of the run, if this one overflowed)")
     prefix = _prefix(tensors)
     keys = model_keys(ckpt.get("args"), where, f"{prefix}{fairseq_names.ENCODER}emb_layer_norm.weight" in tensors)
     check_architecture(tensors, prefix)
