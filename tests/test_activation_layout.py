@@ -60,3 +60,17 @@ def test_constrain_is_the_identity_outside_a_layout():
     laid_out = jax.jit(S.with_activation_layout(lambda v: S.constrain(v * 2, ("batch", "length", "mlp")), mesh))
     np.testing.assert_array_equal(laid_out(x), x * 2)
     assert S.constrain(x, ("batch", "length", "embed")) is x   # the layout ends with the traced call
+
+
+def test_a_one_device_mesh_traces_the_step_unchanged():
+    """The CPU benchmark's step runs on one device: its program is the one traced before the layout existed."""
+    model = TransformerLM(ModelConfig(pe="tupe_r", objective="mlm", vocab_size=384, hidden_size=64, num_layers=1,
+                                      num_heads=8, mlp_dim=256, max_len=L))
+    tokens = jnp.zeros((2, L), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+
+    def forward(p, t):
+        return model.apply(p, t, deterministic=True)
+    one = S.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    plain = jax.jit(forward).lower(params, tokens).as_text()
+    assert jax.jit(S.with_activation_layout(forward, one)).lower(params, tokens).as_text() == plain

@@ -172,9 +172,10 @@ def tensor_parallel() -> bool:
 def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
     """Activation `x` (one logical name per dim, e.g. ('batch', 'length', 'embed')) laid out as LOGICAL_RULES map
     `names`, a dimension its mesh axes do not divide left whole; `x` itself outside `with_activation_layout` (one
-    device, evaluation tools, analyses, export)."""
+    device, evaluation tools, analyses, export) and on a one-device mesh (the CPU benchmark's step is traced as
+    before: no constraint left for XLA to handle)."""
     mesh = _LAYOUT_MESH.get()
-    if mesh is None:
+    if mesh is None or mesh.size == 1:
         return x
     spec = nn.logical_to_mesh_axes(tuple(names), LOGICAL_RULES)
     return jax.lax.with_sharding_constraint(
