@@ -168,19 +168,9 @@ class Dropout(nn.Dropout):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: Optional[bool] = None, rng: Optional[jax.Array] = None):
-        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-        if self.rate == 0.0 or deterministic or inputs.dtype == jnp.float32:
+        if inputs.dtype == jnp.float32:
             return super().__call__(inputs, deterministic, rng)
-        keep_prob = 1.0 - self.rate
-        if self.rate == 1.0:
-            return jnp.zeros_like(inputs)
-        shape = list(inputs.shape)
-        for dim in self.broadcast_dims:
-            shape[dim] = 1
-        mask = jnp.broadcast_to(jax.random.bernoulli(self.make_rng(self.rng_collection) if rng is None else rng,
-                                                     p=keep_prob, shape=shape), inputs.shape)
-        scaled = (inputs.astype(jnp.float32) / jnp.float32(keep_prob)).astype(inputs.dtype)
-        return jax.lax.select(mask, scaled, jnp.zeros_like(inputs))
+        return super().__call__(inputs.astype(jnp.float32), deterministic, rng).astype(inputs.dtype)   # same mask
 
 
 def make_dropout(rate: float, bits: int = 32) -> nn.Module:
