@@ -34,6 +34,7 @@ from tupe_jax.config import unflatten
 from tupe_jax.data.fairseq_bpe import FairseqBpeTokenizer, read_dictionary
 from tupe_jax.errors import UserError, require
 from tupe_jax.interop import fairseq_names, hf
+from tupe_jax.interop.safetensors_io import require_finite
 from tupe_jax.model import ModelConfig
 
 WHERE = "--from"
@@ -196,9 +197,8 @@ def convert(src: str, base: ml_collections.ConfigDict, where: str = WHERE):
     torch = _torch()
     tensors = {k: v.detach().to(torch.float32).numpy() for k, v in ckpt["model"].items() if torch.is_tensor(v)}
     for name in sorted(tensors):     # an fp16 run that overflowed saves infs; NaN would pass every check below
-        bad = int(np.size(tensors[name]) - np.count_nonzero(np.isfinite(tensors[name])))
-        require(not bad, f"tensor {name} in {pt} holds {bad} non-finite value(s) (NaN or inf)", WHERE,
-                "give a checkpoint of finite weights (an earlier one of the run, if this one overflowed)")
+        require_finite(name, tensors[name], pt, WHERE,
+                       "give a checkpoint of finite weights (an earlier one of the run, if this one overflowed)")
     prefix = _prefix(tensors)
     keys = model_keys(ckpt.get("args"), where, f"{prefix}{fairseq_names.ENCODER}emb_layer_norm.weight" in tensors)
     check_architecture(tensors, prefix)

@@ -30,6 +30,13 @@ FIX = ("convert it once, where you trust the file, keeping its tensors as they a
 FLOATS = ("F16", "BF16", "F32", "F64")   # safetensors dtype names read as weights (float32 copies)
 
 
+def require_finite(name: str, array: np.ndarray, source: str, where: str, fix: str) -> None:
+    """A one-line UserError if the weight `name` read from `source` holds NaN or inf (an import would evaluate as
+    if trained, or NaN everywhere downstream)."""
+    bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+    require(not bad, f"tensor {name} in {source} holds {bad} non-finite value(s) (NaN or inf)", where, fix)
+
+
 def _no_repeats(pairs: list) -> dict:
     """A JSON object's pairs as a dict, refusing a key given twice (json would keep the last silently)."""
     keys = [k for k, _ in pairs]
@@ -95,9 +102,8 @@ def read(src: str, where: str) -> tuple[dict[str, np.ndarray], str]:
                     require(dtype in FLOATS, f"tensor {name} in {shard} holds {dtype}, not floating-point weights",
                             where, "give a checkpoint of float weights (float16, bfloat16, float32 or float64)")
                     tensors[name], found[name] = np.asarray(f.get_tensor(name), np.float32), shard
-                    bad = int(np.size(tensors[name]) - np.count_nonzero(np.isfinite(tensors[name])))
-                    require(not bad, f"tensor {name} in {shard} holds {bad} non-finite value(s) (NaN or inf)",
-                            where, "download it again, or give a checkpoint of finite weights")
+                    require_finite(name, tensors[name], shard, where,
+                                   "download it again, or give a checkpoint of finite weights")
         except (SafetensorError, OSError) as err:
             raise UserError(f"{path} is not a readable safetensors file ({err})", where,
                             "download it again") from None
