@@ -171,10 +171,10 @@ def _probe(report: dict, workdir: str) -> list[str]:
     median = any("median_mad" in r for r in first.values())    # written by probes made since it existed
     rows, series = [], {}
     for name, runs in by.items():
-        base = [first[name].get(k) if name in first else None for k in ("chance_mad", "median_mad")]
+        run0 = first.get(name, {})       # a scheme's baselines are its first run's (every seed probes alike)
         rows.append([f"`{name}`"] + [_ms([r["layers"][i]["mad"] for r in runs if i < len(r["layers"])]
                                          + _gone(report, name), 1) for i in range(layers)]
-                    + [_f(base[0] if name in first else chance, 1)] + ([_f(base[1], 1)] if median else []))
+                    + [_f(run0.get("chance_mad", chance), 1)] + ([_f(run0.get("median_mad"), 1)] if median else []))
         series[name] = [(list(range(len(r["layers"]))), [x["mad"] for x in r["layers"]]) for r in runs]
     per_scheme_plot(report, os.path.join(workdir, "probe.png"), series, "layer (0 = embeddings)",
                      "probe MAD (positions)", "absolute-position probes, every seed", hline=chance,
