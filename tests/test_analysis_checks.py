@@ -1,5 +1,6 @@
 """Checks made before any compute by the analyses and the compare suite, and the estimators' baselines (from a
 review): each refusal names its flag, and nothing is scored or trained before it."""
+import dataclasses
 import json
 
 import numpy as np
@@ -175,3 +176,59 @@ def test_a_suite_report_shows_the_median_baseline_beside_chance_when_its_probes_
     del run["median_mad"]                           # a probe made before the baseline: the table it had
     text = "\n".join(report_lib._probe(report, str(tmp_path)))
     assert "median" not in text and text.rstrip().endswith("| 10.7 |")
+
+
+# ------------------------------------------------------------------------------------------------ probe-length sweep
+def test_a_probe_sweep_cell_is_the_probe_launch_probe_trains_at_those_settings(corpus, tmp_path):
+    """tools/probe_sweep.py draws the features once, for its largest token count, and slices them per cell: each
+    cell must be the very probe `launch probe` trains with those settings (same windows, same fit), for a causal
+    run and for an MLM run (whose windows hold one position fewer)."""
+    import sys  # pylint: disable=import-outside-toplevel
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    import probe_sweep  # pylint: disable=import-outside-toplevel
+    base, runs = P.ProbeSettings(eval_tokens=256), []
+    for run in (make_run(corpus, "bert_a", "clm"), make_run(corpus, "nopos", "mlm")):
+        swept = probe_sweep.sweep_run(run, [15, 30], [100, 400], base)
+        assert [(c["steps"], c["train_tokens"]) for c in swept["cells"]] == [(15, 100), (30, 100), (15, 400),
+                                                                               (30, 400)]
+        for cell in swept["cells"]:
+            alone = P.probe_run(run, P.ProbeSettings(steps=cell["steps"], train_tokens=cell["train_tokens"],
+                                                     eval_tokens=256))
+            assert cell["tokens_used"] == alone["train_tokens"]
+            assert [x["mad"] for x in cell["layers"]] == [x["mad"] for x in alone["layers"]]
+            assert [x["train_loss"] for x in cell["layers"]] == pytest.approx(
+                [x["train_loss"] for x in alone["layers"]], rel=1e-6, abs=0)
+        assert swept["chance_mad"] == alone["chance_mad"] and swept["median_mad"] == alone["median_mad"]
+        runs.append(swept)
+    result = {"command": "x", "settings": dataclasses.asdict(base), "grid": {"steps": [15, 30], "train_tokens":
+                                                                            [100, 400]}, "runs": runs}
+    result["summary"] = probe_sweep.summary(runs)
+    probe_sweep.plot(result, tmp_path / "sweep.png")
+    report = probe_sweep.markdown(result)
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
+    assert "| `bert_a-clm` | 400 | 30 | " in report and "| `nopos-mlm` | 100 | 15 | " in report
+    assert "MAD by true position in the largest cell (30 steps, 400 tokens)" in report
+
+
+def test_the_probe_sweep_summary_is_the_mean_and_std_over_a_schemes_seeds():
+    import sys  # pylint: disable=import-outside-toplevel
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    import probe_sweep  # pylint: disable=import-outside-toplevel
+    assert probe_sweep.scheme_of("nopos-clm-s12") == "nopos-clm" and probe_sweep.scheme_of("x-sy") == "x-sy"
+    runs = [{"scheme": "a", "chance_mad": 10.0, "cells": [{"steps": 5, "train_tokens": 7,
+                                                          "layers": [{"mad": m}, {"mad": 2 * m}]}]}
+            for m in (1.0, 2.0, 6.0)]
+    rows = probe_sweep.summary(runs)
+    assert [(r["layer"], r["mad_mean"], r["fraction_of_chance_mean"]) for r in rows] == [(0, 3.0, 0.3),
+                                                                                       (1, 6.0, 0.6)]
+    assert rows[0]["mad_std"] == pytest.approx(np.std([1.0, 2.0, 6.0], ddof=1))
+
+
+def test_segment_mads_split_the_positions_into_equal_ranges_whose_mads_average_to_the_mad():
+    truth = np.tile(np.arange(1, 33), 5)                            # an MLM's positions 1..32, five windows
+    pred = np.where(truth < 9, truth, 20)                          # exact at the start, a constant after
+    segs = P.segment_mads(pred, truth, 4)
+    assert [(a, b) for a, b, _ in segs] == [(1, 8), (9, 16), (17, 24), (25, 32)]
+    assert [m for _, _, m in segs] == [0.0, 7.5, 2.0, 8.5]
+    assert np.mean([m for _, _, m in segs]) == np.abs(pred - truth).mean()
+    assert [(a, b) for a, b, _ in P.segment_mads(truth, truth % 3, 8)] == [(0, 0), (1, 1), (2, 2)]

@@ -47,6 +47,7 @@ class ProbeSettings:
 # Adam steps per jitted call of a probe fit: one scan of every step could not be interrupted (Ctrl-C waits for the
 # program), which at a base model's width takes minutes; the default 300 steps are 12 calls of one program.
 FIT_CHUNK = 25
+SEGMENTS = 8      # position ranges each layer's MAD is also reported over (`segment_mads`)
 
 
 def chance_mad(n: int) -> float:
@@ -137,11 +138,25 @@ def train_probes(train_x: np.ndarray, train_y: np.ndarray, eval_x: np.ndarray, e
     acc = (pred == truth).mean(axis=1)
     tail = np.asarray(losses)[-max(1, settings.steps // 10):].mean(axis=0) if settings.steps else np.full(layers,
                                                                                                           np.nan)
-    return [{"layer": i, "mad": float(mad[i]), "accuracy": float(acc[i]), "train_loss": float(tail[i])}
-            for i in range(layers)]
+    return [{"layer": i, "mad": float(mad[i]), "accuracy": float(acc[i]), "train_loss": float(tail[i]),
+             "mad_by_segment": segment_mads(pred[i], np.asarray(ey))} for i in range(layers)]
 
 
-def _features(run: common.Run, split: str, tokens_wanted: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def segment_mads(pred: np.ndarray, truth: np.ndarray, segments: int = SEGMENTS) -> list[list]:
+    """[first, last, MAD] for `segments` equal ranges of the positions in `truth` (the last range takes the
+    remainder): where in the window a probe knows the position (NoPos Fig. 3: sharp near the start)."""
+    lo, hi = int(truth.min()), int(truth.max()) + 1
+    edges = np.linspace(lo, hi, min(segments, hi - lo) + 1).astype(int)
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        sel = (truth >= a) & (truth < b)
+        out.append([int(a), int(b) - 1, float(np.abs(pred[sel] - truth[sel]).mean())])
+    return out
+
+
+def features(run: common.Run, split: str, tokens_wanted: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(K, N, d) hidden states of every layer and (N,) positions: whole windows of `split` drawn at `seed`, the
+    fewest covering `tokens_wanted` (a larger request's first windows are a smaller one's: same permutation)."""
     length = run.model_cfg.max_len
     count = max(1, -(-tokens_wanted // length))
     windows = common.model_windows(run, split, length, count=count, seed=seed)
@@ -156,8 +171,8 @@ def probe_run(run: common.Run, settings: ProbeSettings = ProbeSettings()) -> dic
     if n < 2:
         raise UserError(f"max_len {n} leaves nothing to probe", "model.max_len", "probe a run with max_len ≥ 2")
     print(f"probe {run.name}: collecting hidden states", flush=True)
-    train_x, train_y = _features(run, "train", settings.train_tokens, settings.seed)
-    eval_x, eval_y = _features(run, "validation", settings.eval_tokens, settings.seed + 1)
+    train_x, train_y = features(run, "train", settings.train_tokens, settings.seed)
+    eval_x, eval_y = features(run, "validation", settings.eval_tokens, settings.seed + 1)
     print(f"probe {run.name}: training {train_x.shape[0]} probes on {train_x.shape[1]} tokens "
           f"for {settings.steps} steps", flush=True)
     layers = train_probes(train_x, train_y, eval_x, eval_y, n, settings)
