@@ -1,7 +1,7 @@
 """Probe-length sweep: do the absolute-position probes of `launch probe` converge? (README's NoPos probe verdict.)
 
     python tools/probe_sweep.py --workdir=runs/cmp/runs/nopos-clm-s0 --workdir=... \
-        [--steps=300,1000,3000,10000,30000] [--train_tokens=16384,524288] [--batch_tokens=512] \
+        [--steps=300,1000,3000,10000,30000] [--train_tokens=16384,524288] [--batch_tokens=512] [--learning_rate=2e-3] \
         [--out=docs/experiments/probe-sweep]
 
 For every run, the hidden states are collected once (the largest `--train_tokens`, drawn as `launch probe` draws
@@ -178,13 +178,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", default="300,1000,3000,10000,30000")
     p.add_argument("--train_tokens", default="16384,524288")
     p.add_argument("--batch_tokens", type=int, default=P.ProbeSettings().batch_tokens, help="tokens per Adam step")
+    p.add_argument("--learning_rate", type=float, default=P.ProbeSettings().learning_rate, help="peak Adam lr")
     p.add_argument("--out", default="docs/experiments/probe-sweep")
     args = p.parse_args(argv)
     steps, tokens = parse_ints(args.steps, "--steps"), parse_ints(args.train_tokens, "--train_tokens")
     if args.batch_tokens < 1:
         sys.exit(f"error: --batch_tokens={args.batch_tokens} must be positive, --batch_tokens, give e.g. 512")
     runs = common.load_runs(args.workdir)          # refuses a run given twice before any compute
-    base = P.ProbeSettings(batch_tokens=args.batch_tokens)
+    if not args.learning_rate > 0:
+        sys.exit(f"error: --learning_rate={args.learning_rate} must be positive, --learning_rate, give e.g. 2e-3")
+    base = P.ProbeSettings(batch_tokens=args.batch_tokens, learning_rate=args.learning_rate)
     result = {"command": "python tools/probe_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "settings": dataclasses.asdict(base), "grid": {"steps": steps, "train_tokens": tokens}, "runs": []}
     for i, run in enumerate(runs, 1):

@@ -2,7 +2,7 @@
 # The seeded comparison runs behind docs/experiments/ and the README's findings table (issue: reproduce the seed
 # findings with seeds). Each step reuses finished runs, so rerunning only does what is missing; on a fresh clone
 # the whole script is ~3 hours on 2 quiet CPU cores (tupe-a-5k: ~1 hour of it). Usage:
-#   tools/run_experiments.sh [extrapolation|probe|sinusoidal|tupe|nopos-mlm|nopos-mlm-5k|tupe-a-5k|publish]...
+#   tools/run_experiments.sh [extrapolation|probe|probe-sweep|sinusoidal|tupe|nopos-mlm|nopos-mlm-5k|tupe-a-5k|publish]...
 #   (no argument: all, in that order)
 # extrapolation -> probe and tupe -> nopos-mlm depend on each other's runs; the two chains may run in parallel.
 set -euo pipefail
@@ -19,6 +19,9 @@ step() {
     extrapolation)   # causal LMs at 128 tokens, evaluated to 1024
       $PY -m launch compare --config=configs/compare.py:suite=extrapolation --workdir=runs/cmp/extrapolation $DATA \
         --config.runs_dir=$RUNS $CLM --config.schemes=bert_a,sinusoidal,rope,alibi,nopos ;;
+    probe-sweep)     # do those probes converge? probe steps x training tokens on the causal NoPos and BERT-A runs
+      $PY tools/probe_sweep.py $(for s in nopos bert_a; do for i in 0 1 2; do echo "--workdir=$RUNS/$s-clm-s$i"; done
+        done) --steps=300,3000,30000 --train_tokens=16384,524288 --out=docs/experiments/probe-sweep ;;
     sinusoidal)      # design check: our scaled sinusoidal table vs fairseq's
       $PY -m launch compare --config=configs/compare.py:suite=extrapolation --workdir=runs/cmp/sinusoidal $DATA \
         --config.runs_dir=$RUNS $CLM --config.schemes=sinusoidal,sinusoidal-fairseq ;;
@@ -54,7 +57,7 @@ step() {
     *) echo "error: unknown step '$1', tools/run_experiments.sh, use one of: $STEPS" >&2; exit 2 ;;
   esac
 }
-STEPS="extrapolation probe sinusoidal tupe nopos-mlm nopos-mlm-5k tupe-a-5k publish"
+STEPS="extrapolation probe probe-sweep sinusoidal tupe nopos-mlm nopos-mlm-5k tupe-a-5k publish"
 set -f               # a step is a word, never a file pattern
 for t in $*; do    # every step named is checked before the first one runs (hours of training)
   case " $STEPS " in
