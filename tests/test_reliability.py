@@ -45,17 +45,27 @@ def cache_dir(tmp_path_factory):
         os.environ["TUPE_JAX_CACHE"] = old
 
 
-
 # ================================================================================================ kill -9 / SIGTERM
-@pytest.mark.slow
-def test_kill9_at_random_steps_and_sigterm_resume_bitwise(cache_dir, tmp_path):
-    steps, every = 30, 5
-    config = tiny_config(cache_dir, steps)
-    ref, run = tmp_path / "uninterrupted", tmp_path / "interrupted"
-    for wd in (ref, run):
-        workdir_lib.write_config(str(wd), config)
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cache_dir, tmp_path_factory):
+    """The reference both interruption tests compare to: the tiny config's STEPS steps in one child process."""
+    ref = tmp_path_factory.mktemp("ref") / "uninterrupted"
+    config = tiny_config(cache_dir, STEPS)
+    workdir_lib.write_config(str(ref), config)
     result = run_child(ref)
     assert result.returncode == 0, result.stderr[-3000:]
+    return ref, config
+
+
+@pytest.mark.slow
+def test_kill9_at_random_steps_and_sigterm_resume_bitwise(uninterrupted, tmp_path):
+    steps, every = STEPS, 5
+    ref, config = uninterrupted
+    run = tmp_path / "interrupted"
+    workdir_lib.write_config(str(run), config)
 
     rng = np.random.default_rng(8)                     # three random kill points, fixed by the seed
     commit_at = int(rng.choice([5, 10]))               # killed while committing an async save (all files written)
@@ -94,23 +104,21 @@ def test_kill9_at_random_steps_and_sigterm_resume_bitwise(cache_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_checkpoints_the_step_and_the_resume_is_bitwise(cache_dir, tmp_path):
-    """Ctrl-C (SIGINT, which the child sends itself as step 13 of 20 begins): step 13 is checkpointed, the process
-    exits 130 with no traceback, and the resume from it ends bitwise equal to an uninterrupted run. (Python's own
-    handler raised wherever the main thread was; inside JAX's garbage-collection hook the interrupt was dropped.)"""
-    config = tiny_config(cache_dir, 20)
-    ref, run = tmp_path / "uninterrupted", tmp_path / "interrupted"
-    for wd in (ref, run):
-        workdir_lib.write_config(str(wd), config)
-    result = run_child(ref)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_ctrl_c_checkpoints_the_step_and_the_resume_is_bitwise(uninterrupted, tmp_path):
+    """Ctrl-C (SIGINT, which the child sends itself as step 13 of 30 begins): step 13 is checkpointed, the process
+    exits 130 with no traceback, and the resume from it ends bitwise equal to an uninterrupted run (the one the
+    kill -9 test compares to). (Python's own handler raised wherever the main thread was; inside JAX's
+    garbage-collection hook the interrupt was dropped.)"""
+    ref, config = uninterrupted
+    run = tmp_path / "interrupted"
+    workdir_lib.write_config(str(run), config)
     result = run_child(run, {"phase": "int", "calls": 13})
     assert result.returncode == 130, result.stderr[-3000:]
     assert "interrupted: saved step 13" in result.stdout and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert committed(run)[-1] == 13 and not leftovers(run)
     result = run_child(run)
     assert result.returncode == 0 and "resumed from step 13" in result.stdout, result.stderr[-3000:]
-    assert committed(run)[-1] == 20
+    assert committed(run)[-1] == STEPS
     assert_params_equal(params_of(ref), params_of(run))
 
 
