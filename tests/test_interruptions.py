@@ -66,11 +66,13 @@ def test_a_preemption_before_or_during_a_process_first_step_saves_nothing_and_th
     devices = jax.devices()[:1]
     config = tiny_config(tmp_path / "cache", 4, **{"checkpoint.async_save": "false", "checkpoint.every": "2"})
     pretrain_loop.pretrain(config, str(tmp_path / "ref"), devices=devices)
+    stopped = tmp_path / "stopped2"             # a run stopped after step 2; each case below starts from a copy
+    pretrain_loop.pretrain(config, str(stopped), devices=devices, stop_after=2)
     for when, stopped_at, resumes_from in (("during", 0, "the beginning"), ("during", 2, "step 2"),
                                            ("before", 0, "the beginning"), ("before", 2, "step 2")):
         run = tmp_path / f"run-{when}{stopped_at}"
         if stopped_at:
-            pretrain_loop.pretrain(config, str(run), devices=devices, stop_after=stopped_at)
+            shutil.copytree(stopped, run)
         before = ckpt.Checkpointer(str(run), read_only=True).all_steps() if stopped_at else []
         sigterm(monkeypatch, when)
         capsys.readouterr()
