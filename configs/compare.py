@@ -43,7 +43,9 @@ Keys beyond configs/pretrain.py's (model/data/train/mesh/checkpoint are shared b
                  measure growth = ln ppl(longest) − ln ppl(max_len));
   eval.stride    the stride S of eval.mode=sliding (required there, a positive number of tokens, capped at each
                  length L: analysis/extrapolate.py); 0 = unset, as eval.mode=nonoverlapping needs;
-  probe.steps / probe.train_tokens / probe.eval_tokens / probe.learning_rate   the position probes;
+  probe.steps / probe.train_tokens / probe.eval_tokens / probe.learning_rate   the position probes (the
+                 defaults, 300 steps on 16384 tokens, are far from converged on the tiny causal runs:
+                 docs/experiments/probe-sweep, `tools/run_experiments.sh probe-sweep`);
   glue.tasks     comma-separated tasks; 'auto' = wordorder + every GLUE task with train and dev TSVs under
                  data.glue_dir (WNLI excluded, as in the TUPE paper; a data.glue_dir holding none is refused);
                  '' = no fine-tuning; every GLUE task named (not wordorder) must have its train and dev TSVs

@@ -32,7 +32,8 @@ ANALYSIS_FLAGS: dict[str, list] = {
                              help="sliding-window stride S (default: L; capped at L)")),
         _OUT],
     "probe": [(("--probe_steps",), dict(type=int, action=Once, default=None,
-                                        help="Adam steps per probe (default 300)")), _OUT],
+                                        help="Adam steps per probe (default 300: quick, not converged; "
+                                             "docs/experiments/probe-sweep)")), _OUT],
     "correlations": [_LAYER, _OUT],
     "shuffle-attention": [(("--text",), dict(action=Once, default=None,
                                              help="the sentence (default: a built-in one)")),

@@ -232,3 +232,19 @@ def test_segment_mads_split_the_positions_into_equal_ranges_whose_mads_average_t
     assert [m for _, _, m in segs] == [0.0, 7.5, 2.0, 8.5]
     assert np.mean([m for _, _, m in segs]) == np.abs(pred - truth).mean()
     assert [(a, b) for a, b, _ in P.segment_mads(truth, truth % 3, 8)] == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_the_probe_sweep_refuses_nothing_to_probe_and_a_render_without_its_json(tmp_path):
+    import sys  # pylint: disable=import-outside-toplevel
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    import probe_sweep  # pylint: disable=import-outside-toplevel
+    for argv, line in ((["--out", str(tmp_path)], "error: no run to probe, --workdir, give one --workdir per "
+                                                  "pretraining run"),
+                       (["--render", "--out", str(tmp_path)], f"error: --render redraws {tmp_path}/sweep.json and "
+                        "trains nothing, --render, point --out at a folder holding a sweep.json"),
+                       (["--steps", "300,x", "--workdir", "r"], "error: --steps=300,x is not a list of positive "
+                        "integers, --steps, give e.g. --steps=300,1000")):
+        with pytest.raises(SystemExit) as err:
+            probe_sweep.main(argv)
+        assert str(err.value) == line
+    assert list(tmp_path.iterdir()) == []

@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import findings_table  # noqa: E402
+import probe_sweep  # noqa: E402
 
 
 def test_readme_findings_table_is_generated_from_the_reports():
@@ -22,6 +23,19 @@ def test_readme_findings_table_is_generated_from_the_reports():
     assert block.strip() == findings_table.table().strip(), "run: python tools/findings_table.py --write"
     for link in re.findall(r"\]\((docs/experiments/[^)]+)\)", block):
         assert os.path.isfile(os.path.join(ROOT, link)), link
+
+
+@pytest.mark.parametrize("folder", ["probe-sweep", "probe-sweep/long"])
+def test_the_probe_sweep_reports_are_generated_from_their_json(folder):
+    """README quotes docs/experiments/probe-sweep*/REPORT.md: each is what `tools/probe_sweep.py --render` makes of
+    the sweep.json beside it, whose summary is the mean and std of its runs' cells."""
+    import json  # pylint: disable=import-outside-toplevel
+    path = os.path.join(ROOT, "docs", "experiments", folder)
+    with open(os.path.join(path, "sweep.json"), encoding="utf-8") as f:
+        result = json.load(f)
+    assert result["summary"] == probe_sweep.summary(result["runs"])
+    with open(os.path.join(path, "REPORT.md"), encoding="utf-8") as f:
+        assert f.read() == probe_sweep.markdown(result), f"run: python tools/probe_sweep.py --render --out={path}"
 
 
 def test_replace_block_refuses_a_readme_without_markers():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -134,10 +135,10 @@ def markdown(result: dict) -> str:
              "Each cell trains one 2-layer ReLU probe per layer (`analysis/probe.py`) for the given Adam steps on the "
              "given number of frozen training tokens; batch "
              f"{result['settings']['batch_tokens']} tokens, lr {result['settings']['learning_rate']} cosine-decayed, "
-             f"{result['settings']['eval_tokens']} validation tokens. The cell (300, 16384) is `launch probe`'s "
-             f"default. Chance MAD {first['chance_mad']:.2f}, median constant {first['median_mad']:.2f} "
-             f"({first['num_classes'] - first['first_position']} positions). Mean ± std over "
-             f"{len(result['runs'])} runs ({', '.join(r['name'] for r in result['runs'])}). ![sweep](sweep.png)", ""]
+             f"{result['settings']['eval_tokens']} validation tokens. The cell (300 steps, 16384 tokens) is "
+             f"`launch probe`'s default. Chance MAD {first['chance_mad']:.2f}, median constant {first['median_mad']:.2f} "
+             f"({first['num_classes'] - first['first_position']} positions). Mean ± std over the runs of a scheme "
+             f"(its seeds): {', '.join(r['name'] for r in result['runs'])}. ![sweep](sweep.png)", ""]
     rows = result["summary"]
     layers = sorted({r["layer"] for r in rows})
     lines += ["| scheme | train tokens | steps | " + " | ".join(f"layer {x} MAD" for x in layers) + " |",
@@ -172,15 +173,42 @@ def parse_ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def write_outputs(result: dict, out: str) -> None:
+    """sweep.json, sweep.png and REPORT.md in `out`."""
+    os.makedirs(out, exist_ok=True)
+    common.write_json(os.path.join(out, "sweep.json"), result)
+    render(result, out)
+
+
+def render(result: dict, out: str) -> None:
+    """sweep.png and REPORT.md from a sweep's result (`--render`: from `out`'s sweep.json, no compute)."""
+    plot(result, os.path.join(out, "sweep.png"))
+    with open(os.path.join(out, "REPORT.md"), "w", encoding="utf-8") as f:
+        f.write(markdown(result))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", action="append", required=True, help="a causal or MLM pretraining run (repeat)")
+    p.add_argument("--workdir", action="append", default=[], help="a causal or MLM pretraining run (repeat)")
     p.add_argument("--steps", default="300,1000,3000,10000,30000")
     p.add_argument("--train_tokens", default="16384,524288")
     p.add_argument("--batch_tokens", type=int, default=P.ProbeSettings().batch_tokens, help="tokens per Adam step")
     p.add_argument("--learning_rate", type=float, default=P.ProbeSettings().learning_rate, help="peak Adam lr")
     p.add_argument("--out", default="docs/experiments/probe-sweep")
+    p.add_argument("--render", action="store_true", help="redraw sweep.png and REPORT.md from --out's sweep.json")
     args = p.parse_args(argv)
+    if args.render:
+        path = os.path.join(args.out, "sweep.json")
+        if args.workdir or not os.path.isfile(path):
+            sys.exit(f"error: --render redraws {path} and trains nothing, --render, " + (
+                "drop the --workdir flags" if args.workdir else "point --out at a folder holding a sweep.json"))
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+        render(result, args.out)
+        print(f"probe-sweep: redrew sweep.png and REPORT.md in {args.out}", flush=True)
+        return result
+    if not args.workdir:
+        sys.exit("error: no run to probe, --workdir, give one --workdir per pretraining run")
     steps, tokens = parse_ints(args.steps, "--steps"), parse_ints(args.train_tokens, "--train_tokens")
     if args.batch_tokens < 1:
         sys.exit(f"error: --batch_tokens={args.batch_tokens} must be positive, --batch_tokens, give e.g. 512")
@@ -194,11 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[probe-sweep {i}/{len(runs)}] {run.name}", flush=True)
         result["runs"].append(sweep_run(run, steps, tokens, base))
     result["summary"] = summary(result["runs"])
-    os.makedirs(args.out, exist_ok=True)
-    common.write_json(os.path.join(args.out, "sweep.json"), result)
-    plot(result, os.path.join(args.out, "sweep.png"))
-    with open(os.path.join(args.out, "REPORT.md"), "w", encoding="utf-8") as f:
-        f.write(markdown(result))
+    write_outputs(result, args.out)
     print(f"probe-sweep: wrote sweep.json, sweep.png and REPORT.md to {args.out}", flush=True)
     return result
 

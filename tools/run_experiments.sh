@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The seeded comparison runs behind docs/experiments/ and the README's findings table (issue: reproduce the seed
 # findings with seeds). Each step reuses finished runs, so rerunning only does what is missing; on a fresh clone
-# the whole script is ~3 hours on 2 quiet CPU cores (tupe-a-5k: ~1 hour of it). Usage:
+# the whole script is ~4 hours on 2 CPU cores (tupe-a-5k: ~1 hour of it; probe-sweep: ~1 hour, redone on each
+# call, as it trains no run). Usage:
 #   tools/run_experiments.sh [extrapolation|probe|probe-sweep|sinusoidal|tupe|nopos-mlm|nopos-mlm-5k|tupe-a-5k|publish]...
 #   (no argument: all, in that order)
 # extrapolation -> probe and tupe -> nopos-mlm depend on each other's runs; the two chains may run in parallel.
@@ -21,7 +22,9 @@ step() {
         --config.runs_dir=$RUNS $CLM --config.schemes=bert_a,sinusoidal,rope,alibi,nopos ;;
     probe-sweep)     # do those probes converge? probe steps x training tokens on the causal NoPos and BERT-A runs
       $PY tools/probe_sweep.py $(for s in nopos bert_a; do for i in 0 1 2; do echo "--workdir=$RUNS/$s-clm-s$i"; done
-        done) --steps=300,3000,30000 --train_tokens=16384,524288 --out=docs/experiments/probe-sweep ;;
+        done) --steps=300,3000,30000 --train_tokens=16384,524288 --out=docs/experiments/probe-sweep
+      $PY tools/probe_sweep.py $(for i in 0 1 2; do echo "--workdir=$RUNS/nopos-clm-s$i"; done) --steps=100000 \
+        --train_tokens=524288 --out=docs/experiments/probe-sweep/long ;;
     sinusoidal)      # design check: our scaled sinusoidal table vs fairseq's
       $PY -m launch compare --config=configs/compare.py:suite=extrapolation --workdir=runs/cmp/sinusoidal $DATA \
         --config.runs_dir=$RUNS $CLM --config.schemes=sinusoidal,sinusoidal-fairseq ;;
