@@ -15,7 +15,8 @@ uniformly random guess has mean absolute distance (MAD) (m²−1)/(3m) — the "
 guess, the median position, has MAD about m/4 (`median_mad`, exact for the positions evaluated). A MAD between the
 median line and chance shows no position information: a probe that learned only the middle gets there.
 
-Reported per layer: MAD = mean |argmax − position| and accuracy. All layers' probes train together (vmapped).
+Reported per layer: MAD = mean |argmax − position|, accuracy, and the MAD over each of `SEGMENTS` position
+ranges. All layers' probes train together (vmapped).
 """
 from __future__ import annotations
 
@@ -143,8 +144,8 @@ def train_probes(train_x: np.ndarray, train_y: np.ndarray, eval_x: np.ndarray, e
 
 
 def segment_mads(pred: np.ndarray, truth: np.ndarray, segments: int = SEGMENTS) -> list[list]:
-    """[first, last, MAD] for `segments` equal ranges of the positions in `truth` (the last range takes the
-    remainder): where in the window a probe knows the position (NoPos Fig. 3: sharp near the start)."""
+    """[first, last, MAD] for `segments` ranges of the positions in `truth`, of equal width to within one position
+    (fewer when there are fewer positions): where in the window a probe knows the position (NoPos Fig. 3)."""
     lo, hi = int(truth.min()), int(truth.max()) + 1
     edges = np.linspace(lo, hi, min(segments, hi - lo) + 1).astype(int)
     out = []
