@@ -25,7 +25,7 @@ def test_readme_findings_table_is_generated_from_the_reports():
         assert os.path.isfile(os.path.join(ROOT, link)), link
 
 
-@pytest.mark.parametrize("folder", ["probe-sweep", "probe-sweep/long"])
+@pytest.mark.parametrize("folder", ["probe-sweep", "probe-sweep/long", "probe-sweep/alibi"])
 def test_the_probe_sweep_reports_are_generated_from_their_json(folder):
     """README quotes docs/experiments/probe-sweep*/REPORT.md: each is what `tools/probe_sweep.py --render` makes of
     the sweep.json beside it, whose summary is the mean and std of its runs' cells."""

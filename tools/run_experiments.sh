@@ -20,11 +20,14 @@ step() {
     extrapolation)   # causal LMs at 128 tokens, evaluated to 1024
       $PY -m launch compare --config=configs/compare.py:suite=extrapolation --workdir=runs/cmp/extrapolation $DATA \
         --config.runs_dir=$RUNS $CLM --config.schemes=bert_a,sinusoidal,rope,alibi,nopos ;;
-    probe-sweep)     # do those probes converge? probe steps x training tokens on the causal NoPos and BERT-A runs
+    probe-sweep)     # do those probes converge? probe steps x training tokens on the causal NoPos and BERT-A runs;
+                     # ALiBi's at the longest cell (needs the probe suite's alibi runs)
       $PY tools/probe_sweep.py $(for s in nopos bert_a; do for i in 0 1 2; do echo "--workdir=$RUNS/$s-clm-s$i"; done
         done) --steps=300,3000,30000 --train_tokens=16384,524288 --out=docs/experiments/probe-sweep
       $PY tools/probe_sweep.py $(for i in 0 1 2; do echo "--workdir=$RUNS/nopos-clm-s$i"; done) --steps=100000 \
-        --train_tokens=524288 --out=docs/experiments/probe-sweep/long ;;
+        --train_tokens=524288 --out=docs/experiments/probe-sweep/long
+      $PY tools/probe_sweep.py $(for i in 0 1 2; do echo "--workdir=$RUNS/alibi-clm-s$i"; done) --steps=30000 \
+        --train_tokens=524288 --out=docs/experiments/probe-sweep/alibi ;;
     sinusoidal)      # design check: our scaled sinusoidal table vs fairseq's
       $PY -m launch compare --config=configs/compare.py:suite=extrapolation --workdir=runs/cmp/sinusoidal $DATA \
         --config.runs_dir=$RUNS $CLM --config.schemes=sinusoidal,sinusoidal-fairseq ;;
