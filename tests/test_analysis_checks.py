@@ -179,13 +179,20 @@ def test_a_suite_report_shows_the_median_baseline_beside_chance_when_its_probes_
 
 
 # ------------------------------------------------------------------------------------------------ probe-length sweep
+def _probe_sweep():
+    """tools/probe_sweep.py as a module (tools/ is not a package)."""
+    import importlib  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    tools = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module("probe_sweep")
+
 def test_a_probe_sweep_cell_is_the_probe_launch_probe_trains_at_those_settings(corpus, tmp_path):
     """tools/probe_sweep.py draws the features once, for its largest token count, and slices them per cell: each
     cell must be the very probe `launch probe` trains with those settings (same windows, same fit), for a causal
     run and for an MLM run (whose windows hold one position fewer)."""
-    import sys  # pylint: disable=import-outside-toplevel
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
-    import probe_sweep  # pylint: disable=import-outside-toplevel
+    probe_sweep = _probe_sweep()
     base, runs = P.ProbeSettings(eval_tokens=256), []
     for run in (make_run(corpus, "bert_a", "clm"), make_run(corpus, "nopos", "mlm")):
         swept = probe_sweep.sweep_run(run, [15, 30], [100, 400], base)
@@ -211,9 +218,7 @@ def test_a_probe_sweep_cell_is_the_probe_launch_probe_trains_at_those_settings(c
 
 
 def test_the_probe_sweep_summary_is_the_mean_and_std_over_a_schemes_seeds():
-    import sys  # pylint: disable=import-outside-toplevel
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
-    import probe_sweep  # pylint: disable=import-outside-toplevel
+    probe_sweep = _probe_sweep()
     assert probe_sweep.scheme_of("nopos-clm-s12") == "nopos-clm" and probe_sweep.scheme_of("x-sy") == "x-sy"
     runs = [{"scheme": "a", "chance_mad": 10.0, "cells": [{"steps": 5, "train_tokens": 7,
                                                           "layers": [{"mad": m}, {"mad": 2 * m}]}]}
@@ -235,15 +240,15 @@ def test_segment_mads_split_the_positions_into_equal_ranges_whose_mads_average_t
 
 
 def test_the_probe_sweep_refuses_nothing_to_probe_and_a_render_without_its_json(tmp_path):
-    import sys  # pylint: disable=import-outside-toplevel
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
-    import probe_sweep  # pylint: disable=import-outside-toplevel
+    probe_sweep = _probe_sweep()
     for argv, line in ((["--out", str(tmp_path)], "error: no run to probe, --workdir, give one --workdir per "
                                                   "pretraining run"),
                        (["--render", "--out", str(tmp_path)], f"error: --render redraws {tmp_path}/sweep.json and "
                         "trains nothing, --render, point --out at a folder holding a sweep.json"),
                        (["--steps", "300,x", "--workdir", "r"], "error: --steps=300,x is not a list of positive "
-                        "integers, --steps, give e.g. --steps=300,1000")):
+                        "integers, --steps, give e.g. --steps=300,1000"),
+                       (["--learning_rate", "0", "--workdir", "r"], "error: --learning_rate=0.0 must be positive, "
+                        "--learning_rate, give e.g. 2e-3")):      # before the runs are read ('r' is no run)
         with pytest.raises(SystemExit) as err:
             probe_sweep.main(argv)
         assert str(err.value) == line

@@ -59,8 +59,7 @@ def sweep_run(run: common.Run, steps: list[int], train_tokens: list[int], base: 
     return {**run.describe(), "scheme": scheme_of(run.name), "num_classes": n,
             "first_position": P.first_position(run), "chance_mad": P.chance_mad(n - P.first_position(run)),
             "median_mad": P.median_mad(eval_y), "cells": cells,
-            "median_mad_by_segment": P.segment_mads(np.full_like(eval_y, np.sort(eval_y)[(len(eval_y) - 1) // 2]),
-                                                    eval_y)}
+            "median_mad_by_segment": P.segment_mads(np.full_like(eval_y, P.median_position(eval_y)), eval_y)}
 
 
 def summary(runs: list[dict]) -> list[dict]:
@@ -212,9 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
     steps, tokens = parse_ints(args.steps, "--steps"), parse_ints(args.train_tokens, "--train_tokens")
     if args.batch_tokens < 1:
         sys.exit(f"error: --batch_tokens={args.batch_tokens} must be positive, --batch_tokens, give e.g. 512")
-    runs = common.load_runs(args.workdir)          # refuses a run given twice before any compute
     if not args.learning_rate > 0:
         sys.exit(f"error: --learning_rate={args.learning_rate} must be positive, --learning_rate, give e.g. 2e-3")
+    runs = common.load_runs(args.workdir)          # refuses a run given twice before any compute
     base = P.ProbeSettings(batch_tokens=args.batch_tokens, learning_rate=args.learning_rate)
     result = {"command": "python tools/probe_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "settings": dataclasses.asdict(base), "grid": {"steps": steps, "train_tokens": tokens}, "runs": []}

@@ -56,10 +56,16 @@ def chance_mad(n: int) -> float:
     return (n * n - 1) / (3.0 * n)
 
 
+def median_position(positions: np.ndarray) -> int:
+    """The (lower) median of `positions`: the best constant prediction under absolute distance."""
+    p = np.sort(np.asarray(positions, np.int64))
+    return int(p[(len(p) - 1) // 2])
+
+
 def median_mad(positions: np.ndarray) -> float:
     """MAD of the best constant prediction of `positions`: the (lower) median, predicted everywhere (about m/4)."""
-    p = np.sort(np.asarray(positions, np.int64))
-    return float(np.abs(p - p[(len(p) - 1) // 2]).mean())
+    p = np.asarray(positions, np.int64)
+    return float(np.abs(p - median_position(p)).mean())
 
 
 def first_position(run: common.Run) -> int:
@@ -140,7 +146,7 @@ def train_probes(train_x: np.ndarray, train_y: np.ndarray, eval_x: np.ndarray, e
     tail = np.asarray(losses)[-max(1, settings.steps // 10):].mean(axis=0) if settings.steps else np.full(layers,
                                                                                                           np.nan)
     return [{"layer": i, "mad": float(mad[i]), "accuracy": float(acc[i]), "train_loss": float(tail[i]),
-             "mad_by_segment": segment_mads(pred[i], np.asarray(ey))} for i in range(layers)]
+             "mad_by_segment": segment_mads(pred[i], truth[0])} for i in range(layers)]
 
 
 def segment_mads(pred: np.ndarray, truth: np.ndarray, segments: int = SEGMENTS) -> list[list]:
