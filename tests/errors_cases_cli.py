@@ -126,6 +126,9 @@ CLI_CASES = [
     # ---------------------------------------------------------------- the mesh and the masks
     Case("mesh_tensor_heads", "mesh.tensor that does not divide the heads (each weight was replicated, with a "
          "warning per leaf)", lambda e: pretrain(e, "c35", mesh__data=2, mesh__tensor=4), "--config.mesh.tensor"),
+    Case("mesh_fsdp_hidden", "mesh.fsdp that does not divide model.hidden_size (every weight replicated on each "
+         "fsdp device)", lambda e: pretrain(e, "c35b", mesh__data=1, mesh__fsdp=8, model__hidden_size=36),
+         "--config.mesh.fsdp"),
     Case("dropout_hashes", "16-bit dropout masks past 2³² hashes (two blocks of the mask repeated one mask)",
          lambda e: pretrain(e, "c36", model__max_len=2048, model__dropout_bits=16, train__batch_size=4104),
          "--config.model.dropout_bits"),
