@@ -166,3 +166,49 @@ def test_the_tupe_loss_order_claims_the_pairs_it_compares(names, claim, pairs):
               "schemes": [_scheme(n, "mlm", {0: 5.0 - 0.1 * i, 1: 5.5 - 0.1 * i}) for i, n in enumerate(names)]}
     (finding,) = F.evaluate(report)
     assert finding["claim"] == claim and len(finding["parts"]) == pairs
+
+
+def _probed(mads: dict, chance: float = 42.0, gone=()):
+    """A probe suite's report: scheme -> {seed: per-layer MADs}; `gone` (scheme, seed) diverged (not probed)."""
+    report = {"config": {"model": {"max_len": 128}},
+              "schemes": [_scheme(n, "clm", {int(k): 4.0 for k in by_seed}) for n, by_seed in mads.items()]}
+    for s in report["schemes"]:
+        for seed, run in s["seeds"].items():
+            if (s["name"], seed) in gone:
+                run.update(diverged="training diverged", final_eval={})
+    report["probe"] = {seed: {"runs": [{"workdir": f"/r/{n}-s{seed}", "name": n, "chance_mad": chance,
+                                        "layers": [{"layer": i, "mad": m} for i, m in enumerate(by_seed[seed])]}
+                                       for n, by_seed in mads.items() if (n, seed) not in gone]}
+                       for seed in "012"}
+    return {f["claim"]: f for f in F.evaluate(report)}
+
+
+def test_the_probe_findings_read_the_middle_layer_paired_by_seed():
+    """Layers 0..L: the middle is (L + 1) // 2, not the embeddings or the last. NoPos against ALiBi is paired by
+    seed (a seed effect of 4 positions shared by both would swamp a 1-position difference unpaired)."""
+    nopos = {s: [41.0, 30.0 + 4 * k, 20.0] for k, s in enumerate("012")}
+    alibi = {s: [41.0, 31.0 + 4 * k + 0.1 * k, 40.0] for k, s in enumerate("012")}
+    by = _probed({"nopos-clm": nopos, "alibi-clm": alibi})
+    absolute = by["Causal NoPos hidden states encode absolute position (middle layer)"]["parts"][0]
+    assert absolute["per_seed"] == pytest.approx({"0": 0.5 - 30 / 42, "1": 0.5 - 34 / 42, "2": 0.5 - 38 / 42})
+    versus = by["Causal NoPos holds more absolute position than ALiBi (middle layer)"]
+    assert versus["parts"][0]["per_seed"] == pytest.approx({"0": 1.0, "1": 1.1, "2": 1.2})
+    assert versus["parts"][0]["unit"] == "positions" and versus["verdict"] == F.REPRODUCED
+    assert _probed({"nopos-clm": alibi, "alibi-clm": nopos})[versus["claim"]]["verdict"] == F.CONTRADICTED
+    five = {s: [41.0, 50.0, 30.0 + k, 50.0, 50.0] for k, s in enumerate("012")}     # L = 4: layer 2
+    assert _probed({"nopos-clm": five})["Causal NoPos hidden states encode absolute position (middle layer)"][
+        "parts"][0]["per_seed"] == pytest.approx({s: 0.5 - (30 + k) / 42 for k, s in enumerate("012")})
+
+
+def test_the_probe_findings_give_no_verdict_for_a_diverged_run_and_need_both_schemes():
+    nopos = {s: [41.0, 30.0, 20.0] for s in "012"}
+    alibi = {s: [41.0, 33.0, 30.0] for s in "012"}
+    by = _probed({"nopos-clm": nopos, "alibi-clm": alibi}, gone=[("alibi-clm", "1")])
+    versus = by["Causal NoPos holds more absolute position than ALiBi (middle layer)"]
+    assert versus["verdict"] == F.UNDEFINED and math.isnan(versus["parts"][0]["per_seed"]["1"])
+    assert by["Causal NoPos hidden states encode absolute position (middle layer)"]["verdict"] == F.CONTRADICTED
+    alone = _probed({"nopos-clm": nopos})
+    assert list(alone) == ["Causal NoPos hidden states encode absolute position (middle layer)"]
+    assert _probed({"alibi-clm": alibi}) == {}
+    every = _probed({"nopos-clm": nopos}, gone=[("nopos-clm", s) for s in "012"])
+    assert every["Causal NoPos hidden states encode absolute position (middle layer)"]["verdict"] == F.UNDEFINED

@@ -173,18 +173,36 @@ def _nopos_findings(report: dict) -> list[dict]:
                                    f"{', '.join(others)})", x, "nats")],
                             f"'close' = within x{CLOSE_PPL_RATIO:.2f} of the best of the paper's Table 1 models "
                             "(learned, sinusoidal, ALiBi), NoPos Table 2's smallest-model gap"))
-    if "probe" in report:
-        x, where = {}, _scheme_of_path(report)
-        for seed, pr in report["probe"].items():
-            for run in pr["runs"]:
-                if where.get(run["workdir"]) == "nopos-clm":
-                    mads = [layer["mad"] for layer in run["layers"]]
-                    x[seed] = PROBE_FRACTION - mads[len(mads) // 2] / run["chance_mad"]
-        x.update({seed: float("nan") for name, seed in diverged(report) if name == "nopos-clm"})
-        if x:
-            out.append(_finding("Causal NoPos hidden states encode absolute position (middle layer)",
-                                "NoPos Fig. 2", [_part(f"{PROBE_FRACTION} − MAD / chance MAD", x, "fraction")],
-                                "'well below chance' = probe MAD under half the chance MAD"))
+    middle = _middle_mads(report)
+    if "nopos-clm" in middle:
+        chance = middle["nopos-clm"]["chance"]
+        x = {seed: PROBE_FRACTION - mad / chance[seed] for seed, mad in middle["nopos-clm"]["mad"].items()}
+        out.append(_finding("Causal NoPos hidden states encode absolute position (middle layer)",
+                            "NoPos Fig. 2", [_part(f"{PROBE_FRACTION} − MAD / chance MAD", x, "fraction")],
+                            "'well below chance' = probe MAD under half the chance MAD"))
+    if "nopos-clm" in middle and "alibi-clm" in middle:
+        x = _paired(middle["alibi-clm"]["mad"], middle["nopos-clm"]["mad"], lambda a, b: a - b)
+        out.append(_finding("Causal NoPos holds more absolute position than ALiBi (middle layer)", "NoPos §5, Fig. 2",
+                            [_part("probe MAD alibi − MAD nopos", x, "positions")],
+                            "the same probe settings on both; lower MAD = more position information"))
+    return out
+
+
+def _middle_mads(report: dict) -> dict[str, dict[str, dict[str, float]]]:
+    """{scheme: {'mad': {seed: its middle layer's probe MAD}, 'chance': {seed: chance MAD}}} for the schemes
+    probed; a diverged run's seed is NaN (no verdict). The middle layer of layers 0 (embeddings) .. L is (L + 1) // 2."""
+    out: dict[str, dict] = {}
+    where = _scheme_of_path(report)
+    for seed, pr in report.get("probe", {}).items():
+        for run in pr["runs"]:
+            name = where.get(run["workdir"])
+            if name:
+                mads = [layer["mad"] for layer in run["layers"]]
+                got = out.setdefault(name, {"mad": {}, "chance": {}})
+                got["mad"][seed], got["chance"][seed] = mads[len(mads) // 2], run["chance_mad"]
+    for name, seed in diverged(report) if "probe" in report else []:
+        got = out.setdefault(name, {"mad": {}, "chance": {}})
+        got["mad"][seed], got["chance"][seed] = float("nan"), float("nan")
     return out
 
 
