@@ -73,7 +73,7 @@ COMMANDS: dict[str, Command] = {
                                                  out=a.out, step=a.step, data=a.data)),
     "probe": Command("tupe_jax.analysis.probe", "run", "probe each layer's hidden states for absolute position",
                      lambda fn, cfg, a: fn(a.workdir, out=a.out, step=a.step, steps=a.probe_steps,
-                                             data=a.data)),
+                                             train_tokens=a.probe_tokens, data=a.data)),
     "correlations": Command("tupe_jax.analysis.correlations", "run",
                             "attention-logit decomposition (TUPE Fig. 2) and learned positional correlation (Fig. 6)",
                             lambda fn, cfg, a: fn(a.workdir, layer=a.layer, out=a.out, step=a.step, data=a.data)),

@@ -32,8 +32,13 @@ ANALYSIS_FLAGS: dict[str, list] = {
                              help="sliding-window stride S (default: L; capped at L)")),
         _OUT],
     "probe": [(("--probe_steps",), dict(type=int, action=Once, default=None,
-                                        help="Adam steps per probe (default 300: quick, not converged; "
-                                             "docs/experiments/probe-sweep)")), _OUT],
+                                        help="Adam steps per probe (default 300: quick, not converged; the "
+                                             "compare suite's 30000 on 524288 tokens are near it on its tiny runs: "
+                                             "docs/experiments/probe-sweep)")),
+              (("--probe_tokens",), dict(type=int, action=Once, default=None,
+                                         help="training tokens of the probes (default 16384), cut from the train "
+                                              "split; every layer's features of them are held in host memory")),
+              _OUT],
     "correlations": [_LAYER, _OUT],
     "shuffle-attention": [(("--text",), dict(action=Once, default=None,
                                              help="the sentence (default: a built-in one)")),

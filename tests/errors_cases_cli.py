@@ -33,6 +33,8 @@ CLI_CASES = [
          lambda e: ["extrapolate", f"--workdir={e.run}", "--lengths=128,abc"], "--lengths"),
     Case("negative_step", "`evaluate --step=-1` (it was read as 'no checkpoint')",
          lambda e: ["evaluate", f"--workdir={e.run}", "--step=-1"], "--step"),
+    Case("probe_tokens_negative", "probe with --probe_tokens=-5", lambda e: ["probe", f"--workdir={e.run}",
+         "--probe_tokens=-5"], "--probe_tokens=-5 must be"),
     Case("workdir_twice", "--workdir given twice to a one-run command (the last one was used)",
          lambda e: ["evaluate", f"--workdir={e.run}", f"--workdir={e.wd('w2')}"], "--workdir is given twice"),
     Case("config_twice", "--config given twice (the last one was used)",

@@ -310,13 +310,14 @@ def test_launcher_flags_reach_the_analysis_functions(monkeypatch):
                                                                       if spec == f"{c.module}:{c.function}")))
     assert launch.main(["extrapolate", "--workdir=a", "--workdir=b", "--lengths=8,16", "--mode=sliding",
                         "--stride=4", "--out=o"]) == 0
-    assert launch.main(["probe", "--workdir=a", "--probe_steps=7"]) == 0
+    assert launch.main(["probe", "--workdir=a", "--probe_steps=7", "--probe_tokens=640"]) == 0
     assert launch.main(["correlations", "--workdir=a", "--layer=1"]) == 0
     assert launch.main(["shuffle-attention", "--workdir=a", "--text=hi there", "--layer=1"]) == 0
     assert launch.main(["evaluate", "--workdir=a", "--config.data.name=wikitext", "--config.data.path=w"]) == 0
     assert calls["extrapolate"] == ((["a", "b"], [8, 16]), {"mode": "sliding", "stride": 4, "out": "o", "step": None,
                                                             "data": {}})
-    assert calls["probe"] == ((["a"],), {"out": None, "step": None, "steps": 7, "data": {}})
+    assert calls["probe"] == ((["a"],), {"out": None, "step": None, "steps": 7, "train_tokens": 640,
+                                          "data": {}})
     assert calls["evaluate"] == (("a", None), {"data": {"data.name": "wikitext", "data.path": "w"}})
     assert calls["correlations"][1]["layer"] == 1
     assert calls["shuffle-attention"][1]["text"] == "hi there"

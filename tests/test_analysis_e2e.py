@@ -41,9 +41,11 @@ def test_analysis_commands_on_pretrained_runs(tmp_path, monkeypatch, capsys):
     assert sliding["protocol"]["mode"] == "sliding" and sliding["runs"][0]["results"][0]["stride"] == 16
 
     assert launch.main(["probe", f"--workdir={rope}", f"--workdir={table}", "--probe_steps=40",
-                        f"--out={out}"]) == 0
+                        "--probe_tokens=1000", f"--out={out}"]) == 0
     probe = json.loads((out / "probe.json").read_text())
     assert [len(r["layers"]) for r in probe["runs"]] == [3, 3]
+    assert probe["settings"]["steps"] == 40 and probe["settings"]["train_tokens"] == 1000
+    assert [r["train_tokens"] for r in probe["runs"]] == [1024, 992]    # 32 windows of 32; MLM: 31 positions each
 
     assert launch.main(["correlations", f"--workdir={table}", f"--out={out}"]) == 0
     corr = json.loads((out / "correlations.json").read_text())["runs"][0]

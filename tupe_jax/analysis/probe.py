@@ -218,15 +218,17 @@ def plot(report: dict, path) -> None:
 
 
 def run(workdir, *, out: Optional[str] = None, step: Optional[int] = None, steps: Optional[int] = None,
-        settings: Optional[ProbeSettings] = None, runs: Optional[Sequence[common.Run]] = None,
-        data: Optional[Mapping[str, str]] = None) -> dict:
+        train_tokens: Optional[int] = None, settings: Optional[ProbeSettings] = None,
+        runs: Optional[Sequence[common.Run]] = None, data: Optional[Mapping[str, str]] = None) -> dict:
     """Load the run(s), probe every layer, write `probe.json` + `probe.png` to `out` (default RUN/analysis/).
-    `data`: `--config.data.*` overrides, another corpus to probe on (`out` is then required)."""
+    `steps`, `train_tokens`: `--probe_steps`, `--probe_tokens` over `settings`' values. `data`: `--config.data.*`
+    overrides, another corpus to probe on (`out` is then required)."""
     settings = settings or ProbeSettings()
-    if steps is not None:
-        if steps < 1:
-            raise UserError(f"--probe_steps={steps} must be at least 1", "--probe_steps", "give a positive number")
-        settings = dataclasses.replace(settings, steps=steps)
+    for flag, value, key in (("--probe_steps", steps, "steps"), ("--probe_tokens", train_tokens, "train_tokens")):
+        if value is not None:
+            if value < 1:
+                raise UserError(f"{flag}={value} must be at least 1", flag, "give a positive number")
+            settings = dataclasses.replace(settings, **{key: value})
     common.check_output_dir(workdir, out, data)
     runs = list(runs) if runs is not None else common.load_runs(workdir, step, data)
     report = probe(runs, settings)
