@@ -43,9 +43,11 @@ Keys beyond configs/pretrain.py's (model/data/train/mesh/checkpoint are shared b
                  measure growth = ln ppl(longest) − ln ppl(max_len));
   eval.stride    the stride S of eval.mode=sliding (required there, a positive number of tokens, capped at each
                  length L: analysis/extrapolate.py); 0 = unset, as eval.mode=nonoverlapping needs;
-  probe.steps / probe.train_tokens / probe.eval_tokens / probe.learning_rate   the position probes (the
-                 defaults, 300 steps on 16384 tokens, are far from converged on the tiny causal runs:
-                 docs/experiments/probe-sweep, `tools/run_experiments.sh probe-sweep`);
+  probe.steps / probe.train_tokens / probe.eval_tokens / probe.learning_rate   the position probes: 30000
+                 Adam steps of 512 tokens, on 524288 training tokens (131072 from size=medium on: the features
+                 of every layer are held in host memory, train_tokens x (layers+1) x d x 4 bytes, 0.8 GB tiny,
+                 5 GB base, 13 GB large). On the tiny causal runs 300 steps on 16384 tokens were far from converged, 30000 on
+                 524288 near it (docs/experiments/probe-sweep, `tools/run_experiments.sh probe-sweep`);
   glue.tasks     comma-separated tasks; 'auto' = wordorder + every GLUE task with train and dev TSVs under
                  data.glue_dir (WNLI excluded, as in the TUPE paper; a data.glue_dir holding none is refused);
                  '' = no fine-tuning; every GLUE task named (not wordorder) must have its train and dev TSVs
@@ -72,6 +74,9 @@ SUITES = {
 }
 
 # Compare-specific training presets per size: (steps, batch_size, learning_rate, warmup_steps, eval_every).
+# probe training tokens per size: tiny's is the probe-length sweep's near-converged cell; from medium on fewer,
+# as every layer's features of them sit in host memory (converged or not there: unmeasured)
+PROBE_TRAIN_TOKENS = {"tiny": 524_288, "small": 524_288, "medium": 131_072, "base": 131_072, "large": 131_072}
 TRAIN = {
     "tiny": (500, 16, 1e-3, 50, 100),
     "small": (3000, 32, 5e-4, 300, 250),
@@ -118,8 +123,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.metrics = ml_collections.ConfigDict(pre.metrics.to_dict())
     config.eval = ml_collections.ConfigDict(dict(lengths=(128, 256, 512, 1024), mode="nonoverlapping",
                                                  max_tokens=65536, stride=0))
-    config.probe = ml_collections.ConfigDict(dict(steps=300, train_tokens=16384, eval_tokens=4096,
-                                                  learning_rate=2e-3))
+    config.probe = ml_collections.ConfigDict(dict(steps=30000, train_tokens=PROBE_TRAIN_TOKENS[arg.size],
+                                                  eval_tokens=4096, learning_rate=2e-3))
     config.glue = ml_collections.ConfigDict(dict(tasks="wordorder", epochs=3, learning_rate=1e-4, batch_size=32,
                                                  max_steps=150))
     # configs/glue.py's settings for the fine-tunes; task, model, data, mesh, init_from and the glue.* keys above

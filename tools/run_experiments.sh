@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The seeded comparison runs behind docs/experiments/ and the README's findings table (issue: reproduce the seed
 # findings with seeds). Each step reuses finished runs, so rerunning only does what is missing; on a fresh clone
-# the whole script is ~4 hours on 2 CPU cores (tupe-a-5k: ~1 hour of it; probe-sweep: ~1 hour, redone on each
-# call, as it trains no run). Usage:
+# the whole script is ~4.5 hours on 2 CPU cores (tupe-a-5k: ~1 hour of it; probe-sweep: ~1 hour and probe's 12
+# probes: ~25 min, both redone on each call, as probes are not reused). Usage:
 #   tools/run_experiments.sh [extrapolation|probe|probe-sweep|sinusoidal|tupe|nopos-mlm|nopos-mlm-5k|tupe-a-5k|publish]...
 #   (no argument: all, in that order)
 # extrapolation -> probe and tupe -> nopos-mlm depend on each other's runs; the two chains may run in parallel.
