@@ -44,10 +44,12 @@ Keys beyond configs/pretrain.py's (model/data/train/mesh/checkpoint are shared b
   eval.stride    the stride S of eval.mode=sliding (required there, a positive number of tokens, capped at each
                  length L: analysis/extrapolate.py); 0 = unset, as eval.mode=nonoverlapping needs;
   probe.steps / probe.train_tokens / probe.eval_tokens / probe.learning_rate   the position probes: 30000
-                 Adam steps of 512 tokens, on 524288 training tokens (131072 from size=medium on: the features
-                 of every layer are held in host memory, train_tokens x (layers+1) x d x 4 bytes, 0.8 GB tiny,
-                 5 GB base, 13 GB large). On the tiny causal runs 300 steps on 16384 tokens were far from converged, 30000 on
-                 524288 near it (docs/experiments/probe-sweep, `tools/run_experiments.sh probe-sweep`);
+                 Adam steps of 512 tokens on 524288 training tokens (131072 from size=medium on). Each copy of
+                 the features is train_tokens x (layers+1) x d x 4 bytes (0.8 GB tiny, 5 GB base, 13 GB large),
+                 and about three are held at the peak: the features and their standardised copy in host memory,
+                 that copy again on the accelerator. On the tiny causal runs 300 steps on 16384 tokens were far
+                 from converged, 30000 on 524288 near it (docs/experiments/probe-sweep, `tools/run_experiments.sh
+                 probe-sweep`); from size=small on, convergence is unmeasured;
   glue.tasks     comma-separated tasks; 'auto' = wordorder + every GLUE task with train and dev TSVs under
                  data.glue_dir (WNLI excluded, as in the TUPE paper; a data.glue_dir holding none is refused);
                  '' = no fine-tuning; every GLUE task named (not wordorder) must have its train and dev TSVs
@@ -74,9 +76,6 @@ SUITES = {
 }
 
 # Compare-specific training presets per size: (steps, batch_size, learning_rate, warmup_steps, eval_every).
-# probe training tokens per size: tiny's is the probe-length sweep's near-converged cell; from medium on fewer,
-# as every layer's features of them sit in host memory (converged or not there: unmeasured)
-PROBE_TRAIN_TOKENS = {"tiny": 524_288, "small": 524_288, "medium": 131_072, "base": 131_072, "large": 131_072}
 TRAIN = {
     "tiny": (500, 16, 1e-3, 50, 100),
     "small": (3000, 32, 5e-4, 300, 250),
@@ -84,6 +83,9 @@ TRAIN = {
     "base": (1_000_000, 256, 1e-4, 10_000, 10_000),
     "large": (1_000_000, 256, 1e-4, 10_000, 10_000),
 }
+# The probes' training tokens per size: tiny's is the probe-length sweep's near-converged cell; from medium on fewer,
+# as about three copies of every layer's features of them are held (convergence unmeasured from small on).
+PROBE_TRAIN_TOKENS = {"tiny": 524_288, "small": 524_288, "medium": 131_072, "base": 131_072, "large": 131_072}
 
 
 def _sibling_config(name: str, arg: str):

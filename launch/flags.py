@@ -36,8 +36,10 @@ ANALYSIS_FLAGS: dict[str, list] = {
                                              "compare suite's 30000 on 524288 tokens are near it on its tiny runs: "
                                              "docs/experiments/probe-sweep)")),
               (("--probe_tokens",), dict(type=int, action=Once, default=None,
-                                         help="training tokens of the probes (default 16384), cut from the train "
-                                              "split; every layer's features of them are held in host memory")),
+                                         help="training tokens of the probes (default 16384), whole windows of "
+                                              "the train split (rounded up); about three copies of every layer's "
+                                              "features of them are held at the peak, each tokens x (layers+1) "
+                                              "x d x 4 bytes")),
               _OUT],
     "correlations": [_LAYER, _OUT],
     "shuffle-attention": [(("--text",), dict(action=Once, default=None,

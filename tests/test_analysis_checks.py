@@ -178,6 +178,16 @@ def test_a_suite_report_shows_the_median_baseline_beside_chance_when_its_probes_
     assert "median" not in text and text.rstrip().endswith("| 10.7 |")
 
 
+def test_the_probe_suite_trains_the_sweeps_near_converged_probes_with_fewer_tokens_on_wide_models():
+    """The suite's probes were 300 steps on 16384 tokens, far from converged (docs/experiments/probe-sweep); at
+    base width 524288 tokens of features would be 21 GB a copy."""
+    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    compare = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "compare.py")
+    tiny, base = (config_lib.load_config(f"{compare}:{arg}").probe for arg in ("suite=probe", "suite=probe,size=base"))
+    assert (tiny.steps, tiny.train_tokens, tiny.learning_rate) == (30000, 524288, 2e-3)
+    assert (base.steps, base.train_tokens) == (30000, 131072)
+
+
 # ------------------------------------------------------------------------------------------------ probe-length sweep
 def _probe_sweep():
     """tools/probe_sweep.py as a module (tools/ is not a package)."""

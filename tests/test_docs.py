@@ -38,6 +38,28 @@ def test_the_probe_sweep_reports_are_generated_from_their_json(folder):
         assert f.read() == probe_sweep.markdown(result), f"run: python tools/probe_sweep.py --render --out={path}"
 
 
+def test_one_finding_read_by_two_suites_is_one_row_as_far_as_the_table_prints(tmp_path):
+    """The probe suite's runs were retrained to within 1e-7 of the extrapolation suite's: the NoPos perplexity
+    finding, equal to the 4 places printed, was listed twice. A difference the table shows keeps both rows."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    def publish(suite, per_seed):
+        part = {"comparison": "x − y", "per_seed": per_seed, "mean": 0.1, "std": 0.01, "unit": "nats",
+                "verdict": "reproduced"}
+        report = {"config": {"model": {"num_layers": 2, "hidden_size": 8, "max_len": 16},
+                             "train": {"steps": 10, "batch_size": 2}}, "seeds": [0, 1, 2],
+                  "findings": [{"claim": "c", "paper": "p", "verdict": "reproduced", "parts": [part]}]}
+        folder = tmp_path / "docs" / "experiments" / suite
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "report.json").write_text(json.dumps(report))
+
+    publish("probe", {"0": 0.10001, "1": 0.2, "2": 0.3})
+    publish("extrapolation", {"0": 0.1000101, "1": 0.2, "2": 0.3})
+    assert findings_table.table(str(tmp_path)).count("| c (p)") == 1
+    publish("extrapolation", {"0": 0.1002, "1": 0.2, "2": 0.3})
+    assert findings_table.table(str(tmp_path)).count("| c (p)") == 2
+
+
 def test_replace_block_refuses_a_readme_without_markers():
     try:
         findings_table.replace_block("no markers here", "x")

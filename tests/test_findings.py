@@ -212,3 +212,24 @@ def test_the_probe_findings_give_no_verdict_for_a_diverged_run_and_need_both_sch
     assert _probed({"alibi-clm": alibi}) == {}
     every = _probed({"nopos-clm": nopos}, gone=[("nopos-clm", s) for s in "012"])
     assert every["Causal NoPos hidden states encode absolute position (middle layer)"]["verdict"] == F.UNDEFINED
+
+
+def test_a_seed_probed_for_one_scheme_only_gives_no_verdict_and_the_notes_name_the_probes():
+    """ALiBi probed in seeds 0–3 and NoPos in 0–2 was judged over 0–2; the verdict also turns on the probes' length
+    (300-step probes put ALiBi below NoPos in one seed), which the finding now says."""
+    nopos = {s: [41.0, 30.0, 20.0] for s in "012"}
+    alibi = {s: [41.0, 33.0, 30.0] for s in "0123"}
+    report = {"config": {"model": {"max_len": 128}, "probe": {"steps": 30000, "train_tokens": 524288}},
+              "schemes": [_scheme("nopos-clm", "clm", {0: 4.0, 1: 4.0, 2: 4.0}),
+                          _scheme("alibi-clm", "clm", {0: 4.0, 1: 4.0, 2: 4.0, 3: 4.0})],
+              "probe": {seed: {"runs": [{"workdir": f"/r/{n}-s{seed}", "name": n, "chance_mad": 42.0,
+                                         "layers": [{"mad": m} for m in by_seed[seed]]}
+                                        for n, by_seed in (("nopos-clm", nopos), ("alibi-clm", alibi))
+                                        if seed in by_seed]} for seed in "0123"}}
+    by = {f["claim"]: f for f in F.evaluate(report)}
+    versus = by["Causal NoPos holds more absolute position than ALiBi (middle layer)"]
+    assert list(versus["parts"][0]["per_seed"]) == ["0", "1", "2", "3"] and versus["verdict"] == F.UNDEFINED
+    for claim in (versus["claim"], "Causal NoPos hidden states encode absolute position (middle layer)"):
+        assert by[claim]["note"].endswith("; probes of 30000 Adam steps on 524288 training tokens")
+    del report["probe"]["3"], report["schemes"][1]["seeds"]["3"]
+    assert {f["claim"]: f for f in F.evaluate(report)}[versus["claim"]]["verdict"] == F.REPRODUCED

@@ -119,6 +119,8 @@ def test_a_batch_row_block_spread_over_two_processes_is_refused():
 @pytest.mark.parametrize("overrides, needle", [
     ({"mesh.data": 2, "mesh.tensor": 4}, r"model.num_heads = 2 and model.mlp_dim = 64 are not both divisible by "
                                          r"mesh.tensor = 4.*, --config.mesh.tensor, use a common divisor \(1, 2\)"),
+    ({"mesh.data": 2, "mesh.tensor": 4, "model.num_heads": 6, "model.mlp_dim": 192, "model.hidden_size": 48},
+     r"model.num_heads = 6 and model.mlp_dim = 192 .*mesh.tensor = 4.*use a common divisor \(1, 2\) and"),
     ({"mesh.data": 1, "mesh.fsdp": 8, "model.hidden_size": 36},
      r"model.hidden_size = 36 is not divisible by mesh.fsdp = 8.*, --config.mesh.fsdp, .*\(1, 2, 4\) and")])
 def test_a_mesh_that_would_replicate_the_model_is_refused_before_any_compute(overrides, needle, tmp_path, capsys):

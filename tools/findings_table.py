@@ -85,11 +85,17 @@ def table(root: str = ROOT) -> str:
     return "\n".join(head + rows) + "\n"
 
 
+def _printed(per_seed: dict) -> dict:
+    """Per-seed values to the 4 places the table prints: two suites' readings of the same runs, one retrained
+    since to within float rounding (1e-7), are one row."""
+    return {seed: round(x, 4) if isinstance(x, float) else x for seed, x in per_seed.items()}
+
+
 def _rows(report: dict, suite: str, seen: set) -> list[str]:
     rows = []
     for finding in report.get("findings", []):
-            key = (finding["claim"], json.dumps([p["per_seed"] for p in finding["parts"]], sort_keys=True))
-            if key in seen:                  # the same runs analysed by two suites (e.g. NoPos perplexity)
+            key = (finding["claim"], json.dumps([_printed(p["per_seed"]) for p in finding["parts"]], sort_keys=True))
+            if key in seen:    # the same runs analysed by two suites (e.g. NoPos perplexity), as far as printed
                 continue
             seen.add(key)
             for i, part in enumerate(finding["parts"]):

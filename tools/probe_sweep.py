@@ -9,8 +9,9 @@ them; a smaller setting is the first windows of that draw, the very windows `lau
 probe per layer is trained at every (steps, train_tokens) cell with `analysis/probe.py`'s `train_probes` and its
 defaults otherwise (batch 512 tokens unless `--batch_tokens`, Adam lr 2e-3 cosine-decayed over the cell's steps,
 4096 validation tokens).
-The cell (300 steps, 16384 tokens, batch 512) is `launch probe`'s default, so it repeats the suite's probe numbers
-for the same runs.
+The cell (300 steps, 16384 tokens, batch 512) is `launch probe`'s default (and was the compare suite's until session
+44); the cell (30000 steps, 524288 tokens) is the compare suite's probe since, so it repeats the suite's probe
+numbers for the same runs.
 
 Writes `sweep.json` (every cell of every run), `sweep.png` (MAD / chance against probe steps, per layer) and
 `REPORT.md` (mean ± std over the runs of one scheme, i.e. over seeds).

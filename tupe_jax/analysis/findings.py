@@ -173,24 +173,33 @@ def _nopos_findings(report: dict) -> list[dict]:
                                    f"{', '.join(others)})", x, "nats")],
                             f"'close' = within x{CLOSE_PPL_RATIO:.2f} of the best of the paper's Table 1 models "
                             "(learned, sinusoidal, ALiBi), NoPos Table 2's smallest-model gap"))
-    middle = _middle_mads(report)
+    middle, probes = _middle_mads(report), _probe_settings(report)
     if "nopos-clm" in middle:
         chance = middle["nopos-clm"]["chance"]
         x = {seed: PROBE_FRACTION - mad / chance[seed] for seed, mad in middle["nopos-clm"]["mad"].items()}
         out.append(_finding("Causal NoPos hidden states encode absolute position (middle layer)",
                             "NoPos Fig. 2", [_part(f"{PROBE_FRACTION} − MAD / chance MAD", x, "fraction")],
-                            "'well below chance' = probe MAD under half the chance MAD"))
+                            "'well below chance' = probe MAD under half the chance MAD" + probes))
     if "nopos-clm" in middle and "alibi-clm" in middle:
-        x = _paired(middle["alibi-clm"]["mad"], middle["nopos-clm"]["mad"], lambda a, b: a - b)
+        alibi, nopos = middle["alibi-clm"]["mad"], middle["nopos-clm"]["mad"]
+        nan = float("nan")              # a seed one of the two lacks: no verdict, not a comparison over fewer seeds
+        x = {seed: alibi.get(seed, nan) - nopos.get(seed, nan) for seed in sorted(set(alibi) | set(nopos), key=int)}
         out.append(_finding("Causal NoPos holds more absolute position than ALiBi (middle layer)", "NoPos §5, Fig. 2",
                             [_part("probe MAD alibi − MAD nopos", x, "positions")],
-                            "the same probe settings on both; lower MAD = more position information"))
+                            "the same probes on both; lower MAD = more position information" + probes))
     return out
+
+
+def _probe_settings(report: dict) -> str:
+    """'; probes of S Adam steps on T training tokens' from the suite's config (a verdict can turn on them), or ''."""
+    probe = report.get("config", {}).get("probe", {})
+    return (f"; probes of {probe['steps']} Adam steps on {probe['train_tokens']} training tokens"
+            if "steps" in probe and "train_tokens" in probe else "")
 
 
 def _middle_mads(report: dict) -> dict[str, dict[str, dict[str, float]]]:
     """{scheme: {'mad': {seed: its middle layer's probe MAD}, 'chance': {seed: chance MAD}}} for the schemes
-    probed; a diverged run's seed is NaN (no verdict). The middle layer of layers 0 (embeddings) .. L is (L + 1) // 2."""
+    probed; a diverged run's seed is NaN (no verdict). Of layers 0 (embeddings) .. L the middle is (L + 1) // 2."""
     out: dict[str, dict] = {}
     where = _scheme_of_path(report)
     for seed, pr in report.get("probe", {}).items():
