@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from tupe_jax.analysis import correlations as C, extrapolate as E, findings, probe as P
+from tupe_jax.analysis import common, correlations as C, extrapolate as E, findings, probe as P
 from tupe_jax.analysis import report as report_lib
 from tupe_jax.analysis import suite as suite_lib
 from tupe_jax.errors import UserError
@@ -181,11 +181,21 @@ def test_a_suite_report_shows_the_median_baseline_beside_chance_when_its_probes_
 def test_the_probe_suite_trains_the_sweeps_near_converged_probes_with_fewer_tokens_on_wide_models():
     """The suite's probes were 300 steps on 16384 tokens, far from converged (docs/experiments/probe-sweep); at
     base width 524288 tokens of features would be 21 GB a copy."""
-    from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-    compare = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "compare.py")
-    tiny, base = (config_lib.load_config(f"{compare}:{arg}").probe for arg in ("suite=probe", "suite=probe,size=base"))
+    tiny, base = load("suite=probe").probe, load("suite=probe,size=base").probe
     assert (tiny.steps, tiny.train_tokens, tiny.learning_rate) == (30000, 524288, 2e-3)
     assert (base.steps, base.train_tokens) == (30000, 131072)
+
+
+def test_windows_drawn_beyond_the_split_say_that_they_repeat(corpus, capsys):
+    """The suite's probes draw 524288 training tokens: a smaller corpus's windows repeated without a word."""
+    run = make_run(corpus, "bert_a", "clm")
+    n = len(common.token_stream(run, "validation")) // MAX_LEN
+    every = common.model_windows(run, "validation", MAX_LEN, count=n)
+    assert "repeat" not in capsys.readouterr().out
+    more = common.model_windows(run, "validation", MAX_LEN, count=n + 3)
+    assert f"the validation split holds {n} windows of {MAX_LEN} tokens; the {n + 3} drawn repeat" in \
+        capsys.readouterr().out
+    assert {r.tobytes() for r in more} == {r.tobytes() for r in every} and len(every) == n
 
 
 # ------------------------------------------------------------------------------------------------ probe-length sweep

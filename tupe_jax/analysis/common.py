@@ -211,7 +211,7 @@ def model_windows(run: Run, split: str, length: int, count: Optional[int] = None
 
     CLM: `length` consecutive tokens. MLM: [CLS] + `length`−1 consecutive tokens (as the MLM pipeline lays out an
     example). Windows are contiguous and non-overlapping; with `count`, that many are drawn at random (`seed`),
-    cycling over the windows if there are fewer.
+    cycling over the windows if there are fewer (said in a line: the same text then counts more than once).
     """
     stream = token_stream(run, split)
     text = length if run.model_cfg.causal else length - 1
@@ -221,6 +221,9 @@ def model_windows(run: Run, split: str, length: int, count: Optional[int] = None
                         "config.data", "use a larger corpus or a shorter length")
     idx = np.arange(n)
     if count is not None:
+        if count > n:
+            print(f"{run.name}: the {split} split holds {n} windows of {length} tokens; the {count} drawn repeat "
+                  f"them ({count / n:.1f} times each on average)", flush=True)
         rng = np.random.default_rng(seed)
         idx = np.concatenate([rng.permutation(n) for _ in range(-(-count // n))])[:count]
     rows = np.stack([np.asarray(stream[i * text:(i + 1) * text]) for i in idx]).astype(np.int32)
