@@ -168,18 +168,20 @@ def test_the_tupe_loss_order_claims_the_pairs_it_compares(names, claim, pairs):
     assert finding["claim"] == claim and len(finding["parts"]) == pairs
 
 
-def _probed(mads: dict, chance: float = 42.0, gone=()):
-    """A probe suite's report: scheme -> {seed: per-layer MADs}; `gone` (scheme, seed) diverged (not probed)."""
-    report = {"config": {"model": {"max_len": 128}},
+def _probed(mads: dict, chance: float = 42.0, gone=(), probe=None):
+    """A probe suite's report: scheme -> {seed: per-layer MADs}; `gone` (scheme, seed) diverged (not probed);
+    `probe` the suite's probe settings (config.probe)."""
+    report = {"config": {"model": {"max_len": 128}, **({"probe": probe} if probe else {})},
               "schemes": [_scheme(n, "clm", {int(k): 4.0 for k in by_seed}) for n, by_seed in mads.items()]}
     for s in report["schemes"]:
         for seed, run in s["seeds"].items():
             if (s["name"], seed) in gone:
                 run.update(diverged="training diverged", final_eval={})
+    seeds = sorted({seed for by_seed in mads.values() for seed in by_seed})
     report["probe"] = {seed: {"runs": [{"workdir": f"/r/{n}-s{seed}", "name": n, "chance_mad": chance,
                                         "layers": [{"layer": i, "mad": m} for i, m in enumerate(by_seed[seed])]}
-                                       for n, by_seed in mads.items() if (n, seed) not in gone]}
-                       for seed in "012"}
+                                       for n, by_seed in mads.items() if seed in by_seed and (n, seed) not in gone]}
+                       for seed in seeds}
     return {f["claim"]: f for f in F.evaluate(report)}
 
 
@@ -219,17 +221,10 @@ def test_a_seed_probed_for_one_scheme_only_gives_no_verdict_and_the_notes_name_t
     (300-step probes put ALiBi below NoPos in one seed), which the finding now says."""
     nopos = {s: [41.0, 30.0, 20.0] for s in "012"}
     alibi = {s: [41.0, 33.0, 30.0] for s in "0123"}
-    report = {"config": {"model": {"max_len": 128}, "probe": {"steps": 30000, "train_tokens": 524288}},
-              "schemes": [_scheme("nopos-clm", "clm", {0: 4.0, 1: 4.0, 2: 4.0}),
-                          _scheme("alibi-clm", "clm", {0: 4.0, 1: 4.0, 2: 4.0, 3: 4.0})],
-              "probe": {seed: {"runs": [{"workdir": f"/r/{n}-s{seed}", "name": n, "chance_mad": 42.0,
-                                         "layers": [{"mad": m} for m in by_seed[seed]]}
-                                        for n, by_seed in (("nopos-clm", nopos), ("alibi-clm", alibi))
-                                        if seed in by_seed]} for seed in "0123"}}
-    by = {f["claim"]: f for f in F.evaluate(report)}
+    by = _probed({"nopos-clm": nopos, "alibi-clm": alibi}, probe={"steps": 30000, "train_tokens": 524288})
     versus = by["Causal NoPos holds more absolute position than ALiBi (middle layer)"]
     assert list(versus["parts"][0]["per_seed"]) == ["0", "1", "2", "3"] and versus["verdict"] == F.UNDEFINED
     for claim in (versus["claim"], "Causal NoPos hidden states encode absolute position (middle layer)"):
         assert by[claim]["note"].endswith("; probes of 30000 Adam steps on 524288 training tokens")
-    del report["probe"]["3"], report["schemes"][1]["seeds"]["3"]
-    assert {f["claim"]: f for f in F.evaluate(report)}[versus["claim"]]["verdict"] == F.REPRODUCED
+    del alibi["3"]
+    assert _probed({"nopos-clm": nopos, "alibi-clm": alibi})[versus["claim"]]["verdict"] == F.REPRODUCED

@@ -110,16 +110,15 @@ def check_model(model: Any, mesh_shape: tuple[int, int, int]) -> None:
     fsdp, tensor, devices = mesh_shape[1], mesh_shape[2], math.prod(mesh_shape)
     hidden, heads, mlp = int(model.hidden_size), int(model.num_heads), int(model.mlp_dim)
     # a value that may replace an axis divides its dims and the devices the other split axis leaves (data: the rest)
-    def divisors(n: int, room: int) -> str:
-        return ", ".join(str(d) for d in range(1, room + 1) if n % d == 0 and room % d == 0)
+    divisors = lambda n: ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)  # noqa: E731
     require(hidden % fsdp == 0, f"model.hidden_size = {hidden} is not divisible by mesh.fsdp = {fsdp}: fsdp splits "
             "every weight along hidden_size, so each device would hold the whole model", "--config.mesh.fsdp",
-            f"use a divisor of {hidden} ({divisors(hidden, devices // tensor)}) and give the other devices to "
-            "mesh.data")
-    common = divisors(math.gcd(heads, mlp), devices // fsdp)
+            f"use a divisor of {hidden} ({divisors(math.gcd(hidden, devices // tensor))}) and give the other "
+            "devices to mesh.data")
     require(heads % tensor == 0 and mlp % tensor == 0, f"model.num_heads = {heads} and model.mlp_dim = {mlp} are "
             f"not both divisible by mesh.tensor = {tensor}: attention or MLP weights would be replicated on every "
-            "tensor device", "--config.mesh.tensor", f"use a common divisor ({common}) and give the other devices to "
+            "tensor device", "--config.mesh.tensor",
+            f"use a common divisor ({divisors(math.gcd(heads, mlp, devices // fsdp))}) and give the other devices to "
             "mesh.data")
 
 
