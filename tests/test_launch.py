@@ -138,9 +138,12 @@ def test_an_unexpected_exception_is_one_line_pointing_at_a_log(tmp_path, monkeyp
     assert sorted(p.name for p in workdir.iterdir()) == ["logs", "notes.txt"]
     assert (workdir / "notes.txt").read_text() == "keep"
     shutil.rmtree(workdir / "logs")     # scoring another corpus writes nothing into the run: not even the log
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))   # (not the machine's temp folder)
+    (tmp_path / "tmp").mkdir()
     assert launch.main(["evaluate", f"--workdir={workdir}", "--config.data.name=wikitext", "--config.data.path=w"]) == 1
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and tempfile.gettempdir() in lines[0]
+    logs = list((tmp_path / "tmp").iterdir())
+    assert len(lines) == 1 and len(logs) == 1 and str(logs[0]) in lines[0]
     assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]
 
 
