@@ -82,7 +82,8 @@ USAGE: dict = {}   # what the timed steps cost this process, per step (filled by
 
 def time_steps(step, warmup: int, steps: int) -> list[float]:
     """`step()` must run one full step and return only when it is done. Returns per-step seconds; records the
-    timed steps' page faults and user/system CPU seconds per step in USAGE (all threads of this process)."""
+    timed steps' page faults and user/system CPU seconds per step in USAGE (all threads of this process), and
+    the process's peak resident memory."""
     import resource  # pylint: disable=import-outside-toplevel
     for _ in range(warmup):
         step()
@@ -96,6 +97,7 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:
     USAGE.update(minor_faults_per_step=(after.ru_minflt - before.ru_minflt) / steps,
                  user_s_per_step=(after.ru_utime - before.ru_utime) / steps,
                  sys_s_per_step=(after.ru_stime - before.ru_stime) / steps,
+                 max_rss_mb=after.ru_maxrss / 1024,          # the process's peak so far (Linux: KiB)
                  glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
     return times
 
