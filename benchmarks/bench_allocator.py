@@ -33,8 +33,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import rotated, spread  # noqa: E402  pylint: disable=wrong-import-position
+from tupe_jax import allocator  # noqa: E402  pylint: disable=wrong-import-position
 
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
+HUGE_PAGES = allocator.SETTING
 LAUNCHER = "huge pages (the launcher's)"
 KEPT = "huge pages, buffer kept mapped (tried)"
 VARIANTS = {LAUNCHER: HUGE_PAGES,
@@ -44,17 +45,18 @@ USAGE_KEYS = ("minor_faults_per_step", "user_s_per_step", "sys_s_per_step", "max
 
 
 def refuse_without_tunables() -> None:
-    """Exit (one line) where glibc's malloc tunables do not exist: the variants would all be the same process."""
-    name, version = platform.libc_ver()
-    parts = version.split(".")
-    if not sys.platform.startswith("linux") or name != "glibc" or tuple(map(int, parts[:2])) < (2, 35):
-        sys.exit(f"error: the variants are glibc malloc tunables (glibc 2.35 or later), this is "
-                 f"{sys.platform} with {name or 'no glibc'} {version}, run on Linux with glibc 2.35 or later")
+    """Exit (one line) where the launcher would not set its tunable (tupe_jax/allocator.py: Linux, glibc 2.35 or
+    later, transparent huge pages not `never`): the variants would not be what they are named."""
+    libc, mode = platform.libc_ver(), allocator.thp_mode()
+    if not sys.platform.startswith("linux") or allocator.tuned_environ({}, libc, mode) is None:
+        sys.exit(f"error: the variants are glibc malloc tunables with transparent huge pages, this is {sys.platform} "
+                 f"with {libc[0] or 'no glibc'} {libc[1]} and huge pages '{mode or 'unknown'}', run on Linux with "
+                 "glibc 2.35 or later and huge pages not 'never'")
 
 
 def run_job(variant: str, slots: int, steps: int, warmup: int) -> dict:
     """One fresh process of bench_train.py's `ours` worker under `variant`'s tunables: its result, or its error."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "TUPE_JAX_REEXECUTED")}
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.MARKER, allocator.OPT_OUT)}
     env["GLIBC_TUNABLES"] = VARIANTS[variant]
     cmd = [sys.executable, os.path.join(HERE, "bench_train.py"), "--worker", "ours", "--worker_arg", "bert_a",
            "--predictions", str(slots), "--steps", str(steps), "--warmup", str(warmup)]

@@ -10,7 +10,8 @@ import bench_allocator as B  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def job(step_ms, faults=0.0, rss=1000.0, mean=None):
-    return {"step_ms": step_ms, "mean_step_ms": step_ms if mean is None else mean, "minor_faults_per_step": faults, "user_s_per_step": 0.5, "sys_s_per_step": 0.05,
+    return {"step_ms": step_ms, "mean_step_ms": step_ms if mean is None else mean, "minor_faults_per_step": faults,
+            "user_s_per_step": 0.5, "sys_s_per_step": 0.05,
             "max_rss_mb": rss}
 
 
@@ -33,17 +34,23 @@ def test_a_job_failed_in_every_round_has_no_row_and_no_ratio():
     assert set(jobs) == {launcher} and ratios == {}
 
 
-@pytest.mark.parametrize("libc,platform_name", [(("", ""), "linux"), (("glibc", "2.31"), "linux"),
-                                                 (("glibc", "2.39"), "darwin")])
-def test_a_machine_without_the_tunables_is_refused(monkeypatch, libc, platform_name):
+@pytest.mark.parametrize("libc,platform_name,mode", [(("", ""), "linux", "madvise"),
+                                                      (("glibc", "2.31"), "linux", "madvise"),
+                                                      (("glibc", "2.39"), "darwin", "madvise"),
+                                                      (("glibc", "2.39"), "linux", "never")])
+def test_a_machine_without_the_tunables_is_refused(monkeypatch, libc, platform_name, mode):
     monkeypatch.setattr(B.platform, "libc_ver", lambda: libc)
     monkeypatch.setattr(B.sys, "platform", platform_name)
-    with pytest.raises(SystemExit, match=r"^error: the variants are glibc malloc tunables \(glibc 2.35 or later\), "
-                                         r"this is .*, run on Linux with glibc 2.35 or later$"):
+    monkeypatch.setattr(B.allocator, "thp_mode", lambda: mode)
+    with pytest.raises(SystemExit, match=r"^error: the variants are glibc malloc tunables with transparent huge "
+                                         r"pages, this is .*, run on Linux with glibc 2.35 or later and huge pages "
+                                         r"not 'never'$"):
         B.refuse_without_tunables()
 
 
 def test_glibc_235_on_linux_is_accepted(monkeypatch):
     monkeypatch.setattr(B.platform, "libc_ver", lambda: ("glibc", "2.35"))
     monkeypatch.setattr(B.sys, "platform", "linux")
+    monkeypatch.setattr(B.allocator, "thp_mode", lambda: "madvise")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     B.refuse_without_tunables()

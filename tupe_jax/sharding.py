@@ -102,6 +102,11 @@ def check_batch(train: Any, mesh_shape: tuple[int, int, int]) -> None:
                 "--config.train.eval_batch_size", f"use a multiple of {shards}")
 
 
+def _divisors(n: int) -> str:
+    """The divisors of `n`, as a comma list."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 def check_model(model: Any, mesh_shape: tuple[int, int, int]) -> None:
     """The model's dimensions must split over the mesh where a split is the point of the axis: `hidden_size` (embed,
     in every weight) over fsdp, `num_heads` and `mlp_dim` over tensor; otherwise `fit_spec` would replicate them
@@ -110,15 +115,14 @@ def check_model(model: Any, mesh_shape: tuple[int, int, int]) -> None:
     fsdp, tensor, devices = mesh_shape[1], mesh_shape[2], math.prod(mesh_shape)
     hidden, heads, mlp = int(model.hidden_size), int(model.num_heads), int(model.mlp_dim)
     # a value that may replace an axis divides its dims and the devices the other split axis leaves (data: the rest)
-    divisors = lambda n: ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)  # noqa: E731
     require(hidden % fsdp == 0, f"model.hidden_size = {hidden} is not divisible by mesh.fsdp = {fsdp}: fsdp splits "
             "every weight along hidden_size, so each device would hold the whole model", "--config.mesh.fsdp",
-            f"use a divisor of {hidden} ({divisors(math.gcd(hidden, devices // tensor))}) and give the other "
+            f"use a divisor of {hidden} ({_divisors(math.gcd(hidden, devices // tensor))}) and give the other "
             "devices to mesh.data")
     require(heads % tensor == 0 and mlp % tensor == 0, f"model.num_heads = {heads} and model.mlp_dim = {mlp} are "
             f"not both divisible by mesh.tensor = {tensor}: attention or MLP weights would be replicated on every "
             "tensor device", "--config.mesh.tensor",
-            f"use a common divisor ({divisors(math.gcd(heads, mlp, devices // fsdp))}) and give the other devices to "
+            f"use a common divisor ({_divisors(math.gcd(heads, mlp, devices // fsdp))}) and give the other devices to "
             "mesh.data")
 
 
