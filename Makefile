@@ -16,7 +16,8 @@ demo: $(STAMP)
 	$(PY) -m launch demo --workdir=runs/demo
 
 # XLA_FLAGS: the suite's own (tests/xla_flags.py: 8 fake CPU devices, -O0), not one from the caller's shell.
-# GLIBC_TUNABLES: huge pages for XLA:CPU's per-call buffers, as `python -m launch` sets for itself (tupe_jax/allocator.py).
+# GLIBC_TUNABLES: huge pages for XLA:CPU's per-call buffers in the pytest processes (tupe_jax/allocator.py's
+# `hugepages`); the `python -m launch` processes the tests start choose their own malloc, as they do anywhere.
 
 # One pytest worker per core (pytest-xdist), a test file per worker at a time: most of a test's time is
 # single-threaded tracing and compiling, so two workers on two cores take ~0.7x the serial time

@@ -29,6 +29,9 @@ setup(
         "safetensors>=0.4",
         "gcsfs>=2024.2",                  # gs:// run folders and data paths (through etils.epath, as Orbax)
         "google-cloud-storage>=2.10",     # generation-matched writes of a bucket run's lease (gcsfs has none)
+        # oneTBB's malloc, which the launcher preloads on CPU hosts to keep XLA:CPU's per-step buffer mapped
+        # (tupe_jax/allocator.py); its wheels are Linux x86_64 only
+        "tbb>=2023.2; sys_platform == 'linux' and platform_machine == 'x86_64'",
     ],
     extras_require={
         # Hugging Face interop tests (tupe_jax/interop/): transformers' Flax BERT, no torch needed.

@@ -22,12 +22,11 @@ and after every job is in the JSON. The torch 2048³ fp32 matmul rate is measure
 Model FLOPs (`tupe_jax.metrics.transformer_training_flops`, 3 × forward matmul FLOPs) count the head each job
 runs. tokens/s = batch × seq_len ÷ step time (all input tokens, the same for every job).
 
-Allocator (`--allocator`, tupe_jax/allocator.py): `python -m launch` re-executes itself with glibc's huge-page
-tunable; `launcher` (default) gives ours and the loop that environment and the peers the caller's environment
-without it, `all` gives it to every job (like for like), `none` to none. `--peers_allocator_ab 1` (with
-`launcher`) also runs each peer with the tunable (`torch~hp`, `flax~hp`) in the same rounds. It then reports the
-ratios against each peer's faster allocator in each round. Each worker also reports its timed steps' page faults
-and user/system CPU seconds per step.
+Allocator (`--allocator`; the launcher's malloc setting, tupe_jax/allocator.py): `launcher` (default) gives ours and
+the loop what `python -m launch` gives itself and the peers the system's malloc, `all` gives it to every job, `none`
+to none. In the same rounds `--allocator_ab 1` also runs ours with the system's (`bert_a~system`), and
+`--peers_allocator_ab 1` each peer with the launcher's (`torch~launcher`), with ratios against each peer's faster
+allocator per round. Each worker reports its malloc, page faults and user/system CPU seconds per step.
 
 Prints Markdown tables, and writes the results to `--json` where one is given, with the checkout's git commit at the
 start (`git_commit`, "+dirty" with uncommitted changes). This file is the driver; the shapes, batches, step timer
@@ -77,19 +76,18 @@ def model_flops(s: dict, predictions) -> float:
 
 
 def job_env(allocator_mode: str, kind: str) -> dict:
-    """A job's environment. The huge-page tunable (tupe_jax/allocator.py) is first removed from the caller's
-    environment, so results do not depend on the shell; then `--allocator`: `launcher` = ours and the loop get
-    what `python -m launch` gives itself, the peers run as their users run them (without it); `all` = every job
-    gets it (the like-for-like comparison); `none` = no job gets it (the launcher's opt-out for the loop)."""
+    """A job's environment: the caller's without any malloc setting (tupe_jax/allocator.py), so results do not
+    depend on the shell; then `--allocator`: `launcher` = ours and the loop get what `python -m launch` gives
+    itself, the peers run as their users run them; `all` = every job gets it; `none` = no job gets it."""
     sys.path.insert(0, ROOT)
     from tupe_jax import allocator  # pylint: disable=import-outside-toplevel
-    import platform as platform_lib  # pylint: disable=import-outside-toplevel
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", allocator.MARKER, allocator.OPT_OUT)}
+    env = {k: v for k, v in os.environ.items() if k not in allocator.SETTINGS_ENV}
     env.setdefault("JAX_PLATFORMS", "cpu")
     if allocator_mode == "none":
-        return {**env, allocator.OPT_OUT: "0"}
+        return {**env, allocator.CHOICE: "system"}
     if allocator_mode == "all" or kind in ("ours", "loop"):
-        tuned = allocator.tuned_environ(env, platform_lib.libc_ver(), allocator.thp_mode())
+        tuned = allocator.tuned_environ(env, platform.libc_ver(), allocator.thp_mode(), allocator.tbbmalloc_libs(),
+                                        allocator.accelerator_plugin())
         return tuned if tuned is not None else env
     return env
 
@@ -166,19 +164,19 @@ RATIOS = {
     "tupe_a step / bert_a step": ("tupe_a", "bert_a"),
     "tupe_r step / bert_a step": ("tupe_r", "bert_a"),
     "loop tokens/s / benchmark bert_a tokens/s": ("bert_a", "loop"),
-    "huge pages: bert_a tokens/s / bert_a with 4 KiB pages": ("bert_a~4k", "bert_a"),
-    "huge pages: bert_a@all tokens/s / bert_a@all with 4 KiB pages": ("bert_a@all~4k", "bert_a@all"),
-    "default: bert_a tokens/s / HF torch with huge pages": ("torch~hp", "bert_a"),
-    "default: bert_a tokens/s / HF Flax with huge pages": ("flax~hp", "bert_a"),
-    "equal work: bert_a@all tokens/s / HF torch with huge pages": ("torch~hp", "bert_a@all"),
-    "equal work: bert_a@all tokens/s / HF Flax with huge pages": ("flax~hp", "bert_a@all"),
+    "launcher's malloc: bert_a tokens/s / bert_a with the system's": ("bert_a~system", "bert_a"),
+    "launcher's malloc: bert_a@all tokens/s / bert_a@all with the system's": ("bert_a@all~system", "bert_a@all"),
+    "default: bert_a tokens/s / HF torch with the launcher's malloc": ("torch~launcher", "bert_a"),
+    "default: bert_a tokens/s / HF Flax with the launcher's malloc": ("flax~launcher", "bert_a"),
+    "equal work: bert_a@all tokens/s / HF torch with the launcher's malloc": ("torch~launcher", "bert_a@all"),
+    "equal work: bert_a@all tokens/s / HF Flax with the launcher's malloc": ("flax~launcher", "bert_a@all"),
 }
 # with --peers_allocator_ab: each peer at the faster of its two allocators in that round
 FASTER_PEER = {
-    "default: bert_a tokens/s / HF torch, its faster allocator": (("torch", "torch~hp"), "bert_a"),
-    "default: bert_a tokens/s / HF Flax, its faster allocator": (("flax", "flax~hp"), "bert_a"),
-    "equal work: bert_a@all tokens/s / HF torch, its faster allocator": (("torch", "torch~hp"), "bert_a@all"),
-    "equal work: bert_a@all tokens/s / HF Flax, its faster allocator": (("flax", "flax~hp"), "bert_a@all"),
+    "default: bert_a tokens/s / HF torch, its faster allocator": (("torch", "torch~launcher"), "bert_a"),
+    "default: bert_a tokens/s / HF Flax, its faster allocator": (("flax", "flax~launcher"), "bert_a"),
+    "equal work: bert_a@all tokens/s / HF torch, its faster allocator": (("torch", "torch~launcher"), "bert_a@all"),
+    "equal work: bert_a@all tokens/s / HF Flax, its faster allocator": (("flax", "flax~launcher"), "bert_a@all"),
 }
 
 
@@ -200,13 +198,13 @@ def main() -> None:
     ap.add_argument("--torch_threads", type=int, default=0, help="HF torch: torch.set_num_threads (0: its default)")
     ap.add_argument("--loop_steps", type=int, default=40, help="also the real `launch pretrain` loop (0: off)")
     ap.add_argument("--allocator", default="launcher", choices=("launcher", "all", "none"),
-                    help="glibc huge-page tunable: launcher = ours as `python -m launch` runs (peers without), "
-                         "all = every job, none = no job (see job_env)")
-    ap.add_argument("--allocator_ab", type=int, default=0, help="also ours (bert_a, bert_a@all) without the "
-                    "tunable, as jobs bert_a~4k / bert_a@all~4k in the same rounds")
+                    help="the launcher's malloc setting: launcher = ours as `python -m launch` runs (peers "
+                         "without), all = every job, none = no job (see job_env)")
+    ap.add_argument("--allocator_ab", type=int, default=0, help="also ours (bert_a, bert_a@all) with the system's "
+                    "malloc, as jobs bert_a~system / bert_a@all~system in the same rounds")
     ap.add_argument("--peers_allocator_ab", type=int, default=0, help="with --allocator launcher: also each HF "
-                    "peer with the tunable (torch~hp, flax~hp) in the same rounds, and ratios against each peer's "
-                    "faster allocator per round")
+                    "peer with the launcher's malloc (torch~launcher, flax~launcher) in the same rounds, and ratios "
+                    "against each peer's faster allocator per round")
     ap.add_argument("--json", default="", help="where to write the results (default: print only)")
     ap.add_argument("--profile_dir", default="", help="ours: also write a jax.profiler trace of 3 steps here")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -217,7 +215,7 @@ def main() -> None:
     refuse_unknown("--schemes", [x for x in args.schemes.split(",") if x], ALL_SCHEMES, "schemes")
     refuse_unknown("--peers", [x for x in args.peers.split(",") if x], ("torch", "flax"), "peers")
     if args.allocator_ab and args.allocator == "none":
-        sys.exit("error: --allocator_ab 1 needs ours with the tunable, --allocator none, use launcher or all")
+        sys.exit("error: --allocator_ab 1 needs ours with the launcher's malloc, --allocator none, use launcher or all")
     if not (args.schemes.strip(",") or args.equal_work or args.peers.strip(",") or args.loop_steps):
         sys.exit("error: no job to run, --schemes/--equal_work/--peers/--loop_steps, name at least one")
     s = shape_args(args)
@@ -236,15 +234,15 @@ def main() -> None:
     jobs = [(x, "ours", x, args.predictions) for x in args.schemes.split(",") if x]
     if args.equal_work:
         jobs.append(("bert_a@all", "ours", "bert_a", s["seq"]))
-    if args.allocator_ab:     # ours again without the huge-page tunable, in the same rounds
-        jobs += [("bert_a~4k", "ours", "bert_a", args.predictions)] + (
-            [("bert_a@all~4k", "ours", "bert_a", s["seq"])] if args.equal_work else [])
+    if args.allocator_ab:     # ours again with the system's malloc, in the same rounds
+        jobs += [("bert_a~system", "ours", "bert_a", args.predictions)] + (
+            [("bert_a@all~system", "ours", "bert_a", s["seq"])] if args.equal_work else [])
     jobs += [(p, p, "", args.predictions) for p in args.peers.split(",") if p]
     if args.peers_allocator_ab:
         if args.allocator != "launcher":
-            sys.exit("error: --peers_allocator_ab 1 needs the peers without the tunable, --allocator "
+            sys.exit("error: --peers_allocator_ab 1 needs the peers without the launcher's malloc, --allocator "
                      f"{args.allocator}, use --allocator launcher")
-        jobs += [(p + "~hp", p, "", args.predictions) for p in args.peers.split(",") if p]
+        jobs += [(p + "~launcher", p, "", args.predictions) for p in args.peers.split(",") if p]
     if args.loop_steps:
         jobs.append(("loop", "loop", "bert_a", args.predictions))
     cache_dir = tempfile.mkdtemp(prefix="bench_cache_")
@@ -258,7 +256,8 @@ def main() -> None:
                 load = os.getloadavg()[0]
                 t0 = time.perf_counter()
                 result = (run_loop(args, s, cache_dir) if kind == "loop"
-                          else run_worker(args, kind, arg, predictions, {"~4k": "none", "~hp": "all"}.get(name[-3:], "")))
+                          else run_worker(args, kind, arg, predictions,
+                                         {"system": "none", "launcher": "all"}.get(name.partition("~")[2], "")))
                 result.update(job=name, kind=kind, scheme=arg, round=round_index, predictions_slots=predictions,
                               wall_s=round(time.perf_counter() - t0, 1), loadavg_1m_before=load,
                               loadavg_1m_after=os.getloadavg()[0])
@@ -302,6 +301,7 @@ def main() -> None:
             jobs_out[name]["usage_median"] = {k: statistics.median(u[k] for u in usage) for k in
                                               ("minor_faults_per_step", "user_s_per_step", "sys_s_per_step")}
             jobs_out[name]["glibc_tunables"] = usage[0]["glibc_tunables"]
+            jobs_out[name]["malloc"] = usage[0].get("malloc", "")
 
     names = {"ours": "tupe-jax", "torch": "HF BertForMaskedLM (PyTorch)", "flax": "HF FlaxBertForMaskedLM",
              "loop": "tupe-jax `launch pretrain` loop"}
@@ -320,11 +320,11 @@ def main() -> None:
         print(f"| {name} | {names[kind]} | {j['predictions_slots'] or s['seq']} | {st['median']:.1f} "
               f"({st['min']:.1f}–{st['max']:.1f}) | {j['tokens_per_s']:,.0f} | "
               f"{j['model_flops_per_step'] / 1e9:.1f} | {j['model_flops_per_s'] / 1e9:.1f} |")
-    print("\n| job | GLIBC_TUNABLES | page faults / step | user CPU s / step | system CPU s / step |\n|---|---|---:|---:|---:|")
+    print("\n| job | malloc | page faults / step | user CPU s / step | system CPU s / step |\n|---|---|---:|---:|---:|")
     for name, j in jobs_out.items():
         if "usage_median" in j:
             u = j["usage_median"]
-            print(f"| {name} | {j['glibc_tunables'] or '—'} | {u['minor_faults_per_step']:,.0f} | "
+            print(f"| {name} | {j['malloc'] or '—'} | {u['minor_faults_per_step']:,.0f} | "
                   f"{u['user_s_per_step']:.3f} | {u['sys_s_per_step']:.3f} |")
     print("\n| ratio (per round, then median) | median | min–max | 95% interval of the median | per round |\n"
           "|---|---:|---|---|---|")

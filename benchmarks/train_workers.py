@@ -80,6 +80,13 @@ def dense_labels(batch: dict, ignore: int):
 USAGE: dict = {}   # what the timed steps cost this process, per step (filled by time_steps, added to the result)
 
 
+def _malloc() -> str:
+    """Which malloc this process runs with (tupe_jax/allocator.py's `active`)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tupe_jax import allocator  # pylint: disable=import-outside-toplevel
+    return allocator.active()
+
+
 def time_steps(step, warmup: int, steps: int) -> list[float]:
     """`step()` must run one full step and return only when it is done. Returns per-step seconds; records the
     timed steps' page faults and user/system CPU seconds per step in USAGE (all threads of this process), and
@@ -98,7 +105,7 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:
                  user_s_per_step=(after.ru_utime - before.ru_utime) / steps,
                  sys_s_per_step=(after.ru_stime - before.ru_stime) / steps,
                  max_rss_mb=after.ru_maxrss / 1024,          # the process's peak so far (Linux: KiB)
-                 glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
+                 glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""), malloc=_malloc())
     return times
 
 

@@ -112,7 +112,7 @@ def test_a_count_below_its_lowest_is_refused_before_any_work(script, name, low, 
     (["--peers", "torch,foo"], "error: unknown peers 'foo', --peers, use some of torch,flax"),
     (["--schemes", "bert_a,nope"], "error: unknown schemes 'nope', --schemes, use some of bert_a,"),
     (["--schemes", "", "--peers", "", "--equal_work", "0", "--loop_steps", "0"], "error: no job to run"),
-    (["--allocator", "none", "--allocator_ab", "1"], "error: --allocator_ab 1 needs ours with the tunable")])
+    (["--allocator", "none", "--allocator_ab", "1"], "error: --allocator_ab 1 needs ours with the launcher's malloc")])
 def test_bench_train_refuses_jobs_it_cannot_run_before_any_work(args, expected, heavy_stand_ins):
     """An unknown peer ran the whole benchmark and crashed with a KeyError at the table; an unknown scheme wrote a
     JSON of errors with exit status 0."""

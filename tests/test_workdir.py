@@ -174,13 +174,16 @@ def test_nothing_outside_the_workdir_and_no_downloading_line(tmp_path):
             "--config.train.steps=1", "--config.train.batch_size=8", "--config.train.eval_every=0",
             "--config.checkpoint.async_save=false", f"--config.data.cache_dir={tmp_path / 'cache'}"]
     env = {**os.environ, "TMPDIR": str(scratch), "XLA_FLAGS": xla_flags.devices(1)}
-    env.pop("GLIBC_TUNABLES", None)             # the launcher sets the huge-page tunable itself (allocator.py)
+    for name in ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.CHOICE, allocator.OPT_OUT):
+        env.pop(name, None)                     # the launcher chooses its malloc itself (allocator.py)
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Downloading" not in proc.stdout + proc.stderr and "data: preparing embedded" in proc.stdout
-    applies = allocator.tuned_environ(env, platform.libc_ver(), allocator.thp_mode()) is not None
+    chosen = allocator.choose(env, platform.libc_ver(), allocator.thp_mode(), allocator.tbbmalloc_libs(),
+                              allocator.accelerator_plugin())
     row = json.loads(open(wd / "provenance.jsonl").readline())
-    assert row["glibc_tunables"] == ("glibc.malloc.hugetlb=1" if applies else "")
+    assert row["allocator"] == (chosen or "system")
+    assert row["glibc_tunables"] == ("glibc.malloc.hugetlb=1" if chosen == "hugepages" else "")
     assert sorted(os.listdir(scratch)) == []
     assert (tmp_path / "cache" / "tfds").is_dir() and not list((tmp_path / "cache" / "tfds").glob(".scratch-*"))
 

@@ -15,7 +15,7 @@ from importlib import metadata
 
 import jax
 
-from tupe_jax import files, host, xla_options
+from tupe_jax import allocator, files, host, xla_options
 
 NAME = "provenance.jsonl"
 PACKAGES = ("tupe-jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "grain", "tensorflow-datasets",
@@ -54,8 +54,8 @@ def describe() -> dict:
             "packages": versions(),
             "devices": {"platform": devices[0].platform, "kind": devices[0].device_kind, "count": len(devices),
                         "local_count": jax.local_device_count()},
-            "process_count": jax.process_count(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
-            "dot_library": xla_options.dot_library()}
+            "process_count": jax.process_count(), "allocator": allocator.active(),
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "dot_library": xla_options.dot_library()}
 
 
 def record(workdir: str) -> None:
