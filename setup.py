@@ -30,7 +30,8 @@ setup(
         "gcsfs>=2024.2",                  # gs:// run folders and data paths (through etils.epath, as Orbax)
         "google-cloud-storage>=2.10",     # generation-matched writes of a bucket run's lease (gcsfs has none)
         # oneTBB's malloc, which the launcher preloads on CPU hosts to keep XLA:CPU's per-step buffer mapped
-        # (tupe_jax/allocator.py); its wheels are Linux x86_64 only
+        # (tupe_jax/allocator.py); Intel's binary wheels (Intel Simplified Software License; oneTBB's source is
+        # Apache 2.0) are Linux x86_64 only, elsewhere the launcher uses glibc's huge pages or nothing
         "tbb>=2023.2; sys_platform == 'linux' and platform_machine == 'x86_64'",
     ],
     extras_require={
