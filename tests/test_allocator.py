@@ -40,6 +40,7 @@ def test_other_tunables_are_kept_and_the_setting_appended():
     ({}, "jax_plugins.xla_cuda12", "hugepages"),
     ({"JAX_PLATFORMS": "cpu"}, "libtpu", "tbbmalloc"),                  # ... unless it is told to run on the CPU
     ({"JAX_PLATFORMS": "tpu,cpu"}, "libtpu", "hugepages"),
+    ({allocator.CHOICE: "tbbmalloc"}, "libtpu", "tbbmalloc"),              # named: the user chose it for that host
     ({allocator.CHOICE: "hugepages"}, "", "hugepages"),
     ({allocator.CHOICE: "auto"}, "", "tbbmalloc"),
     ({allocator.CHOICE: "system"}, "", ""),
@@ -124,7 +125,7 @@ def test_maybe_reexec_replaces_the_process_with_the_same_argv_and_the_allocator(
     script = ("import os, sys; from tupe_jax import allocator; print('start', os.getpid(), sys.argv[1:], flush=True);"
               "allocator.maybe_reexec(); print('env', os.getpid(), allocator.active());"
               "print('mapped', 'libtbbmalloc_proxy' in open('/proc/self/maps').read())")
-    drop = ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.MARKER, allocator.OPT_OUT, allocator.CHOICE)
+    drop = allocator.SETTINGS_ENV
     env = {k: v for k, v in os.environ.items() if k not in drop}
     proc = subprocess.run([sys.executable, "-c", script, "x", "--y=1"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60, check=True)
@@ -175,7 +176,7 @@ def test_under_tbbmalloc_a_freed_large_block_is_reused_without_faulting_again():
     libs = allocator.tbbmalloc_libs()
     if libs is None or not sys.platform.startswith("linux"):
         pytest.skip("the tbb wheel is installed on Linux x86_64 only")
-    drop = ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.MARKER, allocator.OPT_OUT, allocator.CHOICE)
+    drop = allocator.SETTINGS_ENV
     plain = {k: v for k, v in os.environ.items() if k not in drop}
     tuned = allocator.tuned_environ({**plain, allocator.CHOICE: "tbbmalloc"}, GLIBC, "madvise", libs)
 

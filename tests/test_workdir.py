@@ -1,6 +1,7 @@
 """The run-folder gate: what may change on resume (recorded), what is refused (naming key and values, nothing
 written), the checkpoint checks, claim's clean-up and provenance (one run per folder: test_lock.py; several processes:
 test_workdir_processes.py)."""
+import importlib.metadata
 import json
 import os
 import platform
@@ -174,7 +175,7 @@ def test_nothing_outside_the_workdir_and_no_downloading_line(tmp_path):
             "--config.train.steps=1", "--config.train.batch_size=8", "--config.train.eval_every=0",
             "--config.checkpoint.async_save=false", f"--config.data.cache_dir={tmp_path / 'cache'}"]
     env = {**os.environ, "TMPDIR": str(scratch), "XLA_FLAGS": xla_flags.devices(1)}
-    for name in ("GLIBC_TUNABLES", "LD_PRELOAD", allocator.CHOICE, allocator.OPT_OUT):
+    for name in allocator.SETTINGS_ENV:
         env.pop(name, None)                     # the launcher chooses its malloc itself (allocator.py)
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -218,6 +219,8 @@ def test_every_claim_records_its_provenance(tmp_path):
     assert row["cpu"] == host.cpu_description()
     assert row["dot_library"] == ("onednn" if os.environ.get("TUPE_JAX_ONEDNN") != "0" and
                                   platform.machine().lower() in xla_options.X86 else "xla")
+    assert row["allocator"] == allocator.active()       # this pytest process: what the Makefile set for it
+    assert row["packages"].get("tbb") == (importlib.metadata.version("tbb") if allocator.tbbmalloc_libs() else None)
 
 
 @pytest.mark.slow

@@ -9,11 +9,13 @@ argv) with one of two settings, the first that applies:
 
 - `tbbmalloc`: oneTBB's scalable allocator (the `tbb` wheel, Linux x86_64) preloaded in place of malloc, with
   every freed block of 1 MiB or more kept for the next allocation of its size (`TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD`).
-  The step's buffer is then mapped once per process: ~10 faults per step, and none of the stalls of a second or
-  more in the kernel that fresh mappings meet on some virtual machines. The process holds what it freed, so its
-  peak resident memory is higher (+40% at the benchmark's shape). Applies where JAX will run on the CPU: no JAX
-  accelerator plugin installed (libtpu, a CUDA or ROCm plugin), or `JAX_PLATFORMS=cpu`; and `LD_PRELOAD` unset
-  (a malloc the user preloads, tcmalloc on a TPU VM say, is kept). Measured on CPUs only (benchmarks/RESULTS.md).
+  The step's buffer is then mapped once per process: a few hundred faults per step at most, and none of the
+  stalls of a second or more in the kernel that fresh mappings meet on some virtual machines. The step ran 1.11x
+  (equal work) and 1.13x (default head) faster than with huge pages by the median step, 1.19x and 1.39x by the
+  mean; the process holds what it freed, so its peak resident memory was 42% higher
+  (benchmarks/results_allocator_tbb_xeon_m167_s46.json). Applies, unless named, where JAX will run on the CPU: no
+  JAX accelerator plugin installed (libtpu, a CUDA or ROCm plugin), or `JAX_PLATFORMS=cpu`; and `LD_PRELOAD`
+  unset (a malloc the user preloads, tcmalloc on a TPU VM say, is kept). Measured on CPUs only.
 - `hugepages`: glibc ≥ 2.35's tunable `glibc.malloc.hugetlb=1` (transparent huge pages not `never`): malloc
   `madvise(MADV_HUGEPAGE)`s its mmap'd chunks, and the same buffers fault in 2 MiB at a time (~1,000 faults per
   step; the step ran 1.39x faster than with 4 KiB pages, benchmarks/results_small_rounds.json). Not applied when
@@ -145,10 +147,12 @@ def why_not(setting: str, environ: Mapping[str, str], libc: tuple[str, str], mod
 def choose(environ: Mapping[str, str], libc: tuple[str, str], mode: str,
            tbb_libs: Optional[tuple[str, str]], plugin: str) -> str:
     """The setting to re-execute with: 'tbbmalloc', 'hugepages' or '' (none: opted out, already re-executed,
-    nothing applies). A setting named in TUPE_JAX_ALLOCATOR that cannot apply is a UserError."""
+    nothing applies). A setting named in TUPE_JAX_ALLOCATOR that cannot apply is a UserError; named, tbbmalloc
+    applies with an accelerator plugin installed too (the user chose it for that host)."""
     setting = _setting(environ)
     if setting == "system" or environ.get(MARKER):
         return ""
+    plugin = plugin if setting == "auto" else ""
     blockers = {name: why_not(name, environ, libc, mode, tbb_libs, plugin) for name in ("tbbmalloc", "hugepages")}
     if setting != "auto":
         if blockers[setting]:

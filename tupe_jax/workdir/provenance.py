@@ -19,7 +19,7 @@ from tupe_jax import allocator, files, host, xla_options
 
 NAME = "provenance.jsonl"
 PACKAGES = ("tupe-jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "grain", "tensorflow-datasets",
-            "tokenizers", "etils", "gcsfs", "libtpu", "jax-cuda12-plugin")
+            "tokenizers", "etils", "gcsfs", "libtpu", "jax-cuda12-plugin", "tbb")
 
 
 def git_commit() -> str:
