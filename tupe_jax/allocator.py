@@ -9,11 +9,11 @@ argv) with one of two settings, the first that applies:
 
 - `tbbmalloc`: oneTBB's scalable allocator (the `tbb` wheel, Linux x86_64) preloaded in place of malloc, with
   every freed block of 1 MiB or more kept for the next allocation of its size (`TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD`).
-  The step's buffer is then mapped once per process: a few hundred faults per step at most, and none of the
-  stalls of a second or more in the kernel that fresh mappings meet on some virtual machines. The step ran 1.11x
-  (equal work) and 1.13x (default head) faster than with huge pages by the median step, 1.19x and 1.39x by the
-  mean; the process holds what it freed, so its peak resident memory was 42% higher
-  (benchmarks/results_allocator_tbb_xeon_m167_s46.json). Applies, unless named, where JAX will run on the CPU: no
+  The step's buffer is then mapped once per process: a few hundred page faults per step against ~800 with huge
+  pages (one process in seven still had ~9,000), and none of the stalls of a second or more in the kernel that
+  fresh mappings meet on some virtual machines. The step ran 1.11x (equal work) and 1.13x (default head) faster
+  than with huge pages by the median step, 1.19x and 1.39x by the mean; the process holds what it freed, so its
+  peak resident memory was 42% higher (benchmarks/results_allocator_tbb_xeon_m167_s46.json). Applies, unless named, where JAX will run on the CPU: no
   JAX accelerator plugin installed (libtpu, a CUDA or ROCm plugin), or `JAX_PLATFORMS=cpu`; and `LD_PRELOAD`
   unset (a malloc the user preloads, tcmalloc on a TPU VM say, is kept). Measured on CPUs only.
 - `hugepages`: glibc ≥ 2.35's tunable `glibc.malloc.hugetlb=1` (transparent huge pages not `never`): malloc
@@ -132,9 +132,9 @@ def why_not(setting: str, environ: Mapping[str, str], libc: tuple[str, str], mod
         if plugin and environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu":
             return f"JAX may run on an accelerator ({plugin} is installed; JAX_PLATFORMS=cpu says it will not)"
         return ""
-    version = _glibc(libc)
     if libc[0] != "glibc":
         return f"the C library is not glibc, which has {TUNABLE}"
+    version = _glibc(libc)
     if version is None or version < MIN_GLIBC:
         return f"glibc {libc[1]} has no {TUNABLE} (it came in 2.35)"
     if mode == "never":
