@@ -13,9 +13,10 @@ argv) with one of two settings, the first that applies:
   pages (one process in seven still had ~9,000), and none of the stalls of a second or more in the kernel that
   fresh mappings meet on some virtual machines. The step ran 1.11x (equal work) and 1.13x (default head) faster
   than with huge pages by the median step, 1.19x and 1.39x by the mean; the process holds what it freed, so its
-  peak resident memory was 42% higher (benchmarks/results_allocator_tbb_xeon_m167_s46.json). Applies, unless named, where JAX will run on the CPU: no
-  JAX accelerator plugin installed (libtpu, a CUDA or ROCm plugin), or `JAX_PLATFORMS=cpu`; and `LD_PRELOAD`
-  unset (a malloc the user preloads, tcmalloc on a TPU VM say, is kept). Measured on CPUs only.
+  peak resident memory was 42% higher (benchmarks/results_allocator_tbb_xeon_m167_s46.json). Applies, unless
+  named, where JAX will run on the CPU: no JAX accelerator plugin installed (libtpu, a CUDA or ROCm plugin), or
+  `JAX_PLATFORMS=cpu`; and `LD_PRELOAD` unset (a malloc the user preloads, tcmalloc on a TPU VM say, is kept).
+  Measured on CPUs only.
 - `hugepages`: glibc ≥ 2.35's tunable `glibc.malloc.hugetlb=1` (transparent huge pages not `never`): malloc
   `madvise(MADV_HUGEPAGE)`s its mmap'd chunks, and the same buffers fault in 2 MiB at a time (~1,000 faults per
   step; the step ran 1.39x faster than with 4 KiB pages, benchmarks/results_small_rounds.json). Not applied when
