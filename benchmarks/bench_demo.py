@@ -2,9 +2,13 @@
 process each round (its corpus, vocabulary, compile and 500 steps included; the venv install is not); not a test.
 
     python benchmarks/bench_demo.py --rounds 3 --json benchmarks/results_demo_time.json
+    python benchmarks/bench_demo.py --rounds 3 --allocators auto,hugepages --json benchmarks/results_demo_time_<machine>.json
 
 Reports each round's wall seconds, their median and min–max, and the load average around each round (the machine may
-be shared). The README's "~N min" for `make demo` comes from this file.
+be shared). The README's "~N min" for `make demo` comes from this file. `--allocators`: run the demo once per round
+under each `TUPE_JAX_ALLOCATOR` setting (tupe_jax/allocator.py; `auto` is the launcher's default), in turn, the
+order rotated each round; per setting: wall seconds and the demo process's peak resident memory (its own, from
+`wait4`: the largest of it and its children), and each setting's wall over the first one's within each round (median, min–max).
 """
 from __future__ import annotations
 
@@ -19,32 +23,75 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from outputs import refuse_below, refuse_missing_folder, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from outputs import refuse_below, refuse_missing_folder, refuse_unknown, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from rounds import rotated  # noqa: E402  pylint: disable=wrong-import-position
+
+sys.path.insert(0, ROOT)
+from tupe_jax.allocator import CHOICE, CHOICES  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def run_demo(tmp: str, allocator: str) -> tuple[float, int]:
+    """(wall seconds, peak RSS in MB) of `python -m launch demo` into tmp, with TUPE_JAX_ALLOCATOR=allocator if given
+    ('' keeps the environment's); exits with one line when the demo fails."""
+    env = dict(os.environ, **({CHOICE: allocator} if allocator else {}))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "launch", "demo", f"--workdir={tmp}/demo"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.exit(f"error: the demo failed ({(err.strip().splitlines() or [''])[-1]}), python -m launch demo"
+                 f"{f' with {CHOICE}={allocator}' if allocator else ''}, run it by hand to see why")
+    return wall, usage.ru_maxrss // 1024
+
+
+def _median_range(values: list) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarise(rows: list[dict], allocators: list[str]) -> dict:
+    """The JSON's body from the rounds: per setting its wall seconds, peak RSS (MB) and wall over the first setting's
+    in the same round, each as median, min and max; with one setting also the older file's top-level `wall_s`."""
+    result = {"command": "python benchmarks/bench_demo.py " + " ".join(sys.argv[1:]), "allocators": allocators,
+              "per_allocator": {a: {"wall_s": _median_range([x["wall_s"][a] for x in rows]),
+                                    "max_rss_mb": _median_range([x["max_rss_mb"][a] for x in rows]),
+                                    "wall_over_first": _median_range([x["wall_s"][a] / x["wall_s"][allocators[0]]
+                                                                      for x in rows])}
+                                for a in allocators},
+              "rounds": rows}
+    if len(allocators) == 1:     # the single-setting form keeps the older file's key
+        result["wall_s"] = result["per_allocator"][allocators[0]]["wall_s"]
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--allocators", default="", help="comma-separated TUPE_JAX_ALLOCATOR settings, one demo each "
+                    "per round (default: the environment's alone)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     refuse_missing_folder(args.json)
     refuse_below(args, rounds=1)
+    allocators = args.allocators.split(",") if args.allocators else [""]
+    refuse_unknown("--allocators", [a for a in allocators if a], CHOICES, "settings")
     rows = []
     for r in range(args.rounds):
-        with tempfile.TemporaryDirectory(prefix="bench_demo_") as tmp:
-            load = os.getloadavg()[0]
-            t0 = time.perf_counter()
-            done = subprocess.run([sys.executable, "-m", "launch", "demo", f"--workdir={tmp}/demo"], cwd=ROOT,
-                                  capture_output=True, text=True, check=False)
-            wall = time.perf_counter() - t0
-        if done.returncode != 0:
-            sys.exit(f"error: the demo failed in round {r} ({(done.stderr.strip().splitlines() or [''])[-1]}), "
-                     "python -m launch demo, run it by hand to see why")
-        rows.append({"round": r, "wall_s": wall, "loadavg_1m_before": load, "loadavg_1m_after": os.getloadavg()[0]})
-        print(f"round {r + 1}/{args.rounds}: {wall:.1f} s", flush=True)
-    walls = [x["wall_s"] for x in rows]
-    result = {"wall_s": {"median": statistics.median(walls), "min": min(walls), "max": max(walls)}, "rounds": rows}
-    print(f"median {result['wall_s']['median']:.1f} s ({min(walls):.1f}–{max(walls):.1f})", flush=True)
+        row = {"round": r, "loadavg_1m_before": os.getloadavg()[0], "wall_s": {}, "max_rss_mb": {}}
+        for allocator in rotated(allocators, r):
+            with tempfile.TemporaryDirectory(prefix="bench_demo_") as tmp:
+                row["wall_s"][allocator], row["max_rss_mb"][allocator] = run_demo(tmp, allocator)
+        row["loadavg_1m_after"] = os.getloadavg()[0]
+        rows.append(row)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{a or 'demo'} {row['wall_s'][a]:.1f} s, "
+              f"{row['max_rss_mb'][a]} MB" for a in allocators), flush=True)
+    result = summarise(rows, allocators)
+    for a in allocators:
+        wall = result["per_allocator"][a]["wall_s"]
+        print(f"{a or 'demo'}: median {wall['median']:.1f} s ({wall['min']:.1f}–{wall['max']:.1f}), "
+              f"{result['per_allocator'][a]['wall_over_first']['median']:.3f}× the first", flush=True)
     if args.json:
         write_json(args.json, result)
 
