@@ -87,6 +87,11 @@ def render_errors_doc() -> str:
               "next command takes it over |",
               "| resume with an allowed change (steps, intervals, checkpointing, mesh, data loading) | accepted; the "
               "change is recorded in `config_history.jsonl` and printed |",
+              "| a bad `TUPE_JAX_ALLOCATOR` (not auto, tbbmalloc, hugepages or system, or a named malloc that cannot "
+              "apply on this host) or `TUPE_JAX_ONEDNN` (not 0 or 1) | `error: TUPE_JAX_ALLOCATOR='jemalloc' is not one "
+              "of auto, tbbmalloc, hugepages, system, the environment, ...` (or `...=hugepages cannot apply: <why>`, "
+              "`TUPE_JAX_ONEDNN='true' is neither 0 nor 1`), exit 2, before any command runs, nothing written "
+              "(`tests/test_allocator.py`, `tests/test_xla_options.py`) |",
               "| any unexpected exception | `error: unexpected <Type>: <message>, <workdir>/logs/error-*.log, ...`, exit "
               "1; the log holds the traceback; what the command created is removed unless it holds checkpoints |", ""]
     return "\n".join(lines)
