@@ -27,8 +27,10 @@ import sys
 from importlib import metadata
 
 # the environment variables that change what a benchmark measures (recorded by `environment`)
+# (the malloc too: a preloaded library, oneTBB's setting, the launcher's choice; tupe_jax/allocator.py)
 SPEED_VARIABLES = ("GLIBC_TUNABLES", "XLA_FLAGS", "TUPE_JAX_ONEDNN", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                   "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")
+                   "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD",
+                   "TUPE_JAX_ALLOCATOR", "TUPE_JAX_HUGEPAGES")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers")
 
 

@@ -136,6 +136,8 @@ def test_the_helpers_import_only_the_standard_library():
 
 def test_a_result_says_where_it_was_made(tmp_path, monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    monkeypatch.setenv("TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD", "1048576")
+    monkeypatch.setenv("TUPE_JAX_ALLOCATOR", "tbbmalloc")
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setattr(sys, "argv", [os.path.join(BENCH, "bench_x.py"), "--rounds", "3", "--json", "a b.json"])
     outputs.write_json(str(tmp_path / "r.json"), {"ratio": 1.5}, announce=False)
@@ -149,6 +151,8 @@ def test_a_result_says_where_it_was_made(tmp_path, monkeypatch):
     assert env["git_commit"] == (head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
                                  if head.returncode == 0 else None)
     assert env["variables"]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and "XLA_FLAGS" not in env["variables"]
+    assert env["variables"]["TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD"] == "1048576"      # the malloc a result ran with
+    assert env["variables"]["TUPE_JAX_ALLOCATOR"] == "tbbmalloc"
     assert env["packages"]["jax"] == __import__("jax").__version__ and env["cpu"] and env["python"]
     assert json.loads((tmp_path / "rows.json").read_text()) == [{"ratio": 1.5}]     # a list is written as given
 
