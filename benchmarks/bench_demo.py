@@ -2,13 +2,14 @@
 process each round (its corpus, vocabulary, compile and 500 steps included; the venv install is not); not a test.
 
     python benchmarks/bench_demo.py --rounds 3 --json benchmarks/results_demo_time.json
-    python benchmarks/bench_demo.py --rounds 3 --allocators auto,hugepages --json benchmarks/results_demo_time_<machine>.json
+    python benchmarks/bench_demo.py --rounds 3 --allocators auto,hugepages \
+        --json benchmarks/results_demo_time_<machine>.json
 
 Reports each round's wall seconds, their median and min–max, and the load average around each round (the machine may
 be shared). The README's "~N min" for `make demo` comes from this file. `--allocators`: run the demo once per round
 under each `TUPE_JAX_ALLOCATOR` setting (tupe_jax/allocator.py; `auto` is the launcher's default), in turn, the
-order rotated each round; per setting: wall seconds and the demo process's peak resident memory (its own, from
-`wait4`: the largest of it and its children), and each setting's wall over the first one's within each round (median, min–max).
+order rotated each round; per setting: wall seconds, peak resident memory (from `wait4`: the largest of the demo
+process's and its children's) and its wall over the first setting's within each round (median, min–max).
 """
 from __future__ import annotations
 
