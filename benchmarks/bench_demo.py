@@ -10,6 +10,12 @@ be shared). The README's "~N min" for `make demo` comes from this file. `--alloc
 under each `TUPE_JAX_ALLOCATOR` setting (tupe_jax/allocator.py; `auto` is the launcher's default), in turn, the
 order rotated each round; per setting: wall seconds, peak resident memory (from `wait4`: the largest of the demo
 process's and its children's) and its wall over the first setting's within each round (median, min–max).
+
+    python benchmarks/bench_demo.py --command compare --rounds 3 --allocators auto,hugepages --json …
+
+`--command compare`: instead of the demo, the extrapolation comparison suite on the embedded corpus with
+`--config.train.steps=COMPARE_STEPS` (five schemes trained, then evaluated at 128 to 1024 tokens, in one process):
+the command that compiles and frees the most buffer sizes, where a malloc that keeps freed blocks costs the most.
 """
 from __future__ import annotations
 
@@ -31,20 +37,27 @@ sys.path.insert(0, ROOT)
 from tupe_jax.allocator import CHOICE, CHOICES  # noqa: E402  pylint: disable=wrong-import-position
 
 
-def run_demo(tmp: str, allocator: str) -> tuple[float, int]:
-    """(wall seconds, peak RSS in MB) of `python -m launch demo` into tmp, with TUPE_JAX_ALLOCATOR=allocator if given
-    ('' keeps the environment's); exits with one line when the demo fails."""
+COMPARE_STEPS = 100
+COMMANDS = {"demo": ["demo"],
+            "compare": ["compare", "--config=configs/compare.py:suite=extrapolation",
+                        f"--config.train.steps={COMPARE_STEPS}"]}
+
+
+def run_demo(tmp: str, allocator: str, command: str = "demo") -> tuple[float, int]:
+    """(wall seconds, peak RSS in MB) of `python -m launch <COMMANDS[command]>` into tmp, with
+    TUPE_JAX_ALLOCATOR=allocator if given ('' keeps the environment's); exits with one line when it fails."""
     env = dict(os.environ, **({CHOICE: allocator} if allocator else {}))
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "launch", "demo", f"--workdir={tmp}/demo"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "launch", *COMMANDS[command], f"--workdir={tmp}/run"], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        sys.exit(f"error: the demo failed ({(err.strip().splitlines() or [''])[-1]}), python -m launch demo"
-                 f"{f' with {CHOICE}={allocator}' if allocator else ''}, run it by hand to see why")
+        sys.exit(f"error: the {command} failed ({(err.strip().splitlines() or [''])[-1]}), python -m launch "
+                 f"{' '.join(COMMANDS[command])}{f' with {CHOICE}={allocator}' if allocator else ''}, "
+                 "run it by hand to see why")
     return wall, usage.ru_maxrss // 1024
 
 
@@ -70,6 +83,7 @@ def summarise(rows: list[dict], allocators: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--command", choices=sorted(COMMANDS), default="demo", help="what to time (module docstring)")
     ap.add_argument("--allocators", default="", help="comma-separated TUPE_JAX_ALLOCATOR settings, one demo each "
                     "per round (default: the environment's alone)")
     ap.add_argument("--json", default="")
@@ -83,12 +97,12 @@ def main() -> None:
         row = {"round": r, "loadavg_1m_before": os.getloadavg()[0], "wall_s": {}, "max_rss_mb": {}}
         for allocator in rotated(allocators, r):
             with tempfile.TemporaryDirectory(prefix="bench_demo_") as tmp:
-                row["wall_s"][allocator], row["max_rss_mb"][allocator] = run_demo(tmp, allocator)
+                row["wall_s"][allocator], row["max_rss_mb"][allocator] = run_demo(tmp, allocator, args.command)
         row["loadavg_1m_after"] = os.getloadavg()[0]
         rows.append(row)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{a or 'demo'} {row['wall_s'][a]:.1f} s, "
               f"{row['max_rss_mb'][a]} MB" for a in allocators), flush=True)
-    result = summarise(rows, allocators)
+    result = {**summarise(rows, allocators), "timed": "python -m launch " + " ".join(COMMANDS[args.command])}
     for a in allocators:
         wall = result["per_allocator"][a]["wall_s"]
         print(f"{a or 'demo'}: median {wall['median']:.1f} s ({wall['min']:.1f}–{wall['max']:.1f}), "

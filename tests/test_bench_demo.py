@@ -1,5 +1,6 @@
 """benchmarks/bench_demo.py: each setting's wall is compared with the first's within its round, the single-setting
-file keeps its older key, and an unknown malloc setting is refused before any demo runs."""
+file keeps its older key, an unknown malloc setting is refused before any run, a failed run stops with one line
+naming its command, and `--command compare` is the extrapolation suite at few steps."""
 import os
 import subprocess
 import sys
@@ -41,3 +42,18 @@ def test_an_unknown_setting_is_refused_before_any_demo(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "error: unknown settings 'jemalloc', --allocators, use some of auto,tbbmalloc,hugepages,system"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_run_stops_with_one_line_naming_the_command(tmp_path, monkeypatch):
+    monkeypatch.setitem(B.COMMANDS, "compare", ["pretrian"])       # launch refuses an unknown command, exit 2
+    with pytest.raises(SystemExit) as stop:
+        B.run_demo(str(tmp_path), "system", "compare")
+    message = str(stop.value)
+    assert message.startswith("error: the compare failed (error: ") and "'pretrian'" in message.split(")")[0]
+    assert message.endswith("python -m launch pretrian with TUPE_JAX_ALLOCATOR=system, run it by hand to see why")
+
+
+def test_the_compare_command_is_the_extrapolation_suite_at_few_steps():
+    assert B.COMMANDS["demo"] == ["demo"]
+    assert B.COMMANDS["compare"][:2] == ["compare", "--config=configs/compare.py:suite=extrapolation"]
+    assert f"--config.train.steps={B.COMPARE_STEPS}" in B.COMMANDS["compare"] and B.COMPARE_STEPS <= 200
