@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from outputs import refuse_below, refuse_missing_folder, refuse_unknown, write_json  # noqa: E402  pylint: disable=wrong-import-position
-from rounds import rotated  # noqa: E402  pylint: disable=wrong-import-position
+from rounds import rotated, spread  # noqa: E402  pylint: disable=wrong-import-position
 
 sys.path.insert(0, ROOT)
 from tupe_jax.allocator import CHOICE, CHOICES  # noqa: E402  pylint: disable=wrong-import-position
@@ -43,7 +42,7 @@ COMMANDS = {"demo": ["demo"],
                         f"--config.train.steps={COMPARE_STEPS}"]}
 
 
-def run_demo(tmp: str, allocator: str, command: str = "demo") -> tuple[float, int]:
+def run_once(tmp: str, allocator: str, command: str = "demo") -> tuple[float, int]:
     """(wall seconds, peak RSS in MB) of `python -m launch <COMMANDS[command]>` into tmp, with
     TUPE_JAX_ALLOCATOR=allocator if given ('' keeps the environment's); exits with one line when it fails."""
     env = dict(os.environ, **({CHOICE: allocator} if allocator else {}))
@@ -61,18 +60,15 @@ def run_demo(tmp: str, allocator: str, command: str = "demo") -> tuple[float, in
     return wall, usage.ru_maxrss // 1024
 
 
-def _median_range(values: list) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def summarise(rows: list[dict], allocators: list[str]) -> dict:
     """The JSON's body from the rounds: per setting its wall seconds, peak RSS (MB) and wall over the first setting's
-    in the same round, each as median, min and max; with one setting also the older file's top-level `wall_s`."""
-    result = {"command": "python benchmarks/bench_demo.py " + " ".join(sys.argv[1:]), "allocators": allocators,
-              "per_allocator": {a: {"wall_s": _median_range([x["wall_s"][a] for x in rows]),
-                                    "max_rss_mb": _median_range([x["max_rss_mb"][a] for x in rows]),
-                                    "wall_over_first": _median_range([x["wall_s"][a] / x["wall_s"][allocators[0]]
-                                                                      for x in rows])}
+    in the same round, each as `rounds.spread` (median, min, max, the median's interval from 6 rounds); with one
+    setting also the older file's top-level `wall_s`. (The command line is in the JSON's `environment`.)"""
+    result = {"allocators": allocators,
+              "per_allocator": {a: {"wall_s": spread([x["wall_s"][a] for x in rows]),
+                                    "max_rss_mb": spread([x["max_rss_mb"][a] for x in rows]),
+                                    "wall_over_first": spread([x["wall_s"][a] / x["wall_s"][allocators[0]]
+                                                               for x in rows])}
                                 for a in allocators},
               "rounds": rows}
     if len(allocators) == 1:     # the single-setting form keeps the older file's key
@@ -97,15 +93,15 @@ def main() -> None:
         row = {"round": r, "loadavg_1m_before": os.getloadavg()[0], "wall_s": {}, "max_rss_mb": {}}
         for allocator in rotated(allocators, r):
             with tempfile.TemporaryDirectory(prefix="bench_demo_") as tmp:
-                row["wall_s"][allocator], row["max_rss_mb"][allocator] = run_demo(tmp, allocator, args.command)
+                row["wall_s"][allocator], row["max_rss_mb"][allocator] = run_once(tmp, allocator, args.command)
         row["loadavg_1m_after"] = os.getloadavg()[0]
         rows.append(row)
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{a or 'demo'} {row['wall_s'][a]:.1f} s, "
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{a or args.command} {row['wall_s'][a]:.1f} s, "
               f"{row['max_rss_mb'][a]} MB" for a in allocators), flush=True)
     result = {**summarise(rows, allocators), "timed": "python -m launch " + " ".join(COMMANDS[args.command])}
     for a in allocators:
         wall = result["per_allocator"][a]["wall_s"]
-        print(f"{a or 'demo'}: median {wall['median']:.1f} s ({wall['min']:.1f}–{wall['max']:.1f}), "
+        print(f"{a or args.command}: median {wall['median']:.1f} s ({wall['min']:.1f}–{wall['max']:.1f}), "
               f"{result['per_allocator'][a]['wall_over_first']['median']:.3f}× the first", flush=True)
     if args.json:
         write_json(args.json, result)
