@@ -93,6 +93,51 @@ def test_text_files_non_utf8_names_file_and_line(tmp_path):
         D.load_documents(c, "train")
 
 
+OTHER_BREAKS = "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"   # line breaks to str.splitlines, not to a text file's reader
+
+
+def test_corpus_lines_end_only_at_newlines_as_a_text_reader_reads_them(tmp_path):
+    """Independent reference: Python's universal-newline text reader (what BERT's and fairseq's readers iterate),
+    with each line's newline removed. Random text from words, newlines of the three kinds and the other breaks."""
+    import io  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng()
+    pieces = ["word", "two words", " ", "", "\n", "\r\n", "\r", "\n\n"] + list(OTHER_BREAKS)
+    for trial in range(20):
+        text = "".join(pieces[i] for i in rng.integers(0, len(pieces), 60))
+        f = tmp_path / f"t{trial}.txt"
+        f.write_bytes(text.encode("utf-8"))
+        reference = [line.removesuffix("\n") for line in io.open(f, encoding="utf-8", newline=None)]
+        assert sources.read_lines(f) == reference, repr(text)
+
+
+def test_a_break_inside_or_ending_a_line_cuts_neither_sentence_nor_document(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "train.txt").write_text("first\u2028half and\x85more\x0c\nsame document\n\nsecond doc\u2029\n",
+                                    encoding="utf-8")
+    c = make_config(tmp_path, name="text_files", path=str(root), holdout=0)
+    # one document of two lines, and a second (lines are stripped: \x0c and U+2029 are whitespace at a line's end)
+    assert D.load_documents(c, "train") == ["first\u2028half and\x85more\nsame document", "second doc"]
+
+
+def test_only_a_file_with_another_break_gets_a_new_stamp(tmp_path):
+    """The cache key of a corpus without those characters is as before (path, size, sha256); a file with one gets
+    a fourth entry, so what was built from lines cut at it is not reused; where lines=False (GLUE), nothing."""
+    import hashlib  # pylint: disable=import-outside-toplevel
+    plain, straddling = tmp_path / "plain.txt", tmp_path / "straddling.txt"
+    plain.write_bytes(b"a\nb\r\n\xc3\xa9\xe2\x80\xa6\n")           # other non-ASCII text: no break
+    straddling.write_bytes(b"a" * ((1 << 22) - 1) + "\u2028".encode() + b"\n")   # split across two reads
+    expect = [[f.name, f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest()] for f in (plain, straddling)]
+    assert builders._file_stamps([plain, straddling], str(tmp_path), lines=True) == [expect[0],
+                                                                                     expect[1] + ["newline-only"]]
+    assert builders._file_stamps([plain, straddling], str(tmp_path)) == expect
+    for ch in OTHER_BREAKS:
+        f = tmp_path / f"one{ord(ch)}.txt"
+        f.write_text(f"x{ch}y\n", encoding="utf-8")
+        assert builders._file_stamps([f], str(tmp_path), lines=True)[0][3:] == ["newline-only"], repr(ch)
+
+
 def test_missing_path_is_user_error(tmp_path):
     c = make_config(tmp_path, name="text_files", path=str(tmp_path / "nope"))
     with pytest.raises(UserError, match="no such file"):

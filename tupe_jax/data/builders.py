@@ -40,26 +40,42 @@ def _glue_features(regression: bool):
                                        "label": np.float32 if regression else np.int32})
 
 
-_SHA256: dict[tuple, str] = {}      # (realpath, size, mtime, inode) -> sha256, per process
+_SHA256: dict[tuple, tuple[str, bool]] = {}   # (realpath, size, mtime, inode) -> (sha256, other breaks), per process
 
 
-def _file_stamps(files, root) -> list:
+def _digest_and_breaks(f) -> tuple[str, bool]:
+    """The sha256 of a file's bytes, and whether they hold a `sources.OTHER_BREAKS` character, in one pass."""
+    sha, found, tail = hashlib.sha256(), False, b""
+    with open(f, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            sha.update(chunk)
+            if not found:
+                window = tail + chunk      # with the last 2 bytes before: a 3-byte break split between two reads
+                found = any(b in window for b in sources.OTHER_BREAKS)   # memchr-fast, unlike a regex
+            tail = chunk[-2:]
+    return sha.hexdigest(), found
+
+
+def _file_stamps(files, root, lines: bool = False) -> list:
     """Per file: its path relative to the source folder `root`, its size and the sha256 of its bytes. The key follows
     the content: a copy of the same files (a fresh VM, a re-mirrored bucket, a copy that did not keep times) is
-    the same data, so a run resumes on it; an edited file is new data."""
+    the same data, so a run resumes on it; an edited file is new data. `lines` (files read by `sources.read_lines`):
+    a file holding a character that data format 2 read as a line break gets a fourth entry, "newline-only", so
+    what was built from the lines cut there (a cache, a prepared folder, an iterator state) is not taken for its
+    documents now; every other file keeps its stamp."""
     out = []
     for f in files:
         st = os.stat(f)
         memo = (os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ino)
         if memo not in _SHA256:            # once per file and process (several readers ask for the same key)
             try:
-                with open(f, "rb") as fh:
-                    _SHA256[memo] = hashlib.file_digest(fh, "sha256").hexdigest()
+                _SHA256[memo] = _digest_and_breaks(f)
             except OSError as err:
                 raise sources.unreadable(f, err) from None
+        sha, breaks = _SHA256[memo]
         real = os.path.realpath(f)         # a link is stamped by its target, as before links kept their names
-        out.append([os.path.relpath(real, root) if os.path.isdir(root) else os.path.basename(real), st.st_size,
-                    _SHA256[memo]])
+        out.append([os.path.relpath(real, root) if os.path.isdir(root) else os.path.basename(real), st.st_size, sha]
+                   + (["newline-only"] if lines and breaks else []))
     return out
 
 
@@ -74,7 +90,8 @@ def _corpus_spec(config, legacy: bool = False) -> tuple[str, dict, bool, dict]:
     d = config.data
     path = local_input(config, d.get("path", ""), "--config.data.path")   # a bucket folder: mirrored once
     by_split, named = sources.assign_files(sources.find_files(path, d.get("file_pattern", "")))
-    stamps = {s: (_legacy_file_stamps(f) if legacy else _file_stamps(f, path)) for s, f in sorted(by_split.items())}
+    stamps = {s: (_legacy_file_stamps(f) if legacy else _file_stamps(f, path, lines=True))
+              for s, f in sorted(by_split.items())}
     split_by = d.get("split_by", "blank_line")
     spec = {"kind": d.get("name"), "files": stamps, "named": named, "holdout": int(d.get("holdout", 200)),
             "split_by": "wikitext" if d.get("name") == "wikitext" else split_by, "format": 1 if legacy else 2}

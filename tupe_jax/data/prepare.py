@@ -133,7 +133,7 @@ def source_stamp(config, legacy: bool = False) -> list:
                           for s in sorted(by_split) for f in by_split[s]])
         else:
             listed = [f for s in sorted(by_split) for f in by_split[s]]
-            stamp.append(builders._file_stamps(listed, os.path.expanduser(d.path)))  # pylint: disable=protected-access
+            stamp.append(builders._file_stamps(listed, os.path.expanduser(d.path), lines=True))  # pylint: disable=protected-access
     elif d.name == "embedded":
         stamp.append(list(sys.version_info[:2]))
     return stamp
