@@ -60,7 +60,7 @@ def _file_stamps(files, root, lines: bool = False) -> list:
     """Per file: its path relative to the source folder `root`, its size and the sha256 of its bytes. The key follows
     the content: a copy of the same files (a fresh VM, a re-mirrored bucket, a copy that did not keep times) is
     the same data, so a run resumes on it; an edited file is new data. `lines` (files read by `sources.read_lines`):
-    a file holding a character that data format 2 read as a line break gets a fourth entry, "newline-only", so
+    a file holding a character that earlier versions read as a line break gets a fourth entry, "newline-only", so
     what was built from the lines cut there (a cache, a prepared folder, an iterator state) is not taken for its
     documents now; every other file keeps its stamp."""
     out = []

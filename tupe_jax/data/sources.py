@@ -33,8 +33,8 @@ EMBEDDED_HOLDOUT = 20  # the embedded corpus is small: paragraph i%20==19 → va
 # ----------------------------------------------------------------------------------------------- files
 
 PATH_NAMES = ("text_files", "wikitext", "prepared")   # the corpora read from data.path
-# Line breaks to `str.splitlines` that `read_lines` keeps inside a line (data format 2 cut lines at them too),
-# as UTF-8 bytes: a file holding one is stamped so (`builders._file_stamps`), and gets a new cache key.
+# Line breaks to `str.splitlines` that `read_lines` keeps inside a line (earlier versions cut lines at them), as
+# UTF-8 bytes: a file holding one is stamped so (`builders._file_stamps`), and gets a new cache key.
 OTHER_BREAKS = (b"\x0b", b"\x0c", b"\x1c", b"\x1d", b"\x1e", b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
 
 
@@ -152,8 +152,8 @@ def read_lines(path: Path) -> list[str]:
 
     Lines end at a newline (`\n`, `\r\n` or a lone `\r`), as in BERT's and fairseq's readers: the corpus formats
     (a sentence per line, a blank line between documents) are defined by newlines. `str.splitlines` would also cut
-    at `\v`, `\f`, `\x1c`-`\x1e`, U+0085, U+2028 and U+2029 (`OTHER_BREAKS`), which Wikipedia text holds inside
-    its text: a sentence cut in two, and one at the end of a line read as a blank line after it (a document's end)."""
+    at `\v`, `\f`, `\x1c`-`\x1e`, U+0085, U+2028 and U+2029 (`OTHER_BREAKS`), which Wikipedia text holds: a
+    sentence cut in two, and such a break at the end of a line read as a blank line after it (a document's end)."""
     try:
         data = path.read_bytes()
     except OSError as err:
@@ -166,7 +166,9 @@ def read_lines(path: Path) -> list[str]:
                         "re-encode the file as UTF-8") from None
     if text.startswith("\ufeff"):
         text = text[1:]
-    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    if "\r" in text:                   # (no copies of a large file's text where it has none)
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    lines = text.split("\n")
     if lines[-1] == "":                # the newline that ends the last line starts no line
         lines.pop()
     return lines
