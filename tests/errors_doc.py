@@ -92,6 +92,11 @@ def render_errors_doc() -> str:
               "of auto, tbbmalloc, hugepages, system, the environment, ...` (or `...=hugepages cannot apply: <why>`, "
               "`TUPE_JAX_ONEDNN='true' is neither 0 nor 1`), exit 2, before any command runs, nothing written "
               "(`tests/test_allocator.py`, `tests/test_xla_options.py`) |",
+              "| resuming pretraining over other text than the run's (an edited corpus; or one whose files hold line "
+              "breaks other than newlines, U+2028 or a form feed, which versions before 2026-12-07 cut lines at) | "
+              "`error: the text read is not the one this run trained on (...), data.path=..., ...` (or `error: the "
+              "text's lines are not the ones this run trained on: ...`), exit 2, before the text is tokenized; a copy "
+              "of the same files elsewhere resumes (`tests/test_data_pipeline.py`, `tests/test_moved_data.py`) |",
               "| any unexpected exception | `error: unexpected <Type>: <message>, <workdir>/logs/error-*.log, ...`, exit "
               "1; the log holds the traceback; what the command created is removed unless it holds checkpoints |", ""]
     return "\n".join(lines)

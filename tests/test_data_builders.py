@@ -5,7 +5,7 @@ import ml_collections
 import pytest
 
 from tupe_jax import data as D
-from tupe_jax.data import builders, sources
+from tupe_jax.data import builders, sources, stamps
 from tupe_jax.errors import UserError
 
 
@@ -129,13 +129,13 @@ def test_only_a_file_with_another_break_gets_a_new_stamp(tmp_path):
     plain.write_bytes(b"a\nb\r\n\xc3\xa9\xe2\x80\xa6\n")           # other non-ASCII text: no break
     straddling.write_bytes(b"a" * ((1 << 22) - 1) + "\u2028".encode() + b"\n")   # split across two reads
     expect = [[f.name, f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest()] for f in (plain, straddling)]
-    assert builders._file_stamps([plain, straddling], str(tmp_path), lines=True) == [expect[0],
+    assert stamps.file_stamps([plain, straddling], str(tmp_path), lines=True) == [expect[0],
                                                                                      expect[1] + ["newline-only"]]
-    assert builders._file_stamps([plain, straddling], str(tmp_path)) == expect
+    assert stamps.file_stamps([plain, straddling], str(tmp_path)) == expect
     for ch in OTHER_BREAKS:
         f = tmp_path / f"one{ord(ch)}.txt"
         f.write_text(f"x{ch}y\n", encoding="utf-8")
-        assert builders._file_stamps([f], str(tmp_path), lines=True)[0][3:] == ["newline-only"], repr(ch)
+        assert stamps.file_stamps([f], str(tmp_path), lines=True)[0][3:] == ["newline-only"], repr(ch)
 
 
 def test_missing_path_is_user_error(tmp_path):

@@ -197,6 +197,27 @@ def _text_corpus(folder, text):
     return folder
 
 
+def test_a_run_over_text_whose_lines_are_now_cut_differently_is_refused_saying_so(tmp_path, monkeypatch):
+    """A state saved when U+2028 and the like still cut lines (their files stamped as other files) is refused with a
+    line that says so, not as edited text; the same files read the old way would have resumed."""
+    from tupe_jax.data import builders, pipeline, sources, stamps  # pylint: disable=import-outside-toplevel
+    folder = _text_corpus(tmp_path / "c", "\n\n".join(f"doc {i}\u2028with a line separator" for i in range(50)) + "\n")
+    c = ml_collections.ConfigDict({"data": D.default_data_config(),
+                                   "model": {"vocab_size": 300, "max_len": 32, "objective": "mlm"}})
+    c.data.name, c.data.path, c.data.holdout, c.data.cache_dir = "text_files", str(folder), 0, str(tmp_path / "cache")
+    with monkeypatch.context() as m:           # the key as earlier versions stamped these files
+        m.setattr(sources, "OTHER_BREAKS", ())
+        m.setattr(stamps, "_SHA256", {})
+        old = builders.resume_key(c, "train")
+        pipeline.check_saved_text(c, {"corpus": old})
+    monkeypatch.setattr(stamps, "_SHA256", {})
+    assert builders.newline_only(c) and builders.resume_key(c, "train") != old
+    with pytest.raises(UserError, match=r"^error: the text's lines are not the ones this run trained on: files under "
+                                        r"data.path hold line breaks other than newlines .*, data.path=.*, start a "
+                                        r"new workdir, or finish this run with the version it started with$"):
+        pipeline.check_saved_text(c, {"corpus": old})
+
+
 def test_a_copied_corpus_with_new_mtimes_resumes_and_an_edited_one_does_not(tmp_path):
     """The corpus is keyed by its files' content: a copy elsewhere, with other mtimes (a fresh VM, a re-mirrored
     bucket), gives the same fingerprint and takes the saved state; one changed byte of the same size does not.

@@ -258,13 +258,13 @@ def test_a_corpus_reached_through_links_keeps_its_stamps_and_a_nested_prepared_f
     corpus resumed only while its stamps were the target's. A prepared folder inside the corpus folder is refused
     only where data.path reads recursively (a folder or plain glob never reads below itself)."""
     import ml_collections  # pylint: disable=import-outside-toplevel
-    from tupe_jax.data import builders  # pylint: disable=import-outside-toplevel
+    from tupe_jax.data import stamps  # pylint: disable=import-outside-toplevel
     raw = write_corpus(tmp_path / "raw", docs=8)
     os.symlink(raw, tmp_path / "linked")
     via_link = sources.find_files(str(tmp_path / "linked"))
-    assert builders._file_stamps(via_link, str(tmp_path / "linked")) == \
-        builders._file_stamps([f.resolve() for f in via_link], str(tmp_path / "linked"))
-    assert builders._legacy_file_stamps(via_link) == builders._legacy_file_stamps([f.resolve() for f in via_link])
+    assert stamps.file_stamps(via_link, str(tmp_path / "linked")) == \
+        stamps.file_stamps([f.resolve() for f in via_link], str(tmp_path / "linked"))
+    assert stamps.legacy_file_stamps(via_link) == stamps.legacy_file_stamps([f.resolve() for f in via_link])
 
     def config(path, cache=tmp_path / "cache"):
         return ml_collections.ConfigDict({"data": {"name": "text_files", "path": path, "file_pattern": "",

@@ -1,7 +1,7 @@
 """Data layer: TFDS builders (array_record, no TensorFlow), WordPiece tokenizer, MLM/CLM/GLUE batches, grain.
 
 Modules: `batch` (the typed batches), `tokenizer`, `sources` (text files, WikiText, the embedded corpus),
-`builders` (TFDS builders and caches), `pipeline` (pretraining batches, resumable), `masking`, `classification`
+`builders` (TFDS builders and caches), `stamps` (what a source file is known by in their keys), `pipeline` (pretraining batches, resumable), `masking`, `classification`
 (GLUE/word-order batches), `glue_tsv` (the GLUE TSV layouts), `prepare` (`launch prepare`: a corpus tokenized
 once, in parallel, into sharded ArrayRecord + manifest), `prepared` (reading such a directory per process).
 

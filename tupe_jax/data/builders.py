@@ -14,7 +14,6 @@ when TF is absent (the tests assert `tensorflow` is never imported).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from tupe_jax.data import glue_tsv, sources
+from tupe_jax.data import glue_tsv, sources, stamps
 from tupe_jax.data.cache import _tfds, cache_dir, digest, file_lock, local_builder, local_input  # noqa: F401
 from tupe_jax.errors import UserError
 
@@ -40,62 +39,26 @@ def _glue_features(regression: bool):
                                        "label": np.float32 if regression else np.int32})
 
 
-_SHA256: dict[tuple, tuple[str, bool]] = {}   # (realpath, size, mtime, inode) -> (sha256, other breaks), per process
-
-
-def _digest_and_breaks(f) -> tuple[str, bool]:
-    """The sha256 of a file's bytes, and whether they hold a `sources.OTHER_BREAKS` character, in one pass."""
-    sha, found, tail = hashlib.sha256(), False, b""
-    with open(f, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            sha.update(chunk)
-            if not found:
-                window = tail + chunk      # with the last 2 bytes before: a 3-byte break split between two reads
-                found = any(b in window for b in sources.OTHER_BREAKS)   # memchr-fast, unlike a regex
-            tail = chunk[-2:]
-    return sha.hexdigest(), found
-
-
-def _file_stamps(files, root, lines: bool = False) -> list:
-    """Per file: its path relative to the source folder `root`, its size and the sha256 of its bytes. The key follows
-    the content: a copy of the same files (a fresh VM, a re-mirrored bucket, a copy that did not keep times) is
-    the same data, so a run resumes on it; an edited file is new data. `lines` (files read by `sources.read_lines`):
-    a file holding a character that earlier versions read as a line break gets a fourth entry, "newline-only", so
-    what was built from the lines cut there (a cache, a prepared folder, an iterator state) is not taken for its
-    documents now; every other file keeps its stamp."""
-    out = []
-    for f in files:
-        st = os.stat(f)
-        memo = (os.path.realpath(f), st.st_size, st.st_mtime_ns, st.st_ino)
-        if memo not in _SHA256:            # once per file and process (several readers ask for the same key)
-            try:
-                _SHA256[memo] = _digest_and_breaks(f)
-            except OSError as err:
-                raise sources.unreadable(f, err) from None
-        sha, breaks = _SHA256[memo]
-        real = os.path.realpath(f)         # a link is stamped by its target, as before links kept their names
-        out.append([os.path.relpath(real, root) if os.path.isdir(root) else os.path.basename(real), st.st_size, sha]
-                   + (["newline-only"] if lines and breaks else []))
-    return out
-
-
-def _legacy_file_stamps(files) -> list:
-    """The stamps of data format 1 (path, size, mtime): only to recognise iterator states saved by that version."""
-    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-
-
 def _corpus_spec(config, legacy: bool = False) -> tuple[str, dict, bool, dict]:
     """(local path, files by split, named, spec) of a text_files/wikitext corpus; the spec is what the examples
     depend on (its digest names the prepared dataset). `legacy`: the spec of data format 1 (mtime stamps)."""
     d = config.data
     path = local_input(config, d.get("path", ""), "--config.data.path")   # a bucket folder: mirrored once
     by_split, named = sources.assign_files(sources.find_files(path, d.get("file_pattern", "")))
-    stamps = {s: (_legacy_file_stamps(f) if legacy else _file_stamps(f, path, lines=True))
-              for s, f in sorted(by_split.items())}
+    by_file = {s: (stamps.legacy_file_stamps(f) if legacy else stamps.file_stamps(f, path, lines=True))
+               for s, f in sorted(by_split.items())}
     split_by = d.get("split_by", "blank_line")
-    spec = {"kind": d.get("name"), "files": stamps, "named": named, "holdout": int(d.get("holdout", 200)),
+    spec = {"kind": d.get("name"), "files": by_file, "named": named, "holdout": int(d.get("holdout", 200)),
             "split_by": "wikitext" if d.get("name") == "wikitext" else split_by, "format": 1 if legacy else 2}
     return path, by_split, named, spec
+
+
+def newline_only(config) -> bool:
+    """Whether a text_files/wikitext corpus has a file that `stamps.file_stamps` marks "newline-only" (its key
+    changed when `sources.read_lines` stopped cutting lines at `sources.OTHER_BREAKS`)."""
+    if config.data.get("name", "embedded") not in ("text_files", "wikitext"):
+        return False
+    return any(stamps.newline_only(listed) for listed in _corpus_spec(config)[3]["files"].values())
 
 
 def corpus_builder(config):
@@ -273,7 +236,7 @@ def glue_builder(config, task: str):
     files = [glue_tsv.split_file(glue_dir, task, s) for s in splits]
     for split, path in zip(splits, files):
         glue_tsv.check_has_rows(path, task, split)
-    spec = {"kind": "glue_tsv", "task": task, "files": _file_stamps(files, str(Path(glue_dir).expanduser())),
+    spec = {"kind": "glue_tsv", "task": task, "files": stamps.file_stamps(files, str(Path(glue_dir).expanduser())),
             "format": 2}
 
     def make(split):

@@ -314,6 +314,11 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
 
 def _text_differs(config) -> UserError:
     path = config.data.get("path", "")
+    if builders.newline_only(config):     # the same files, cut into lines differently (sources.read_lines)
+        return UserError("the text's lines are not the ones this run trained on: files under data.path hold line "
+                         "breaks other than newlines (U+2028, a form feed, ...), which versions before 2026-12-07 "
+                         "also cut lines at", f"data.path={path}",
+                         "start a new workdir, or finish this run with the version it started with")
     return UserError(f"the {'prepared data' if config.data.get('name') == 'prepared' else 'text'} read is not the one "
                      "this run trained on (its content key differs from the one its checkpoint's data-iterator state "
                      "saved)", f"data.path={path}" if path else f"data.name={config.data.get('name')}",

@@ -39,7 +39,7 @@ import numpy as np
 
 from tupe_jax import files
 from tupe_jax.config import require_finite, require_one_of, require_positive
-from tupe_jax.data import builders, pipeline, pool, sources
+from tupe_jax.data import builders, pipeline, pool, sources, stamps
 from tupe_jax.data.prepared import MANIFEST, load_manifest
 from tupe_jax.data.tokenizer import Tokenizer, check_learned_vocab_size
 from tupe_jax.errors import UserError, require
@@ -121,7 +121,7 @@ def documents(config, split: str) -> Iterator[str]:
 
 def source_stamp(config, legacy: bool = False) -> list:
     """What the documents depend on: corpus name and options, and each input file's path under data.path, size and
-    sha256 (`builders._file_stamps`: the same files with other times, copied back to a fresh VM, say, are the
+    sha256 (`stamps.file_stamps`: the same files with other times, copied back to a fresh VM, say, are the
     same corpus, so an interrupted prepare resumes on them; an edited file is another corpus). `legacy`: the stamp
     of folders prepared before that (absolute path, size and mtime), recognised so that they still resume."""
     d = config.data
@@ -133,7 +133,7 @@ def source_stamp(config, legacy: bool = False) -> list:
                           for s in sorted(by_split) for f in by_split[s]])
         else:
             listed = [f for s in sorted(by_split) for f in by_split[s]]
-            stamp.append(builders._file_stamps(listed, os.path.expanduser(d.path), lines=True))  # pylint: disable=protected-access
+            stamp.append(stamps.file_stamps(listed, os.path.expanduser(d.path), lines=True))
     elif d.name == "embedded":
         stamp.append(list(sys.version_info[:2]))
     return stamp

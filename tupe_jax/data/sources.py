@@ -34,7 +34,7 @@ EMBEDDED_HOLDOUT = 20  # the embedded corpus is small: paragraph i%20==19 → va
 
 PATH_NAMES = ("text_files", "wikitext", "prepared")   # the corpora read from data.path
 # Line breaks to `str.splitlines` that `read_lines` keeps inside a line (earlier versions cut lines at them), as
-# UTF-8 bytes: a file holding one is stamped so (`builders._file_stamps`), and gets a new cache key.
+# UTF-8 bytes: a file holding one is stamped so (`stamps.file_stamps`), and gets a new cache key.
 OTHER_BREAKS = (b"\x0b", b"\x0c", b"\x1c", b"\x1d", b"\x1e", b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
 
 
