@@ -211,10 +211,13 @@ def test_a_run_over_text_whose_lines_are_now_cut_differently_is_refused_saying_s
         old = builders.resume_key(c, "train")
         pipeline.check_saved_text(c, {"corpus": old})
     monkeypatch.setattr(stamps, "_SHA256", {})
-    assert builders.newline_only(c) and builders.resume_key(c, "train") != old
+    assert builders.key_before_newline_only(c) == old != builders.resume_key(c, "train")
     with pytest.raises(UserError, match=r"^error: the text's lines are not the ones this run trained on: files under "
                                         r"data.path hold line breaks other than newlines .*, data.path=.*, start a "
                                         r"new workdir, or finish this run with the version it started with$"):
+        pipeline.check_saved_text(c, {"corpus": old})
+    (folder / "train.txt").write_text((folder / "train.txt").read_text() + "\nan edit\n")   # and edited since
+    with pytest.raises(UserError, match=r"^error: the text read is not the one this run trained on"):
         pipeline.check_saved_text(c, {"corpus": old})
 
 

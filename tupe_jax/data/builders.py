@@ -53,12 +53,16 @@ def _corpus_spec(config, legacy: bool = False) -> tuple[str, dict, bool, dict]:
     return path, by_split, named, spec
 
 
-def newline_only(config) -> bool:
-    """Whether a text_files/wikitext corpus has a file that `stamps.file_stamps` marks "newline-only" (its key
-    changed when `sources.read_lines` stopped cutting lines at `sources.OTHER_BREAKS`)."""
+def key_before_newline_only(config) -> str:
+    """`resume_key` of a text_files/wikitext corpus as versions that cut lines at `sources.OTHER_BREAKS` gave it,
+    where a file is marked "newline-only" (`stamps.file_stamps`: its key changed then); '' where none is."""
     if config.data.get("name", "embedded") not in ("text_files", "wikitext"):
-        return False
-    return any(stamps.newline_only(listed) for listed in _corpus_spec(config)[3]["files"].values())
+        return ""
+    spec = _corpus_spec(config)[3]
+    if not any(stamps.newline_only(listed) for listed in spec["files"].values()):
+        return ""
+    spec = {**spec, "files": {s: [stamp[:3] for stamp in listed] for s, listed in spec["files"].items()}}
+    return f"tupe_{config.data.name}/c{digest(spec)}"
 
 
 def corpus_builder(config):

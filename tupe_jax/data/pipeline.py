@@ -204,12 +204,12 @@ class PretrainIterator(grain.DatasetIterator):
 
     def __init__(self, parent: grain.DatasetIterator, batcher: _Batcher,
                  fingerprints: Callable[..., tuple[str, ...]], corpus_key: str = "",
-                 text_differs: Callable[[], UserError] = lambda: UserError("the data read is not the run's")):
+                 text_differs: Callable[[str], UserError] = lambda saved: UserError("the data read is not the run's")):
         super().__init__(parent)
         # (process count[, another text's key]) -> the keys of these settings on that many processes: the current
         # one first, then the same settings as an older data format keyed them
         self.batcher, self.fingerprints = batcher, fingerprints
-        self.corpus_key, self.text_differs = corpus_key, text_differs   # the text's key; the error if it differs
+        self.corpus_key, self.text_differs = corpus_key, text_differs   # the text's key; the error (given the saved key)
         self.fingerprint = fingerprints(batcher.pc)[0]
         self.saved_process_count = batcher.pc   # set_state: the count of the processes that saved the state
         self.per_host_batch_size = batcher.local
@@ -233,7 +233,7 @@ class PretrainIterator(grain.DatasetIterator):
             other = state.get("corpus")
             if isinstance(other, str) and other != self.corpus_key and \
                     state.get("fingerprint") in self.fingerprints(saved, other):
-                raise self.text_differs()
+                raise self.text_differs(other)
             if saved != now:
                 raise UserError(f"the saved data-iterator state is of a run with {_processes(saved)} and other data "
                                 f"settings; this one has {_processes(now)}", "checkpoint data-iterator state",
@@ -309,12 +309,13 @@ def pretrain_iterator(config, tokenizer: Tokenizer, *, split: str, global_batch_
         return (builders.digest([text] + rest),) + ((builders.digest([legacy] + rest),) if legacy and text == key
                                                      else ())
 
-    return PretrainIterator(it, batcher, fingerprints, key, lambda: _text_differs(config))
+    return PretrainIterator(it, batcher, fingerprints, key, lambda saved: _text_differs(config, saved))
 
 
-def _text_differs(config) -> UserError:
+def _text_differs(config, saved: str) -> UserError:
+    """The refusal of a state saved over the text keyed `saved` (a `builders.resume_key`), not this text."""
     path = config.data.get("path", "")
-    if builders.newline_only(config):     # the same files, cut into lines differently (sources.read_lines)
+    if saved and saved == builders.key_before_newline_only(config):   # the same files, cut into lines another way
         return UserError("the text's lines are not the ones this run trained on: files under data.path hold line "
                          "breaks other than newlines (U+2028, a form feed, ...), which versions before 2026-12-07 "
                          "also cut lines at", f"data.path={path}",
@@ -336,4 +337,4 @@ def check_saved_text(config, state: dict) -> None:
     now = prepared.open_split(config, "train").key if config.data.get("name") == "prepared" else \
         builders.resume_key(config, "train")
     if now != saved:
-        raise _text_differs(config)
+        raise _text_differs(config, saved)
