@@ -97,7 +97,7 @@ OTHER_BREAKS = "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"   # line breaks to str.spl
 
 
 def test_corpus_lines_end_only_at_newlines_as_a_text_reader_reads_them(tmp_path):
-    """Independent reference: Python's universal-newline text reader (what BERT's and fairseq's readers iterate),
+    """Independent reference: Python's universal-newline text reader (what fairseq's reader iterates),
     with each line's newline removed. Random text from words, newlines of the three kinds and the other breaks."""
     import io  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
@@ -107,7 +107,8 @@ def test_corpus_lines_end_only_at_newlines_as_a_text_reader_reads_them(tmp_path)
         text = "".join(pieces[i] for i in rng.integers(0, len(pieces), 60))
         f = tmp_path / f"t{trial}.txt"
         f.write_bytes(text.encode("utf-8"))
-        reference = [line.removesuffix("\n") for line in io.open(f, encoding="utf-8", newline=None)]
+        with io.open(f, encoding="utf-8", newline=None) as text_reader:
+            reference = [line.removesuffix("\n") for line in text_reader]
         assert sources.read_lines(f) == reference, repr(text)
 
 

@@ -150,10 +150,11 @@ def unreadable(path: Path, err: OSError) -> UserError:
 def read_lines(path: Path) -> list[str]:
     """UTF-8 lines (without newline); undecodable bytes are an error naming the file and line.
 
-    Lines end at a newline (`\n`, `\r\n` or a lone `\r`), as in BERT's and fairseq's readers: the corpus formats
-    (a sentence per line, a blank line between documents) are defined by newlines. `str.splitlines` would also cut
-    at `\v`, `\f`, `\x1c`-`\x1e`, U+0085, U+2028 and U+2029 (`OTHER_BREAKS`), which Wikipedia text holds: a
-    sentence cut in two, and such a break at the end of a line read as a blank line after it (a document's end)."""
+    Lines end at a newline (`\n`, `\r\n` or a lone `\r`), as Python's text reader (fairseq's) cuts them; BERT's
+    reader cuts at `\n` alone and strips what is left. The corpus formats (a sentence per line, a blank line between
+    documents) are defined by newlines. `str.splitlines` would also cut at `\v`, `\f`, `\x1c`-`\x1e`, U+0085,
+    U+2028 and U+2029 (`OTHER_BREAKS`), which text from the web can hold: a sentence cut in two, and such a break at the
+    end of a line read as a blank line after it (a document's end)."""
     try:
         data = path.read_bytes()
     except OSError as err:
