@@ -39,30 +39,19 @@ def _glue_features(regression: bool):
                                        "label": np.float32 if regression else np.int32})
 
 
-def _corpus_spec(config, legacy: bool = False) -> tuple[str, dict, bool, dict]:
+def _corpus_spec(config, legacy: bool = False, lines: bool = True) -> tuple[str, dict, bool, dict]:
     """(local path, files by split, named, spec) of a text_files/wikitext corpus; the spec is what the examples
-    depend on (its digest names the prepared dataset). `legacy`: the spec of data format 1 (mtime stamps)."""
+    depend on (its digest names the prepared dataset). `legacy`: the spec of data format 1 (mtime stamps);
+    `lines=False`: as versions that cut lines at `sources.OTHER_BREAKS` stamped the files (`stamps.file_stamps`)."""
     d = config.data
     path = local_input(config, d.get("path", ""), "--config.data.path")   # a bucket folder: mirrored once
     by_split, named = sources.assign_files(sources.find_files(path, d.get("file_pattern", "")))
-    by_file = {s: (stamps.legacy_file_stamps(f) if legacy else stamps.file_stamps(f, path, lines=True))
+    by_file = {s: (stamps.legacy_file_stamps(f) if legacy else stamps.file_stamps(f, path, lines))
                for s, f in sorted(by_split.items())}
     split_by = d.get("split_by", "blank_line")
     spec = {"kind": d.get("name"), "files": by_file, "named": named, "holdout": int(d.get("holdout", 200)),
             "split_by": "wikitext" if d.get("name") == "wikitext" else split_by, "format": 1 if legacy else 2}
     return path, by_split, named, spec
-
-
-def key_before_newline_only(config) -> str:
-    """`resume_key` of a text_files/wikitext corpus as versions that cut lines at `sources.OTHER_BREAKS` gave it,
-    where a file is marked "newline-only" (`stamps.file_stamps`: its key changed then); '' where none is."""
-    if config.data.get("name", "embedded") not in ("text_files", "wikitext"):
-        return ""
-    spec = _corpus_spec(config)[3]
-    if not any(stamps.newline_only(listed) for listed in spec["files"].values()):
-        return ""
-    spec = {**spec, "files": {s: [stamp[:3] for stamp in listed] for s, listed in spec["files"].items()}}
-    return f"tupe_{config.data.name}/c{digest(spec)}"
 
 
 def corpus_builder(config):
@@ -165,8 +154,12 @@ def resume_key(config, split: str) -> str:
     its prepared dataset gets)."""
     name = config.data.get("name", "embedded")
     if name in ("text_files", "wikitext"):
-        return f"tupe_{name}/c{digest(_corpus_spec(config)[3])}"
+        return _spec_key(config)
     return resume_keys(config, split)[0]
+
+
+def _spec_key(config, **spec_options) -> str:
+    return f"tupe_{config.data.name}/c{digest(_corpus_spec(config, **spec_options)[3])}"
 
 
 def legacy_corpus_key(config) -> str:
@@ -174,7 +167,16 @@ def legacy_corpus_key(config) -> str:
     an iterator state saved by that version is accepted when it matches (same files, untouched since)."""
     if config.data.get("name", "embedded") not in ("text_files", "wikitext"):
         return ""
-    return f"tupe_{config.data.name}/c{digest(_corpus_spec(config, legacy=True)[3])}"
+    return _spec_key(config, legacy=True)
+
+
+def key_before_newline_only(config) -> str:
+    """The key of a text_files/wikitext corpus as versions that cut lines at `sources.OTHER_BREAKS` gave it, where
+    that differs from `resume_key` (a file holds such a break); '' elsewhere."""
+    if config.data.get("name", "embedded") not in ("text_files", "wikitext"):
+        return ""
+    before = _spec_key(config, lines=False)
+    return before if before != _spec_key(config) else ""
 
 
 def corpus_fingerprint(config, split: str) -> tuple[str, str]:

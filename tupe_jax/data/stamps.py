@@ -53,11 +53,6 @@ def file_stamps(files, root, lines: bool = False) -> list:
     return out
 
 
-def newline_only(listed: list) -> bool:
-    """Whether any of `file_stamps`' stamps carries `NEWLINE_ONLY`."""
-    return any(stamp[3:] == [NEWLINE_ONLY] for stamp in listed)
-
-
 def legacy_file_stamps(files) -> list:
     """The stamps of data format 1 (path, size, mtime): only to recognise iterator states saved by that version."""
     return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
