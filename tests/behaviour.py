@@ -13,7 +13,8 @@ default; so does the library the steps' dots run on (`tupe_jax.xla_options`: one
 TUPE_JAX_ONEDNN=0, which the suite sets). The primary recording is `behaviour.json` (XLA's default compile); a
 recording of the same numbers on another CPU kind, at the fast compile or with oneDNN dots sits beside it as
 `behaviour-<cpu kind>[-fast-compile][-onednn].json` (`--add`, `--add-fast`), and every such file must agree with
-the primary to 1e-5.
+the primary to 1e-5. The CPU kind holds the family and model numbers since session 49 (`host.py` says why): the
+recordings made before (their `cpu` has none) match no machine's stack now, and count as other CPUs' numbers.
 
     python tests/behaviour.py --write     the numbers changed: record this machine, drop every other recording
     python tests/behaviour.py --add       the numbers did not change: add (or renew) this CPU kind's recording

@@ -2,12 +2,15 @@
 same program rounds differently (and runs at another speed) on an AVX2 and an AVX-512 machine.
 
     cpu_info(cpuinfo) -> {'arch', 'vendor', 'model', 'family', 'isa', 'mhz'}   ('' where unknown; Linux /proc/cpuinfo)
-    cpu_kind() -> 'x86_64 AuthenticAMD avx2'                          what decides rounding (tests/behaviour.py)
+    cpu_kind() -> 'x86_64 AuthenticAMD family 23 model 1 avx2'        what decides rounding (tests/behaviour.py)
     cpu_description() -> 'AMD EPYC, AuthenticAMD family 23 model 1, avx2, 1996 MHz'
                                                                       what a benchmark's numbers came from
 
 `family` is x86's 'cpu family' and 'model' numbers: a virtual machine's model name is often only 'AMD EPYC', and
-the numbers tell the generations apart (AMD family 23 = Zen 1/2, 25 = Zen 3/4, 26 = Zen 5).
+the numbers tell the generations apart (AMD family 23 = Zen 1/2, 25 = Zen 3/4, 26 = Zen 5). They are part of the
+kind: XLA:CPU compiles for the host's CPU model as LLVM names it from them, and two models with the same vector ISA
+round the same program differently (session 49: an AVX2 Zen 3, family 25 model 1, against tests/data's AVX2
+golden runs, recorded on other AMD models: losses ~1e-7 apart).
 """
 from __future__ import annotations
 
@@ -39,9 +42,9 @@ def cpu_info(cpuinfo: str = CPUINFO) -> dict[str, str]:
 
 
 def cpu_kind(cpuinfo: str = CPUINFO) -> str:
-    """'<arch> <vendor> <widest vector ISA>' (the parts that are known)."""
+    """'<arch> <vendor> family <f> model <m> <widest vector ISA>' (the parts that are known)."""
     info = cpu_info(cpuinfo)
-    return " ".join(part for part in (info["arch"], info["vendor"], info["isa"]) if part)
+    return " ".join(part for part in (info["arch"], info["vendor"], info["family"], info["isa"]) if part)
 
 
 def cpu_description(cpuinfo: str = CPUINFO) -> str:
