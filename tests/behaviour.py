@@ -9,7 +9,7 @@ rounding: then the test compares to 1e-5 relative to the primary recording).
 The stack is the versions that decide float rounding, the host CPU's kind (`tupe_jax.host.cpu_kind`) and how XLA
 compiled: XLA:CPU compiles for the host's vector ISA, so the same code and versions round differently on an AVX2 and
 an AVX-512 machine, and the suite's fast compile (-O0, tests/xla_flags.py) emits other machine code than XLA's
-default; so does the library the steps' dots run on (`tupe_jax.xla_options`: oneDNN on x86 unless
+default; so does the library the steps' dots run on (`tupe_jax.xla_options`: oneDNN on x86 with AVX-512 unless
 TUPE_JAX_ONEDNN=0, which the suite sets). The primary recording is `behaviour.json` (XLA's default compile); a
 recording of the same numbers on another CPU kind, at the fast compile or with oneDNN dots sits beside it as
 `behaviour-<cpu kind>[-fast-compile][-onednn].json` (`--add`, `--add-fast`), and every such file must agree with

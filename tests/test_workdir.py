@@ -217,8 +217,9 @@ def test_every_claim_records_its_provenance(tmp_path):
     assert row["devices"]["kind"] == jax.devices()[0].device_kind and row["process_count"] == 1
     assert row["command"] == " ".join(sys.argv) and len(row["git_commit"]) >= 40
     assert row["cpu"] == host.cpu_description()
-    assert row["dot_library"] == ("onednn" if os.environ.get("TUPE_JAX_ONEDNN") != "0" and
-                                  platform.machine().lower() in xla_options.X86 else "xla")
+    onednn = os.environ.get("TUPE_JAX_ONEDNN", "")
+    assert row["dot_library"] == ("onednn" if onednn != "0" and platform.machine().lower() in xla_options.X86 and
+                                  (onednn == "1" or xla_options.cpu_has_avx512() is not False) else "xla")
     assert row["allocator"] == allocator.active()       # this pytest process: what the Makefile set for it
     assert row["packages"].get("tbb") == (importlib.metadata.version("tbb") if allocator.tbbmalloc_libs() else None)
 

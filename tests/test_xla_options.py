@@ -32,22 +32,46 @@ needs_x86 = pytest.mark.skipif(platform.machine().lower() not in xla_options.X86
 pytestmark = pytest.mark.filterwarnings("ignore:Error writing persistent compilation cache entry")
 
 
-def test_onednn_on_x86_xla_cpu_only_unless_opted_out():
-    assert xla_options.dot_library("cpu", "x86_64", {}) == "onednn"
-    assert xla_options.dot_library("cpu", "AMD64", {"TUPE_JAX_ONEDNN": "1"}) == "onednn"
-    assert xla_options.dot_library("cpu", "x86_64", {"TUPE_JAX_ONEDNN": "0"}) == "xla"
-    assert xla_options.dot_library("cpu", "aarch64", {}) == "xla"
-    assert xla_options.dot_library("gpu", "x86_64", {}) == "xla"
-    assert xla_options.dot_library("tpu", "x86_64", {}) == "xla"
-    assert xla_options.step_options("cpu", "x86_64", {}) == xla_options.ONEDNN_DOTS
-    assert xla_options.step_options("cpu", "x86_64", {"TUPE_JAX_ONEDNN": "0"}) is None
-    assert xla_options.step_options("gpu", "x86_64", {}) is None
+def test_onednn_on_x86_xla_cpu_with_avx512_unless_set_otherwise():
+    assert xla_options.dot_library("cpu", "x86_64", {}, True) == "onednn"
+    assert xla_options.step_options("cpu", "x86_64", {}, True) == xla_options.ONEDNN_DOTS
+    assert xla_options.dot_library("cpu", "x86_64", {}, False) == "xla"       # AVX2 only: XLA's library
+    assert xla_options.step_options("cpu", "x86_64", {}, False) is None
+    assert xla_options.dot_library("cpu", "AMD64", {"TUPE_JAX_ONEDNN": "1"}, False) == "onednn"
+    for avx512 in (True, False, None):
+        assert xla_options.dot_library("cpu", "x86_64", {"TUPE_JAX_ONEDNN": "0"}, avx512) == "xla"
+        assert xla_options.step_options("cpu", "x86_64", {"TUPE_JAX_ONEDNN": "0"}, avx512) is None
+        for env in ({}, {"TUPE_JAX_ONEDNN": "1"}):
+            assert xla_options.dot_library("cpu", "aarch64", env, avx512) == "xla"
+            assert xla_options.dot_library("gpu", "x86_64", env, avx512) == "xla"
+            assert xla_options.dot_library("tpu", "x86_64", env, avx512) == "xla"
+            assert xla_options.step_options("gpu", "x86_64", env, avx512) is None
+
+
+def test_the_default_reads_avx512_from_the_cpus_flags(monkeypatch, tmp_path):
+    def has(text):
+        (tmp_path / "cpuinfo").write_text(text)
+        return xla_options.cpu_has_avx512(str(tmp_path / "cpuinfo"))
+    line = "flags\t\t: fpu vme sse sse2 avx f16c fma avx2 {} bmi2\n"
+    assert has("processor\t: 0\n" + line.format("avx512f avx512dq avx512vl")) is True
+    assert has(line.format("")) is False
+    assert has(line.format("avx512_vnni avx512vl")) is False      # no AVX-512 Foundation
+    assert has("model name\t: avx512f\n") is None                 # no flags line
+    assert xla_options.cpu_has_avx512(str(tmp_path / "absent")) is None
+    # flags that cannot be read (None): oneDNN, the rule before AVX-512 counted
+    for avx512, library in ((True, "onednn"), (False, "xla"), (None, "onednn")):
+        monkeypatch.setattr(xla_options, "cpu_has_avx512", lambda v=avx512: v)
+        assert xla_options.dot_library("cpu", "x86_64", {}) == library
+    if os.path.isfile("/proc/cpuinfo"):   # this machine: the first flags line of the file, read independently
+        flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
+        monkeypatch.undo()
+        assert xla_options.cpu_has_avx512() is ("avx512f" in flags)
 
 
 def test_a_setting_other_than_0_or_1_is_refused():
     with pytest.raises(UserError, match=r"^error: TUPE_JAX_ONEDNN='yes' is neither 0 nor 1, the environment, set "
-                                        r"TUPE_JAX_ONEDNN=0 \(XLA's default dot library\), 1 \(oneDNN on x86 CPUs\) "
-                                        r"or unset it$"):
+                                        r"TUPE_JAX_ONEDNN=0 \(XLA's default dot library\), 1 \(oneDNN on every x86 "
+                                        r"CPU\) or unset it \(oneDNN where the CPU has AVX-512\)$"):
         xla_options.dot_library("cpu", "x86_64", {"TUPE_JAX_ONEDNN": "yes"})
 
 
@@ -59,7 +83,7 @@ def test_the_launcher_refuses_a_bad_setting_before_any_work(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: TUPE_JAX_ONEDNN='true' is neither 0 nor 1, the environment, "
                                                 "set TUPE_JAX_ONEDNN=0 (XLA's default dot library), 1 (oneDNN on "
-                                                "x86 CPUs) or unset it"]
+                                                "every x86 CPU) or unset it (oneDNN where the CPU has AVX-512)"]
     assert not workdir.exists()
 
 
