@@ -14,7 +14,9 @@ compiles every variant with oneDNN for its dots, as the train step is on an x86 
 the default, `xla`, is XLA:CPU's own library, as the runs before session 26 were. `--torch` adds `torch`, the
 same loss and gradients as HF `BertForMaskedLM`'s head computes them (`F.linear` against the tied table with its
 bias, then `F.cross_entropy`, weighted here, and `backward`; torch's default threads), checked against `plain` like
-the others, and reports torch's time over each of ours within each round (`torch_over`). Not a test.
+the others, and reports torch's time over each of ours within each round (`torch_over`). `--before` adds, for
+each chunk size, `chunks=<r> (before)`: the chunked form as it was before session 49, whose ∂Eᵀ product was a
+transposed-operand dot inside the loop. Not a test.
 """
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ D, V = 256, 8192
 TORCH = "torch"
 
 
-def variants(m: int, chunks: list[int], compiler_options=None, torch: bool = False) -> dict:
+def variants(m: int, chunks: list[int], compiler_options=None, torch: bool = False, before: bool = False) -> dict:
     """{name: (h, E, b) -> (loss, grads)} for m rows (module docstring): ours jitted with `compiler_options`,
-    and with `torch` the torch head."""
+    with `torch` the torch head, with `before` each chunk size's form before session 49 too (`before_chunked_fwd`,
+    compiled here)."""
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from tupe_jax import head  # pylint: disable=import-outside-toplevel
@@ -55,9 +58,59 @@ def variants(m: int, chunks: list[int], compiler_options=None, torch: bool = Fal
     for rows in chunks:
         out[f"chunks={rows}"] = grad(lambda h, e, b, r=rows or m: head.tied_cross_entropy(
             h, e, b, labels, weights, jnp.float32, rows=r))
+    if before:
+        specs = (jax.ShapeDtypeStruct((m, D), jnp.float32), jax.ShapeDtypeStruct((V, D), jnp.float32),
+                 jax.ShapeDtypeStruct((V,), jnp.float32))
+        head._chunked.defvjp(before_chunked_fwd, head._chunked_bwd)  # pylint: disable=protected-access
+        try:
+            for rows in chunks:
+                out[f"chunks={rows} (before)"] = out[f"chunks={rows}"].lower(*specs).compile()
+                out[f"chunks={rows}"] = grad(lambda h, e, b, r=rows or m: head.tied_cross_entropy(
+                    h, e, b, labels, weights, jnp.float32, rows=r))       # traced afresh below, as it is now
+        finally:
+            head._chunked.defvjp(head._chunked_fwd, head._chunked_bwd)  # pylint: disable=protected-access
     if torch:
         out[TORCH] = torch_head(labels, weights)
     return out
+
+
+def before_chunked_fwd(n, size, has_bias, h, embedding, bias, labels, weights):
+    """`head._chunked_fwd` before session 49 (the same values): the chunk's ∂Eᵀ product as a transposed-operand dot
+    hcᵀ · ∂z inside the loop, instead of against hᵀ's chunk transposed once before it."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    from tupe_jax.head import argmax_hits  # pylint: disable=import-outside-toplevel
+    m, d = h.shape
+    v = embedding.shape[0]
+    pad = n * size - m
+    if pad:
+        h = jnp.pad(h, ((0, pad), (0, 0)))
+        labels, weights = jnp.pad(labels, (0, pad)), jnp.pad(weights, (0, pad))
+    strided = lambda x: jnp.swapaxes(x.reshape(size, n, *x.shape[1:]), 0, 1)  # noqa: E731
+    e_t = jax.lax.optimization_barrier(embedding.T)
+    index = jnp.arange(v, dtype=jnp.int32)
+
+    def chunk(carry, xs):
+        d_et, d_b = carry
+        hc, lc, wc = xs
+        z = (hc @ e_t).astype(jnp.float32) + (bias if has_bias else 0.0)
+        top = jnp.max(z, axis=-1, keepdims=True)
+        e = jnp.exp(z - top)
+        total = jnp.sum(e, axis=-1)
+        at_label = jnp.take_along_axis(z, lc[:, None], axis=-1)[:, 0]
+        nll = jnp.sum((top[:, 0] + jnp.log(total) - at_label) * wc)
+        hits = jnp.sum(argmax_hits(z, lc) * wc)
+        dz = e * (wc / total)[:, None] - jnp.where(index == lc[:, None], wc[:, None], 0.0)
+        dh = dz.astype(embedding.dtype) @ embedding
+        d_et = d_et + jnp.matmul(hc.T, dz.astype(hc.dtype), preferred_element_type=jnp.float32)
+        if has_bias:
+            d_b = d_b + jnp.sum(dz, axis=0)
+        return (d_et, d_b), (nll, hits, dh)
+
+    init = (jnp.zeros((d, v), jnp.float32), jnp.zeros((v,), jnp.float32))
+    (d_et, d_b), (nll, hits, dh) = jax.lax.scan(chunk, init, (strided(h), strided(labels), strided(weights)))
+    dh = jnp.swapaxes(dh, 0, 1).reshape(n * size, d)[:m]
+    return (jnp.sum(nll), jnp.sum(hits)), (dh, d_et, d_b)
 
 
 def torch_head(labels, weights):
@@ -123,6 +176,7 @@ def main() -> None:
                     help="the dot library: XLA:CPU's default (as before session 26) or oneDNN (xla_options.ONEDNN_DOTS,"
                     " as the train step compiles on an x86 CPU)")
     ap.add_argument("--torch", action="store_true", help="add HF's head in torch (module docstring)")
+    ap.add_argument("--before", action="store_true", help="add each chunk size's form before session 49")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     refuse_missing_folder(args.json)
@@ -139,7 +193,7 @@ def main() -> None:
            "jax": jax.__version__, "dots": args.dots, "loadavg_before": load_before, "shapes": {}}
     for m in args.rows:
         chunks = [x for x in args.chunks if x < m]
-        fns = variants(m, chunks, ONEDNN_DOTS if args.dots == "onednn" else None, args.torch)
+        fns = variants(m, chunks, ONEDNN_DOTS if args.dots == "onednn" else None, args.torch, args.before)
         k = jax.random.split(jax.random.PRNGKey(0), 3)
         inputs = (jax.random.normal(k[0], (m, D)), jax.random.normal(k[1], (V, D)) * 0.05,
                   jax.random.normal(k[2], (V,)) * 0.1)

@@ -18,11 +18,14 @@ are still in cache:
     ∂/∂z  Σ w·NLL = w · (softmax(z) − onehot(label))        (rows, V), never stored
     ∂/∂h = (∂/∂z) · E,   ∂/∂Eᵀ += hᵀ · (∂/∂z),   ∂/∂b += 1ᵀ · (∂/∂z)
 
-and the backward only scales them by the loss's cotangent. The full (M, V) logits never exist, where the plain
-form writes and reads them (64 MB at the equal-work shape) once per elementwise pass: the bias add, the softmax's
-max and exponentials, the accuracy's compare, the cotangent and the bias gradient's reduce. The matmul FLOPs are
-the same. Undifferentiated (evaluation), for logits that fit in two chunks, and on other backends, it is the plain
-form: `tied_logits`, `optax.softmax_cross_entropy_with_integer_labels` and `argmax_hits`.
+and the backward only scales them by the loss's cotangent. ∂/∂Eᵀ takes each chunk of hᵀ from one transpose of h
+made before the loop: a plain product. As the transposed-operand product hcᵀ · (∂/∂z) the head alone took 1.24×
+the time on an AVX2 Zen 3 with XLA's dots, and as long with oneDNN's (benchmarks/RESULTS.md, session 49). The full
+(M, V) logits never exist, where the plain form writes and reads them (64 MB at the equal-work shape) once per
+elementwise pass: the bias add, the softmax's max and exponentials, the accuracy's compare, the cotangent and the
+bias gradient's reduce. The matmul FLOPs are the same. Undifferentiated (evaluation), for logits that fit in two
+chunks, and on other backends, it is the plain form: `tied_logits`, `optax.softmax_cross_entropy_with_integer_labels`
+and `argmax_hits`.
 
     tied_logits(h, embedding, dtype) -> logits
     argmax_hits(logits, labels) -> float32 hits (argmax == label, first index winning ties)
@@ -136,7 +139,7 @@ def _chunked_fwd(n, size, has_bias, h, embedding, bias, labels, weights):
 
     def chunk(carry, xs):
         d_et, d_b = carry
-        hc, lc, wc = xs
+        hc, hct, lc, wc = xs
         z = (hc @ e_t).astype(jnp.float32) + (bias if has_bias else 0.0)
         top = jnp.max(z, axis=-1, keepdims=True)
         e = jnp.exp(z - top)
@@ -146,13 +149,14 @@ def _chunked_fwd(n, size, has_bias, h, embedding, bias, labels, weights):
         hits = jnp.sum(argmax_hits(z, lc) * wc)
         dz = e * (wc / total)[:, None] - jnp.where(index == lc[:, None], wc[:, None], 0.0)
         dh = dz.astype(embedding.dtype) @ embedding        # h and E share the compute dtype
-        d_et = d_et + jnp.matmul(hc.T, dz.astype(hc.dtype), preferred_element_type=jnp.float32)
+        d_et = d_et + jnp.matmul(hct, dz.astype(hc.dtype), preferred_element_type=jnp.float32)
         if has_bias:
             d_b = d_b + jnp.sum(dz, axis=0)
         return (d_et, d_b), (nll, hits, dh)
 
     init = (jnp.zeros((d, v), jnp.float32), jnp.zeros((v,), jnp.float32))
-    (d_et, d_b), (nll, hits, dh) = jax.lax.scan(chunk, init, (strided(h), strided(labels), strided(weights)))
+    h_t = jax.lax.optimization_barrier(jnp.swapaxes(strided(h), 1, 2))   # (n, D, size): kept apart from the dot
+    (d_et, d_b), (nll, hits, dh) = jax.lax.scan(chunk, init, (strided(h), h_t, strided(labels), strided(weights)))
     dh = jnp.swapaxes(dh, 0, 1).reshape(n * size, d)[:m]
     return (jnp.sum(nll), jnp.sum(hits)), (dh, d_et, d_b)
 
