@@ -191,7 +191,7 @@ def run(argv: Sequence[str]) -> int:
     if getattr(args, "out", None):
         from tupe_jax.workdir.gate import refuse_inside_suite  # pylint: disable=import-outside-toplevel
         refuse_inside_suite(args.out, "--out")
-    xla_options.opted_out()           # a bad TUPE_JAX_ONEDNN stops here, before any work
+    xla_options.setting()             # a bad TUPE_JAX_ONEDNN stops here, before any work
     config = None
     if command.needs_config:
         from tupe_jax import config as config_lib  # pylint: disable=import-outside-toplevel

@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 # The steps' dots on XLA's default library, not oneDNN (tupe_jax/xla_options.py): XLA cannot store an executable
 # with oneDNN calls in that compilation cache, and the suite leans on the cache. tests/test_xla_options.py runs the
-# oneDNN steps (the launcher's default on x86) and checks them against these.
+# oneDNN steps (the launcher's default on x86 CPUs with AVX-512) and checks them against these.
 os.environ.setdefault("TUPE_JAX_ONEDNN", "0")
 
 

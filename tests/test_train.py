@@ -89,7 +89,8 @@ def params_of(workdir):
     return jax.tree_util.tree_map(np.asarray, workdir_lib.load_run(str(workdir)).params)
 
 
-# "1": the steps' dots on oneDNN, as the launcher runs them on x86 (the suite's default is XLA's library: conftest.py);
+# "1": the steps' dots on oneDNN, as the launcher runs them on x86 with AVX-512 (the suite's default is XLA's
+# library: conftest.py);
 # JAX cannot store those executables in the suite's compilation cache and says so (xla_options.py): expected here
 @pytest.mark.parametrize("onednn", ["0", pytest.param("1", marks=[pytest.mark.skipif(
     platform.machine().lower() not in xla_options.X86, reason="oneDNN: x86 only"),

@@ -7,8 +7,8 @@ cores than on one; oneDNN, and torch's `bmm`, run them 1.3–2.0× faster on two
 - AMD Zen 4 with AVX-512: 0.85–0.98× the wall time by the median of each of five in-process A/Bs ("Levers of
   session 26"); Intel Xeon with AVX-512 (family 6 model 207): XLA's library took 1.10× the time (session 31);
 - AMD Zen 3 with AVX2 only (family 25 model 1): the other way round, XLA's library took 0.92× the time at equal
-  work (interval of the median 0.81–0.96, session 49). There oneDNN's AVX2 kernels run the MLM head's products
-  ((256 × 256)·(256 × 8192) and the like) at about half YNNPACK's rate.
+  work (interval of the median 0.81–0.96, session 49). There oneDNN's AVX2 kernels ran two of the MLM head's three
+  products per chunk ((256 × 256)·(256 × 8192) and the like) at about half YNNPACK's rate.
 So by default the steps' dots go to oneDNN where the CPU reports AVX-512 (`avx512f` in /proc/cpuinfo's flags, or
 where those flags cannot be read, as before this rule), and stay on XLA's library on x86 CPUs without it. Other
 x86 CPUs get that choice unmeasured.
@@ -58,11 +58,6 @@ def setting(environ: Optional[Mapping[str, str]] = None) -> str:
                         f"set {OPT_OUT}=0 (XLA's default dot library), 1 (oneDNN on every x86 CPU) or unset it "
                         "(oneDNN where the CPU has AVX-512)")
     return value
-
-
-def opted_out(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """True when `TUPE_JAX_ONEDNN=0`; a value other than 0, 1 or unset is a UserError."""
-    return setting(environ) == "0"
 
 
 def cpu_has_avx512(cpuinfo: str = host.CPUINFO) -> Optional[bool]:
