@@ -20,12 +20,12 @@ are still in cache:
 
 and the backward only scales them by the loss's cotangent. ∂/∂Eᵀ takes each chunk of hᵀ from one transpose of h
 made before the loop: a plain product. As the transposed-operand product hcᵀ · (∂/∂z) the head alone took 1.24×
-the time on an AVX2 Zen 3 with XLA's dots, and as long with oneDNN's (benchmarks/RESULTS.md, session 49). The full
-(M, V) logits never exist, where the plain form writes and reads them (64 MB at the equal-work shape) once per
-elementwise pass: the bias add, the softmax's max and exponentials, the accuracy's compare, the cotangent and the
-bias gradient's reduce. The matmul FLOPs are the same. Undifferentiated (evaluation), for logits that fit in two
-chunks, and on other backends, it is the plain form: `tied_logits`, `optax.softmax_cross_entropy_with_integer_labels`
-and `argmax_hits`.
+the time on an AVX2 Zen 3 with XLA's dots; with oneDNN's both took the same (benchmarks/RESULTS.md, session 49).
+The full (M, V) logits never exist, where the plain form writes and reads them (64 MB at the equal-work shape) once
+per elementwise pass: the bias add, the softmax's max and exponentials, the accuracy's compare, the cotangent and
+the bias gradient's reduce. The matmul FLOPs are the same. Undifferentiated (evaluation), for logits that fit in
+two chunks, and on other backends, it is the plain form: `tied_logits`,
+`optax.softmax_cross_entropy_with_integer_labels` and `argmax_hits`.
 
     tied_logits(h, embedding, dtype) -> logits
     argmax_hits(logits, labels) -> float32 hits (argmax == label, first index winning ties)
