@@ -10,8 +10,7 @@ over rounds with its min–max (the machine may be shared: the spread is the noi
 = equal work with HF). Variants:
 - current: the code as it is;
 - argmax (before): the accuracy metric via `jnp.argmax` instead of `head.argmax_hits`;
-- two-pass accuracy (before): `argmax_hits` as it was before its one-pass form (a max over the vocabulary, then a
-  check for an earlier index tying it);
+- two-pass accuracy (before): `argmax_hits` before its one-pass form (a max, then a check for an earlier tie);
 - uint32 mask halves (before): `dropout.keep_mask16` as it was before it compared the 16-bit halves before putting
   them side by side (a uint32 concatenation of the halves, then the compare; the same masks);
 - rbg / unsafe_rbg: `train.dropout_rng` (different dropout masks, same statistics);
@@ -41,18 +40,15 @@ over rounds with its min–max (the machine may be shared: the spread is the noi
 - rolled threefry (before): the 16-bit masks' threefry hash as JAX's `threefry2x32_p`, whose XLA:CPU lowering is
   a rolled while loop whose outputs XLA copies, instead of `kernels/threefry.py`'s written out as uint32
   operations (bit for bit the same masks; before session 28 the variant was "unrolled threefry (tried)");
+- transposed-operand dEᵀ (before): the chunked head as before session 49 (`bench_head.before_chunked_fwd`);
 - dX then dW / dW then dX (tried): each projection's two backward products made to run one after the other (a
   barrier between them) instead of letting XLA run them at once, each on both cores;
 - oneDNN dots with elementwise (tried): oneDNN fusions that take in a dot's elementwise neighbours (in the step:
   the MLM bias add, the head's gradient accumulation and four scalings) instead of one call per bare dot;
 - memory- / concurrency-optimised schedule (tried): `xla_cpu_scheduler_type` other than the default;
-- HF Flax (peer): HF `FlaxBertForMaskedLM`'s step as bench_train runs it (dense logits over all 128 positions,
-  whatever `--slots`), the same XLA in the same process: at `--slots 128` the equal-work ratio without the spread
-  between processes;
-- HF Flax (peer) with oneDNN dots: that step compiled with oneDNN for its dots, as ours is: what the same XLA option
-  would give HF Flax;
-- HF torch (peer): HF `BertForMaskedLM`'s step as bench_train runs it (torch's default threads), in the same
-  process and rounds.
+- HF Flax (peer), HF torch (peer): HF `FlaxBertForMaskedLM`'s and `BertForMaskedLM`'s steps as bench_train runs
+  them (dense logits over all 128 positions, whatever `--slots`; torch's default threads): at `--slots 128` the
+  equal-work ratios without the spread between processes; HF Flax (peer) with oneDNN dots: compiled as ours is.
 `--variants` picks a subset (comma-separated names; "current" always runs). Each round records wall ms and the
 process's CPU ms (all threads) per step: on a loaded machine the CPU time is the steadier of the two. For the HF
 peers use `--steps 8`: timed 2 steps at a time the peers ran a fifth slower than in their own processes and ours did
@@ -73,6 +69,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from outputs import refuse_below, refuse_missing_folder, refuse_unknown, write_json  # noqa: E402  pylint: disable=wrong-import-position
+from bench_head import before_chunked_fwd  # noqa: E402  pylint: disable=wrong-import-position
 from rounds import rotated, spread  # noqa: E402  pylint: disable=wrong-import-position
 from tupe_jax.xla_options import ONEDNN_DOTS  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -81,7 +78,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
           plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
           matmul_bwd=None, scheme: str = "bert_a", logits_head: bool = False,
-          compiler_options: Optional[dict] = None, rolled_hash: bool = False) -> dict:
+          compiler_options: Optional[dict] = None, rolled_hash: bool = False, head_fwd=None) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -112,6 +109,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     from tupe_jax import projection  # pylint: disable=import-outside-toplevel
     if matmul_bwd is not None:
         projection.matmul.defvjp(projection._matmul_fwd, matmul_bwd)  # pylint: disable=protected-access
+    if head_fwd is not None:
+        head_lib._chunked.defvjp(head_fwd, head_lib._chunked_bwd)  # pylint: disable=protected-access
     if uint32_halves:
         dropout_lib.keep_mask16 = uint32_halves_mask
     if rolled_hash:
@@ -142,6 +141,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         model_lib.gelu = kept_gelu
         dropout_lib.keep_mask16, dropout_lib._hash_words = kept_mask, kept_hash  # pylint: disable=protected-access
         projection.matmul.defvjp(projection._matmul_fwd, projection._matmul_bwd)  # pylint: disable=protected-access
+        head_lib._chunked.defvjp(head_lib._chunked_fwd, head_lib._chunked_bwd)  # pylint: disable=protected-access
     return variant
 
 
@@ -306,6 +306,7 @@ def main() -> None:
               "tupe_r": lambda: build(args.slots, scheme="tupe_r"),
               "XLA dots (before)": lambda: build(args.slots, compiler_options=XLA_DOTS),
               "rolled threefry (before)": lambda: build(args.slots, rolled_hash=True),
+              "transposed-operand dEᵀ (before)": lambda: build(args.slots, head_fwd=before_chunked_fwd),
               "dX then dW (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(order="dx,dw")),
               "dW then dX (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(order="dw,dx")),
               "oneDNN dots with elementwise (tried)": lambda: build(args.slots, compiler_options=ONEDNN_ELTWISE),
