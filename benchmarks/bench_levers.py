@@ -23,16 +23,16 @@ over rounds with its min–max (the machine may be shared: the spread is the noi
   `tupe_jax.projection.dense_dot_general` (its custom VJP: the weight gradient transposes the smaller operand);
 - dX through Wᵀ (tried): `projection.matmul`'s input gradient g · Wᵀ against a materialised Wᵀ when the weight
   is taller than wide (the MLP output projection), instead of XLA's transposed-operand dot;
-- dW as a TN dot (tried): `projection.matmul`'s weight gradient as XLA's own `dot_general` contracting the long M
-  axis of both operands, instead of the transpose of the smaller operand materialised first;
-- tall dW transpose folded (before): for a weight taller than wide (the MLP output projection) the weight
-  gradient (gᵀ·x)ᵀ without the barrier between the product and its transpose, which XLA folds into one dot that
-  XLA:CPU runs on Eigen instead of YNNPACK;
+- dW as a TN dot (tried): the weight gradient as XLA's `dot_general` over both operands' long M axis, instead of
+  the transpose of the smaller operand materialised first;
+- tall dW transpose folded (before): a tall weight's gradient (gᵀ·x)ᵀ (the MLP output projection's) without the
+  barrier before the transpose, which XLA folds into one dot that XLA:CPU runs on Eigen instead of YNNPACK;
 - jax.nn.gelu (before): the MLP and head GELU as `jax.nn.gelu(approximate=False)` (its erfc form) instead of
   `tupe_jax.activations.gelu` (the erf form: the same function in fewer, cheaper passes on XLA:CPU);
 - dropout_bits=16 / dropout_bits=32: `model.dropout_bits` (tupe_jax/dropout.py: four masks per threefry hash, the
   default, or flax's one);
 - no dropout: dropout 0 (hidden and attention), an upper bound on what any cheaper mask scheme could save;
+- last layer at every row (before): `model.last_layer_rows=all` (at `--slots 128` both variants run every row);
 - tupe_a / tupe_r: the same step for that scheme instead of bert_a (the scheme's cost, measured in one process,
   where the rounds alternate within seconds: steadier than bench_train's one process per job);
 - XLA dots (before): the step with its dots on XLA:CPU's default library (YNNPACK), not oneDNN
@@ -41,8 +41,7 @@ over rounds with its min–max (the machine may be shared: the spread is the noi
   a rolled while loop whose outputs XLA copies, instead of `kernels/threefry.py`'s written out as uint32
   operations (bit for bit the same masks; before session 28 the variant was "unrolled threefry (tried)");
 - transposed-operand dEᵀ (before): the chunked head as before session 49 (`bench_head.before_chunked_fwd`);
-- dX then dW / dW then dX (tried): each projection's two backward products made to run one after the other (a
-  barrier between them) instead of letting XLA run them at once, each on both cores;
+- dX then dW / dW then dX (tried): each projection's two backward products one after the other, not both at once;
 - oneDNN dots with elementwise (tried): oneDNN fusions that take in a dot's elementwise neighbours (in the step:
   the MLM bias add, the head's gradient accumulation and four scalings) instead of one call per bare dot;
 - memory- / concurrency-optimised schedule (tried): `xla_cpu_scheduler_type` other than the default;
@@ -78,7 +77,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
           dropout_bits: int = 0, plain_head: bool = False, plain_projections: bool = False,
           plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
           matmul_bwd=None, scheme: str = "bert_a", logits_head: bool = False,
-          compiler_options: Optional[dict] = None, rolled_hash: bool = False, head_fwd=None) -> dict:
+          compiler_options: Optional[dict] = None, rolled_hash: bool = False, head_fwd=None,
+          last_layer_rows: str = "") -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -94,8 +94,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     config = get_config(f"pe={scheme},size=small")
     with config.unlocked():
         config.model.dropout_rate = config.model.attention_dropout_rate = dropout
-        if dropout_bits:                      # 0: the config's default
-            config.model.dropout_bits = dropout_bits
+        config.model.dropout_bits = dropout_bits or config.model.dropout_bits     # 0: the config's default
+        config.model.last_layer_rows = last_layer_rows or config.model.last_layer_rows
         config.train.batch_size, config.train.steps, config.train.warmup_steps = shape["batch"], 1000, 10
     model = TransformerLM(ModelConfig.from_config(config.model))
     tx, schedule = make_optimizer(config.train)
@@ -230,18 +230,18 @@ def two_pass_hits(logits, labels):
     return ((at_label == top) & ~tie_before).astype(jnp.float32)
 
 
-def rolled_hash_words(rng, counter_shape):
+def rolled_hash_words(rng, counter_shape, rows=None):
     """`dropout._hash_words` before session 28 (threefry keys only, as the benchmark's step uses): JAX's
     `threefry2x32_p`, a rolled while loop on XLA:CPU, instead of `kernels.threefry.threefry2x32` (the 20 rounds
     written out as uint32 operations); bit for bit the same words."""
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from tupe_jax import dropout as dropout_lib  # pylint: disable=import-outside-toplevel
     raw = dropout_lib.threefry_words(rng)
-    counters = dropout_lib._counters(counter_shape)  # pylint: disable=protected-access
+    counters = dropout_lib._counters(counter_shape, rows)  # pylint: disable=protected-access
     return dropout_lib.threefry2x32_primitive(raw[0], raw[1], counters, jnp.zeros(counter_shape, jnp.uint32))
 
 
-def uint32_halves_mask(rng, shape, keep_prob):
+def uint32_halves_mask(rng, shape, keep_prob, rows=None):
     """`dropout.keep_mask16` before it compared the halves first (same masks): uint32 halves concatenated, then
     compared."""
     import jax  # pylint: disable=import-outside-toplevel
@@ -251,7 +251,7 @@ def uint32_halves_mask(rng, shape, keep_prob):
     threshold = int(round(keep_prob * 65536))
     counter_shape = shape[:-1] + (-(-shape[-1] // 4),)
     raw = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
-    words = threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape), jnp.zeros(counter_shape, jnp.uint32))
+    words = threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape, rows), jnp.zeros(counter_shape, jnp.uint32))
     halves = jnp.concatenate([(w >> shift) & 0xFFFF for w in words for shift in (0, 16)], axis=-1)[..., :shape[-1]]
     return (halves < threshold).reshape(out_shape), threshold / 65536
 
@@ -302,6 +302,7 @@ def main() -> None:
               "dropout_bits=16": lambda: build(args.slots, dropout_bits=16),
               "dropout_bits=32": lambda: build(args.slots, dropout_bits=32),
               "no dropout": lambda: build(args.slots, dropout=0.0),
+              "last layer at every row (before)": lambda: build(args.slots, last_layer_rows="all"),
               "tupe_a": lambda: build(args.slots, scheme="tupe_a"),
               "tupe_r": lambda: build(args.slots, scheme="tupe_r"),
               "XLA dots (before)": lambda: build(args.slots, compiler_options=XLA_DOTS),
@@ -320,8 +321,7 @@ def main() -> None:
     chosen = ["current"] + [n for n in (args.variants.split(",") if args.variants else makers) if n != "current"]
     refuse_unknown("--variants", chosen, makers, "variants")
     variants = {name: makers[name]() for name in chosen}
-    per = {name: [] for name in variants}
-    cpu = {name: [] for name in variants}
+    per, cpu = ({name: [] for name in variants} for _ in range(2))
     loads = []
     for i in range(args.rounds):
         for name, variant in rotated(variants.items(), i):

@@ -19,8 +19,8 @@ rounds, the median's 95% interval (`rounds.spread`); nothing keeps a job's best 
 and after every job is in the JSON. The torch 2048³ fp32 matmul rate is measured at the start of every round
 (recorded, for reference only).
 
-Model FLOPs (`tupe_jax.metrics.transformer_training_flops`, 3 × forward matmul FLOPs) count the head each job
-runs. tokens/s = batch × seq_len ÷ step time (all input tokens, the same for every job).
+Model FLOPs (`tupe_jax.metrics.transformer_training_flops`, 3 × forward matmul FLOPs) count the head and last-layer
+rows each job runs. tokens/s = batch × seq_len ÷ step time (all input tokens, the same for every job).
 
 Allocator (`--allocator`; the launcher's malloc setting, tupe_jax/allocator.py): `launcher` (default) gives ours and
 the loop what `python -m launch` gives itself and the peers the system's malloc, `all` gives it to every job, `none`
@@ -72,7 +72,7 @@ def model_flops(s: dict, predictions) -> float:
     sys.path.insert(0, ROOT)
     from tupe_jax.metrics import transformer_training_flops  # pylint: disable=import-outside-toplevel
     return transformer_training_flops(s["layers"], s["hidden"], s["mlp"], s["vocab"], s["seq"], s["batch"],
-                                      causal=False, mlm_predictions=predictions)
+                                      mlm_predictions=predictions, last_layer_predictions=predictions is not None)
 
 
 def job_env(allocator_mode: str, kind: str) -> dict:

@@ -88,6 +88,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         sinusoidal_style="scaled",        # scaled | fairseq (the NoPos/ALiBi papers' table; positional/sinusoidal.py)
         dropout_bits=16,                  # 16 (four masks per hash) | 32 (flax's; runs made before the key); dropout.py
         type_vocab_size=0,                # segment embeddings: 0 none (TUPE's and our own models), 2 BERT's (import-hf)
+        last_layer_rows="predicted",      # MLM: the last block at the head's positions only | all (runs before the key)
     ))
     config.data = default_data_config()  # keys documented in tupe_jax/data/__init__.py
     config.train = ml_collections.ConfigDict(dict(

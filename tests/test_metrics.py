@@ -109,6 +109,10 @@ def test_flops_and_mfu():
     attn = 4 * 9 * 4 * 2
     head = 2 * (16 + 40) * 2
     assert f == 3 * (layer + attn + head)
+    # the last layer at the one predicted position: k, v on all 6 tokens, q, output and MLP on 2 rows, attention rows
+    rows = metrics.transformer_training_flops(1, 4, 8, 10, seq_len=3, batch_size=2, mlm_predictions=1,
+                                              last_layer_predictions=True)
+    assert rows == 3 * (2 * (2 * 16) * 6 + 2 * (2 * 16 + 2 * 4 * 8) * 2 + 4 * 1 * 3 * 4 * 2 + head)
     causal = metrics.transformer_training_flops(1, 4, 8, 10, seq_len=3, batch_size=2, causal=True)
     assert causal == 3 * (layer + attn / 2 + 2 * 4 * 10 * 6)
     # BERT-base, batch 256 x 512, P=20 gathered: ~6 N tokens with N = 85M + attention

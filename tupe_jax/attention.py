@@ -4,7 +4,8 @@
 
 q/k come from one fused QKV projection; the scheme's q/k transform (RoPE, BERT-Ad) is applied to them; the bias
 (T5, ALiBi, TUPE) is one (1, H, L, L) array shared by every layer and broadcast over the batch, never copied
-per row or per layer.
+per row or per layer. With `rows` (B, P) (an MLM encoder's last block, `model.last_layer_rows`) only those queries
+are computed: their q rows after the transform, their bias rows (B, H, P, L), keys and values at all L.
 
 Backends: `einsum` (explicit logits; can return attention probabilities; attention-probability dropout);
 `xla` / `cudnn` (`jax.nn.dot_product_attention` with that implementation; used when no probabilities are asked
@@ -29,13 +30,14 @@ far entry back up (an error of up to u·|b|); for bits that match float32 use `x
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tupe_jax.dropout import apply_mask16, check_hashes16, keep_bits16, make_dropout, threefry_words
+from tupe_jax.dropout import Rows, apply_mask16, check_hashes16, keep_bits16, make_dropout, take_rows, threefry_words
 from tupe_jax.positional.base import PositionalTerms
 from tupe_jax.projection import dense_dot_general
 from tupe_jax.sharding import constrain
@@ -256,7 +258,18 @@ def pallas_runs(length: int) -> bool:
     return (on_gpu or PALLAS_OFF_GPU == "interpret") and pallas_kernel_fits(length)
 
 
+def bias_rows(bias: jax.Array, rows: jax.Array) -> jax.Array:
+    """The query rows `rows` (B, P) of a logit bias (1|B, H, L, L) -> (B, H, P, L)."""
+    if bias.shape[0] == 1:        # shared: one gather of whole rows, (H, B, P, L)
+        return jnp.moveaxis(jnp.take(bias[0], rows, axis=1), 0, 1)
+    return take_rows(bias, Rows(rows[:, None, :, None], 2, bias.shape[2]))
+
+
 class SelfAttention(nn.Module):
+    """`rows` (B, P) int (`__call__`): queries at those positions only (keys and values at all L): the output is
+    (B, P, d), the rows of the full output, with the rows of the same attention-dropout masks; the einsum or the
+    xla/cudnn path (pallas's kernel takes L queries: the einsum path runs instead)."""
+
     num_heads: int
     head_dim: int
     dtype: jnp.dtype = jnp.float32
@@ -266,7 +279,8 @@ class SelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, terms: PositionalTerms, mask: Optional[jax.Array], deterministic: bool,
-                 return_probs: bool = False, causal_only: bool = False) -> tuple[jax.Array, Optional[jax.Array]]:
+                 return_probs: bool = False, causal_only: bool = False, rows: Optional[jax.Array] = None
+                 ) -> tuple[jax.Array, Optional[jax.Array]]:
         qkv = nn.DenseGeneral(
             (3, self.num_heads, self.head_dim), dtype=self.dtype, name="qkv", dot_general=dense_dot_general,
             kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "qkv", "heads", "kv")),
@@ -275,11 +289,19 @@ class SelfAttention(nn.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if terms.qk_transform is not None:
             q, k = terms.qk_transform(q, k)
+        prob_rows = None
+        if rows is not None:      # queries at `rows` only: their q, bias and mask rows, and their dropout rows
+            if mask is not None and mask.shape[2] > 1:
+                mask = take_rows(mask, Rows(rows[:, None, :, None], 2, mask.shape[2]))
+            length, q = q.shape[1], take_rows(q, Rows(rows[:, :, None, None], 1, q.shape[1]))
+            if terms.logit_bias is not None:
+                terms = dataclasses.replace(terms, logit_bias=bias_rows(terms.logit_bias, rows))
+            prob_rows = Rows(rows[:, None, :, None], 2, length)
         probs, out = None, None
         drop = make_dropout(self.dropout_rate, self.dropout_bits)
         dropping = not deterministic and self.dropout_rate > 0.0
-        dropped = lambda p: drop(p, deterministic=deterministic)  # noqa: E731
-        if (self.backend == "pallas" and not return_probs and pallas_runs(q.shape[1])
+        dropped = lambda p: drop(p, deterministic=deterministic, rows=prob_rows)  # noqa: E731
+        if (self.backend == "pallas" and rows is None and not return_probs and pallas_runs(q.shape[1])
                 and (not dropping or self.dropout_bits == 16)):
             key = drop.key() if dropping else None          # the rng drop() would draw: the same masks
             if key is None or PALLAS_DROPOUT_MASK == "precomputed" or threefry_words(key) is not None:

@@ -22,10 +22,13 @@ its rolled loop (`_hash_words`).
     keep_bits16(rng, shape, keep_prob) -> the same mask, four bits a byte (one byte per hash)
     threshold16(keep_prob) -> t, the 16-bit threshold of keep_mask16 (and of kernels/flash.py's masks)
     apply_mask16(x, rng, rate) -> x masked and scaled (what Dropout16 does with the rng it draws)
+    Rows(index, axis, length); take_rows(x, rows) -> some rows of a mask's full shape (both modules' `rows=`: a
+        layer computed at some positions only draws those rows of the masks the whole sequence would get)
     threefry2x32_primitive(k0, k1, x0, x1) -> (y0, y1)   JAX's threefry primitive (the hash off XLA:CPU)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -40,14 +43,39 @@ DROPOUT_BITS = (32, 16)
 MAX_HASHES16 = 1 << 32     # keep_mask16's counters are one uint32 word: distinct for this many hashes per mask
 
 
-def _counters(shape: tuple[int, ...]) -> jax.Array:
-    """uint32 array of `shape` holding each element's row-major index: built from broadcasted iotas, which the
-    SPMD partitioner shards like the data (each device makes only its own slice)."""
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Rows `index` along `axis` of an array whose full extent there is `length`: `index` is an integer array that
+    broadcasts to the array's shape with `axis` of the rows' count (e.g. (B, P, 1) for rows of a (B, L, d) array).
+    A mask drawn with `rows` is those rows of the mask the full shape gets from the same rng, bit for bit."""
+    index: jax.Array
+    axis: int
+    length: int
+
+    def full(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The full shape whose rows `shape` (the rows' own) holds."""
+        return shape[:self.axis] + (self.length,) + shape[self.axis + 1:]
+
+
+def take_rows(x: jax.Array, rows: Rows) -> jax.Array:
+    """x's rows `rows.index` along `rows.axis` (x has the full extent there)."""
+    shape = x.shape[:rows.axis] + (rows.index.shape[rows.axis],) + x.shape[rows.axis + 1:]
+    return jnp.take_along_axis(x, jnp.broadcast_to(rows.index.astype(jnp.int32), shape), axis=rows.axis)
+
+
+def _counters(shape: tuple[int, ...], rows: Optional[Rows] = None) -> jax.Array:
+    """uint32 array of `shape` holding each element's row-major index (in `rows.full(shape)` where rows are given:
+    an element of row r along rows.axis counts as at r): built from broadcasted iotas, which the SPMD partitioner
+    shards like the data (each device makes only its own slice)."""
     index = jnp.zeros(shape, jnp.uint32)
     stride = 1
     for axis in range(len(shape) - 1, -1, -1):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % (1 << 32))
-        stride *= shape[axis]
+        if rows is not None and axis == rows.axis:
+            at, extent = jnp.broadcast_to(rows.index.astype(jnp.uint32), shape), rows.length
+        else:
+            at, extent = jax.lax.broadcasted_iota(jnp.uint32, shape, axis), shape[axis]
+        index = index + at * jnp.uint32(stride % (1 << 32))
+        stride *= extent
     return index
 
 
@@ -68,8 +96,10 @@ def threefry2x32_primitive(k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.
     return tuple(threefry2x32_p.bind(k0, k1, x0, x1))
 
 
-def _hash_words(rng: jax.Array, counter_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """The two uint32 words of each of keep_mask16's hashes, `counter_shape` (the mask's leading axes, then q).
+def _hash_words(rng: jax.Array, counter_shape: tuple[int, ...], rows: Optional[Rows] = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """The two uint32 words of each of keep_mask16's hashes, `counter_shape` (the mask's leading axes, then q; with
+    `rows`, those rows of the full shape's hashes).
 
     On XLA:CPU the threefry hash is `kernels.threefry.threefry2x32`, its 20 rounds written out as uint32
     operations: the same words bit for bit as JAX's `threefry2x32_p`, whose CPU lowering is a rolled while loop
@@ -78,11 +108,14 @@ def _hash_words(rng: jax.Array, counter_shape: tuple[int, ...]) -> tuple[jax.Arr
     raw = threefry_words(rng)
     if raw is not None:               # a threefry key: both 32-bit words of each hash are used
         # chosen by the platform the step is lowered for (a CUDA lowering traced on a CPU host keeps the primitive)
-        return tuple(jax.lax.platform_dependent(raw[0], raw[1], _counters(counter_shape),
+        return tuple(jax.lax.platform_dependent(raw[0], raw[1], _counters(counter_shape, rows),
                                                 jnp.zeros(counter_shape, jnp.uint32), cpu=threefry2x32,
                                                 default=threefry2x32_primitive))
-    # rbg / unsafe_rbg (4-word keys): their own bit generator, two words per slot
-    return tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
+    # rbg / unsafe_rbg (4-word keys): their own bit generator, two words per slot (rows: drawn in full, then taken)
+    if rows is None:
+        return tuple(jax.random.bits(rng, (2,) + counter_shape, jnp.uint32))
+    words = jax.random.bits(rng, (2,) + rows.full(counter_shape), jnp.uint32)
+    return tuple(take_rows(w, rows) for w in words)
 
 
 def hashes16(shape: tuple[int, ...]) -> int:
@@ -98,26 +131,31 @@ def check_hashes16(shape: tuple[int, ...]) -> None:
                          f"{MAX_HASHES16} its 32-bit counters number apart; use model.dropout_bits=32")
 
 
-def _quarter_keeps(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tuple[list[jax.Array], int]:
+def _quarter_keeps(rng: jax.Array, shape: tuple[int, ...], keep_prob: float, rows: Optional[Rows] = None
+                   ) -> tuple[list[jax.Array], int]:
     """The four boolean shape[:-1] + (q,) masks of keep_mask16's hashes, q = ceil(L/4), in quarter order t = 0..3
     (the low and high halves of the first word, then of the second), and q. Quarter t's element (…, c) is the mask
-    at (…, c + t·q)."""
-    check_hashes16(shape)
+    at (…, c + t·q). `rows`: `shape` holds those rows of the full shape's mask (not along the last axis)."""
+    if rows is not None and rows.axis == len(shape) - 1:
+        raise ValueError("dropout rows cannot be taken along a 16-bit mask's last axis (its hashes' quarters)")
+    check_hashes16(shape if rows is None else rows.full(shape))
     threshold = threshold16(keep_prob)
     quarter = -(-shape[-1] // 4)
-    words = _hash_words(rng, shape[:-1] + (quarter,))
+    words = _hash_words(rng, shape[:-1] + (quarter,), rows)
     return [((w >> shift) & 0xFFFF) < threshold for w in words for shift in (0, 16)], quarter
 
 
-def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> tuple[jax.Array, float]:
+def keep_mask16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float, rows: Optional[Rows] = None
+                ) -> tuple[jax.Array, float]:
     """Boolean `shape` mask with P(True) = round(keep_prob·2¹⁶)/2¹⁶, and that probability.
 
     One threefry2x32 hash per 4 elements: for the last axis of length L and q = ceil(L/4), hash (…, j) gives
     elements (…, j), (…, j+q), (…, j+2q), (…, j+3q) from the low and high halves of its two words. The hashes'
     counters have the mask's leading axes, so a mask sharded over the batch is made shard by shard (no device
-    computes another's bits). Counters are unique for up to 2³² hashes per call."""
+    computes another's bits). Counters are unique for up to 2³² hashes per call. `rows` (`Rows`): `shape` is those
+    rows of a full shape, and the mask is those rows of the full shape's mask (the hashes of those rows only)."""
     out_shape, shape = tuple(shape), tuple(shape) or (1,)
-    quarters, quarter = _quarter_keeps(rng, shape, keep_prob)
+    quarters, quarter = _quarter_keeps(rng, shape, keep_prob, rows)
     # compared before they are put side by side: the four quarters are stacked as booleans (1 byte per element,
     # not the 4 of the uint32 halves) and (…, 4, q) -> (…, 4q) is a free reshape; same masks, 1.03x faster step
     keep = jnp.stack(quarters, axis=-2)
@@ -134,11 +172,11 @@ def keep_bits16(rng: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax
     return (bits[0] | bits[1] | bits[2] | bits[3]).astype(jnp.int8)
 
 
-def apply_mask16(inputs: jax.Array, rng: jax.Array, rate: float) -> jax.Array:
-    """`inputs` with keep_mask16(rng, inputs.shape, 1 − rate) applied and the kept values scaled by 2¹⁶/t. The
+def apply_mask16(inputs: jax.Array, rng: jax.Array, rate: float, rows: Optional[Rows] = None) -> jax.Array:
+    """`inputs` with keep_mask16(rng, inputs.shape, 1 − rate, rows) applied, the kept values scaled by 2¹⁶/t. The
     product is taken in float32 and rounded once: a bfloat16 scale, 2¹⁶/58982 rounded to 1.109375 at rate 0.1,
     would shrink every kept value by 0.16% (E[y] = 0.9984·x)."""
-    keep, p = keep_mask16(rng, inputs.shape, 1.0 - rate)
+    keep, p = keep_mask16(rng, inputs.shape, 1.0 - rate, rows)
     scaled = (inputs.astype(jnp.float32) * jnp.float32(1.0 / p)).astype(inputs.dtype)
     return jnp.where(keep, scaled, jnp.zeros((), inputs.dtype))
 
@@ -151,10 +189,10 @@ class Dropout16(nn.Module):
     rng_collection: str = "dropout"
 
     @nn.compact
-    def __call__(self, inputs: jax.Array, deterministic: bool) -> jax.Array:
+    def __call__(self, inputs: jax.Array, deterministic: bool, rows: Optional[Rows] = None) -> jax.Array:
         if deterministic or self.rate == 0.0:
             return inputs
-        return apply_mask16(inputs, self.make_rng(self.rng_collection), self.rate)
+        return apply_mask16(inputs, self.make_rng(self.rng_collection), self.rate, rows)
 
     def key(self) -> jax.Array:
         return self.make_rng(self.rng_collection)
@@ -164,10 +202,18 @@ class Dropout(nn.Dropout):
     """`flax.linen.Dropout`'s masks (the same rng draw and bits: the class keeps its name, so modules keep their
     names and rng streams), with the kept values divided by keep_prob in float32 and rounded once: flax divides in
     the input's dtype, and keep_prob 0.9 in bfloat16 (0.8984375) made every kept value 0.17% large. Float32 inputs
-    give flax's values bit for bit."""
+    give flax's values bit for bit. `rows` (`Rows`): `inputs` is those rows of a full shape; flax's mask is drawn
+    for the full shape and those rows are applied."""
 
     @nn.compact
-    def __call__(self, inputs: jax.Array, deterministic: Optional[bool] = None, rng: Optional[jax.Array] = None):
+    def __call__(self, inputs: jax.Array, deterministic: Optional[bool] = None, rng: Optional[jax.Array] = None,
+                 rows: Optional[Rows] = None):
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        if rows is not None and self.rate > 0.0 and not deterministic:
+            rng = self.make_rng(self.rng_collection) if rng is None else rng
+            keep = take_rows(jax.random.bernoulli(rng, p=1.0 - self.rate, shape=rows.full(inputs.shape)), rows)
+            x = inputs.astype(jnp.float32)
+            return jax.lax.select(keep, x / (1.0 - self.rate), jnp.zeros_like(x)).astype(inputs.dtype)
         if inputs.dtype == jnp.float32:
             return super().__call__(inputs, deterministic, rng)
         return super().__call__(inputs.astype(jnp.float32), deterministic, rng).astype(inputs.dtype)   # same mask

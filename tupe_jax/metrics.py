@@ -301,12 +301,14 @@ class Progress:
 
 def transformer_training_flops(num_layers: int, hidden_size: int, mlp_dim: int, vocab_size: int, seq_len: int,
                                batch_size: int, causal: bool = False, mlm_predictions: int | None = None,
-                               extra_forward_flops: float = 0.0) -> float:
+                               extra_forward_flops: float = 0.0, last_layer_predictions: bool = False) -> float:
     """Model FLOPs of ONE training step (forward + backward = 3 × forward) for a batch of `batch_size` sequences.
 
     Per layer: QKV + output projections 4·d² params, MLP 2·d·mlp params → 2 FLOPs per param per token; attention
     scores and weighted sum 4·S²·d per sequence (halved if `causal`). Head: MLM (d² transform + d·V decoder) on
     `mlm_predictions` positions per sequence when given, else on all S; causal LM head d·V on all S.
+    `last_layer_predictions` (MLM, P = mlm_predictions < S; `model.last_layer_rows="predicted"`): the last layer's
+    keys and values on all S, its queries, output projection, MLP and attention rows (4·P·S·d) on the P only.
     """
     d, s, b = hidden_size, seq_len, batch_size
     tokens = b * s
@@ -319,17 +321,10 @@ def transformer_training_flops(num_layers: int, hidden_size: int, mlp_dim: int, 
     else:
         head_positions = b * (mlm_predictions if mlm_predictions is not None else s)
         forward += 2.0 * (d * d + d * vocab_size) * head_positions
+    if last_layer_predictions and not causal and mlm_predictions is not None and mlm_predictions < s:
+        skipped = s - mlm_predictions       # rows of the last layer not computed, per sequence
+        forward -= b * skipped * (2.0 * (2 * d * d + 2 * d * mlp_dim) + 4.0 * s * d)
     return 3.0 * (forward + extra_forward_flops)
-
-
-def flops_from_config(config: Any, batch_size: int | None = None) -> float:
-    """`transformer_training_flops` for a pretraining config (MLM head on `data.max_predictions` positions)."""
-    m = config.model
-    causal = m.objective == "clm"
-    predictions = None if causal else int(config.data.max_predictions)
-    return transformer_training_flops(m.num_layers, m.hidden_size, m.mlp_dim, m.vocab_size, m.max_len,
-                                      batch_size or config.train.batch_size, causal=causal,
-                                      mlm_predictions=predictions)
 
 
 def peak_tflops(configured: float = 0.0, device_kind: str | None = None) -> float:

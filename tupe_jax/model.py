@@ -4,9 +4,10 @@
   dense+GELU+LayerNorm+output tied to the token embedding (+bias);
 - `objective='clm'`: causal decoder, pre-LN blocks with a final LayerNorm, LM head tied to the embedding.
 
-The scheme (`positional/`) is called once per forward; its terms are threaded through every block. Params are
-float32 with logical axis names (vocab, embed, mlp, heads, kv, qkv, pos, buckets) for `sharding.py`; compute
-runs in `dtype`. `SequenceClassifier` (GLUE) reuses the same `Transformer` under the same name, `encoder`, so a
+The scheme (`positional/`) is called once per forward; its terms are threaded through every block. With
+`last_layer_rows="predicted"` an MLM encoder's last block computes its outputs at the head's positions only.
+Params are float32 with logical axis names (vocab, embed, mlp, heads, kv, qkv, pos, buckets) for `sharding.py`;
+compute runs in `dtype`. `SequenceClassifier` (GLUE) reuses the same `Transformer` under the same name, `encoder`, so a
 pretraining checkpoint's `params['encoder']` drops straight in.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tupe_jax import attention as attention_lib
 from tupe_jax import positional
 from tupe_jax.activations import gelu
 from tupe_jax.attention import ATTENTION_BACKENDS, SelfAttention, attention_mask
-from tupe_jax.dropout import DROPOUT_BITS, MAX_HASHES16, hashes16, make_dropout
+from tupe_jax.dropout import DROPOUT_BITS, MAX_HASHES16, Rows, hashes16, make_dropout, take_rows
 from tupe_jax.errors import require
 from tupe_jax.head import tied_cross_entropy, tied_logits
 from tupe_jax.positional import PositionalSettings, canonical_name, make_positional
@@ -33,6 +34,10 @@ from tupe_jax.sharding import constrain
 # loss scaling, which this project does not implement; bfloat16 has float32's range and needs none.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 OBJECTIVES = ("mlm", "clm")
+# `model.last_layer_rows`: where an MLM encoder's last block computes past its keys and values when the head reads
+# the masked positions only (`TransformerLM`'s mlm_positions): "all" positions, or the "predicted" ones (P < L:
+# the rows of the same outputs, dropout masks included, with the loss and gradients equal up to float rounding)
+LAST_LAYER_ROWS = ("all", "predicted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,7 @@ class ModelConfig:
     sinusoidal_style: str = "scaled"    # scaled | fairseq (positional/sinusoidal.py)
     dropout_bits: int = 32              # 32 (nn.Dropout; configs/pretrain.py sets 16) | 16 (dropout.py)
     type_vocab_size: int = 0            # segment embeddings (BERT's token types): 0 none, else rows (Transformer)
+    last_layer_rows: str = "all"        # all | predicted (LAST_LAYER_ROWS; configs/pretrain.py sets predicted)
 
     @classmethod
     def from_config(cls, model_config: Any) -> "ModelConfig":
@@ -100,8 +106,9 @@ def validate_config(model: Any) -> None:
     require(model.get("type_vocab_size", 0) >= 0, f"model.type_vocab_size = {model.get('type_vocab_size')} is "
             "negative", "--config.model.type_vocab_size", "give 0 (no segment embeddings) or the number of segments")
     for key, known in (("dtype", tuple(DTYPES)), ("objective", OBJECTIVES), ("attention_backend", ATTENTION_BACKENDS),
-                       ("dropout_bits", DROPOUT_BITS)):
-        require(model[key] in known, f"unknown model.{key} {model[key]!r}", f"--config.model.{key}",
+                       ("dropout_bits", DROPOUT_BITS), ("last_layer_rows", LAST_LAYER_ROWS)):
+        value = model.get(key, known[0])   # known[0]: ModelConfig's default (a key a stored config may lack)
+        require(value in known, f"unknown model.{key} {value!r}", f"--config.model.{key}",
                 "use one of " + "|".join(map(str, known)))
     require(model.hidden_size % model.num_heads == 0,
             f"model.hidden_size = {model.hidden_size} is not divisible by model.num_heads = {model.num_heads}",
@@ -164,7 +171,9 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, terms, mask, deterministic: bool, return_probs: bool = False, causal_only: bool = False):
+    def __call__(self, x, terms, mask, deterministic: bool, return_probs: bool = False, causal_only: bool = False,
+                 rows=None):
+        """`rows` (B, P) (encoder): the block's output at those positions only, (B, P, d) (attention's `rows`)."""
         cfg = self.cfg
         drop = make_dropout(cfg.dropout_rate, cfg.dropout_bits)
         attn = SelfAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype, cfg.attention_dropout_rate,
@@ -180,9 +189,11 @@ class Block(nn.Module):
             x = x + drop(a, deterministic=deterministic)
             x = x + drop(mlp(layer_norm(cfg, "ln_mlp")(x)), deterministic=deterministic)
         else:  # post-LN
-            a, probs = attn(x, terms, mask, deterministic, return_probs)
-            x = layer_norm(cfg, "ln_attention")(x + drop(a, deterministic=deterministic))
-            x = layer_norm(cfg, "ln_mlp")(x + drop(mlp(x), deterministic=deterministic))
+            a, probs = attn(x, terms, mask, deterministic, return_probs, rows=rows)
+            at = None if rows is None else Rows(rows[:, :, None], 1, x.shape[1])
+            x = x if at is None else take_rows(x, at)
+            x = layer_norm(cfg, "ln_attention")(x + drop(a, deterministic=deterministic, rows=at))
+            x = layer_norm(cfg, "ln_mlp")(x + drop(mlp(x), deterministic=deterministic, rows=at))
         return constrain(x, ("batch", "length", "embed")), probs
 
 
@@ -214,7 +225,8 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens: jax.Array, input_mask: Optional[jax.Array] = None, deterministic: bool = True,
                  position_offset: int = 0, return_hidden: bool = False, return_attention: bool = False,
-                 segments: Optional[jax.Array] = None):
+                 segments: Optional[jax.Array] = None, last_rows: Optional[jax.Array] = None):
+        """`last_rows` (B, P) (encoder): the last block at those positions only; x is then (B, P, d)."""
         cfg = self.cfg
         length = tokens.shape[1]
         terms = self.positional(length, position_offset)
@@ -231,8 +243,9 @@ class Transformer(nn.Module):
         mask = attention_mask(input_mask, length, cfg.causal)
         causal_only = cfg.causal and input_mask is None   # the mask is the bare triangle (attention.fused_attention)
         hidden, attentions = [x], []
-        for block in self.blocks:
-            x, probs = block(x, terms, mask, deterministic, return_attention, causal_only)
+        for i, block in enumerate(self.blocks):
+            rows = last_rows if i == len(self.blocks) - 1 else None
+            x, probs = block(x, terms, mask, deterministic, return_attention, causal_only, rows)
             hidden.append(x)
             attentions.append(probs)
         if self.final_ln is not None:
@@ -260,7 +273,8 @@ class Transformer(nn.Module):
 class TransformerLM(nn.Module):
     """Encoder + MLM head (`mlm`) or decoder + LM head (`clm`).
 
-    `mlm_positions` (B, P): run the MLM head only at those positions (the gather form); logits (B, P, V).
+    `mlm_positions` (B, P): run the MLM head only at those positions (the gather form); logits (B, P, V); with
+    `last_layer_rows="predicted"` and P < L the last block too, unless hidden states or attentions are returned.
     Otherwise logits (B, L, V). Logits are float32.
     `segments` (B, L): segment ids for a model with segment embeddings (`Transformer`).
     `labels` and `label_weights` (B, P) or (B, L): return the loss sums instead of the logits, {'nll_sum':
@@ -277,9 +291,12 @@ class TransformerLM(nn.Module):
                  segments: Optional[jax.Array] = None) -> dict:
         cfg = self.cfg
         encoder = Transformer(cfg, name="encoder")
+        rows = mlm_positions if (cfg.last_layer_rows == "predicted" and mlm_positions is not None and not cfg.causal
+                                 and mlm_positions.shape[1] < tokens.shape[1] and not return_hidden
+                                 and not return_attention) else None
         h, extras = encoder(tokens, input_mask, deterministic, position_offset, return_hidden, return_attention,
-                            segments)
-        if mlm_positions is not None:
+                            segments, None if rows is None else rows.astype(jnp.int32))
+        if mlm_positions is not None and rows is None:
             h = constrain(jnp.take_along_axis(h, mlm_positions[..., None].astype(jnp.int32), axis=1),
                           ("batch", "length", "embed"))
         bias = None

@@ -83,4 +83,5 @@ def step_flops(config: ml_collections.ConfigDict) -> float:
     causal = m.objective == "clm"
     return metrics_lib.transformer_training_flops(
         m.num_layers, m.hidden_size, m.mlp_dim, m.vocab_size, m.max_len, config.train.batch_size, causal=causal,
-        mlm_predictions=None if causal else resolve_max_predictions(config, int(m.max_len)))
+        mlm_predictions=None if causal else resolve_max_predictions(config, int(m.max_len)),
+        last_layer_predictions=m.get("last_layer_rows", "all") == "predicted")

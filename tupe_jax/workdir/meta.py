@@ -30,6 +30,7 @@ RESUMABLE = (
     "train.profile_steps",
     "checkpoint.", "metrics.", "mesh.",                                 # how it is saved, measured, laid out
     "model.attention_backend",                                          # same maths, another kernel
+    "model.last_layer_rows",                                            # same maths, fewer rows computed
     "data.cache_dir", "data.tfds_data_dir", "data.prefetch", "data.num_threads",   # where/how data is read
     "data.path", "data.glue_dir",   # where the text is: a copy elsewhere resumes, other text is refused by its key
     "sweep.", "schemes", "seeds", "glue.", "eval.", "probe.",           # a sweep's or suite's grid and analyses
@@ -41,6 +42,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "model.sinusoidal_style": "scaled",
     "model.dropout_bits": 32,
     "model.type_vocab_size": 0,
+    "model.last_layer_rows": "all",
     "init_from": "", "init_step": -1,     # a pretraining config's (a fine-tune's always had them)
     "eval.stride": 0,     # a compare suite's (unset: nonoverlapping windows, as the suites before it scored)
 }
