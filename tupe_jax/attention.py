@@ -267,8 +267,9 @@ def bias_rows(bias: jax.Array, rows: jax.Array) -> jax.Array:
 
 class SelfAttention(nn.Module):
     """`rows` (B, P) int (`__call__`): queries at those positions only (keys and values at all L): the output is
-    (B, P, d), the rows of the full output, with the rows of the same attention-dropout masks; the einsum or the
-    xla/cudnn path (pallas's kernel takes L queries: the einsum path runs instead)."""
+    (B, P, d), the rows of the full output, with the rows of the same attention-dropout masks. Those queries take
+    the einsum path, or xla's fused one where the backend is xla or cudnn (cuDNN's kernel refuses an odd P with a
+    bias in training), never pallas's kernel (it takes L queries)."""
 
     num_heads: int
     head_dim: int
@@ -309,7 +310,8 @@ class SelfAttention(nn.Module):
             else:   # hashing in the kernel needs threefry words: the einsum path below applies this rbg draw
                 dropped = lambda p: apply_mask16(p, key, self.dropout_rate)  # noqa: E731
         elif self.backend in ("xla", "cudnn") and not return_probs and not dropping:
-            out = fused_attention(q, k, v, terms, mask, self.backend, causal_only)
+            # P query rows: cuDNN's kernel refuses an odd P with a bias in training; xla's takes any (the same maths)
+            out = fused_attention(q, k, v, terms, mask, "xla" if rows is not None else self.backend, causal_only)
         if out is None:
             probs = jax.nn.softmax(attention_logits(q, k, terms, mask), axis=-1)
             out = jnp.einsum("bhqk,bkhd->bqhd", dropped(probs).astype(self.dtype), v)
