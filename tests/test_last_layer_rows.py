@@ -146,3 +146,12 @@ def test_the_key_is_checked_new_runs_take_predicted_and_older_runs_read_all():
     with config.unlocked():
         config.model.last_layer_rows = "predicted"
     assert meta_lib.identity_hash(config) == before
+
+
+def test_a_causal_decoder_refuses_last_rows():
+    """A decoder predicts every position: rows there would be a caller's mistake, not silently ignored."""
+    cfg = dataclasses.replace(tiny("rope"), objective="clm", untie_cls=False)
+    tokens = jnp.zeros((B, L), jnp.int32)
+    params = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), tokens))
+    with pytest.raises(ValueError, match="a causal decoder predicts every position"):
+        jax.eval_shape(lambda p: Transformer(cfg).apply(p, tokens, last_rows=jnp.asarray(positions(0))), params)

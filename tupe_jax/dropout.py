@@ -208,8 +208,8 @@ class Dropout(nn.Dropout):
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: Optional[bool] = None, rng: Optional[jax.Array] = None,
                  rows: Optional[Rows] = None):
-        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-        if rows is not None and self.rate > 0.0 and not deterministic:
+        if rows is not None and self.rate > 0.0 and not nn.merge_param("deterministic", self.deterministic,
+                                                                        deterministic):
             rng = self.make_rng(self.rng_collection) if rng is None else rng
             keep = take_rows(jax.random.bernoulli(rng, p=1.0 - self.rate, shape=rows.full(inputs.shape)), rows)
             x = inputs.astype(jnp.float32)

@@ -7,8 +7,8 @@
 The scheme (`positional/`) is called once per forward; its terms are threaded through every block. With
 `last_layer_rows="predicted"` an MLM encoder's last block computes its outputs at the head's positions only.
 Params are float32 with logical axis names (vocab, embed, mlp, heads, kv, qkv, pos, buckets) for `sharding.py`;
-compute runs in `dtype`. `SequenceClassifier` (GLUE) reuses the same `Transformer` under the same name, `encoder`, so a
-pretraining checkpoint's `params['encoder']` drops straight in.
+compute runs in `dtype`. `SequenceClassifier` (GLUE) reuses the same `Transformer` under the same name, `encoder`,
+so a pretraining checkpoint's `params['encoder']` drops straight in.
 """
 from __future__ import annotations
 
@@ -175,6 +175,8 @@ class Block(nn.Module):
                  rows=None):
         """`rows` (B, P) (encoder): the block's output at those positions only, (B, P, d) (attention's `rows`)."""
         cfg = self.cfg
+        if cfg.causal and rows is not None:
+            raise ValueError("Block: rows are an MLM encoder's (a causal decoder predicts every position)")
         drop = make_dropout(cfg.dropout_rate, cfg.dropout_bits)
         attn = SelfAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype, cfg.attention_dropout_rate,
                              cfg.attention_backend, cfg.dropout_bits, name="attention")
