@@ -9,7 +9,8 @@ Per configuration: `configs/pretrain.py:pe=<scheme>,size=base` (12 layers, d 768
 max_len 512, dtype bfloat16 (params float32), attention-probability dropout `--attention_dropout` (default 0: the
 xla and cudnn paths run only without it; 0.1 = the paper's recipe, which they train through the einsum path and the
 pallas kernel keeps, with the einsum path's masks; hidden dropout stays 0.1), no padding (input_mask None, so no
-mask reaches the kernel), MLM head on the P = 77 masked positions. The full jitted train step (forward + backward + clip + AdamW, donated state, batches already
+mask reaches the kernel), MLM head on the P = 77 masked positions, and since session 51 the last block's rows past
+its keys and values too (`model.last_layer_rows`, configs/pretrain.py's default). The full jitted train step (forward + backward + clip + AdamW, donated state, batches already
 on the device) is timed over `--steps` steps after `--warmup` steps; step time = median, each step synced.
 Model FLOPs from `tupe_jax.metrics.transformer_training_flops`; MFU against (a) the device's dense bf16 peak from
 `tupe_jax.metrics.PEAK_TFLOPS` and (b) a bf16 8192³ matmul measured in the same run. A configuration that fails
@@ -130,8 +131,10 @@ def run_config(args, scheme: str, form: str, backend: str, rng_impl: str = "thre
         for path in glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[:1]:
             shutil.copy(path, os.path.join(args.profile_dir, f"trace_{scheme}_{form}_{backend}_{rng_impl}.json.gz"))
     flops = transformer_training_flops(cfg.num_layers, cfg.hidden_size, cfg.mlp_dim, cfg.vocab_size, args.seq,
-                                       args.batch, causal=causal, mlm_predictions=None if causal else predictions)
+                                       args.batch, causal=causal, mlm_predictions=None if causal else predictions,
+                                       last_layer_predictions=cfg.last_layer_rows == "predicted")
     return {"scheme": scheme, "form": form, "backend": backend, "dropout_rng": rng_impl,
+            "last_layer_rows": cfg.last_layer_rows,    # configs/pretrain.py's (predicted since session 51)
             "objective": args.objective, "causal_mask": causal_mask if causal else "",
             "attention_dropout": args.attention_dropout,
             "attention_kernels": kernels,   # the fused kernels in the compiled step (none: the einsum path ran)

@@ -33,7 +33,7 @@ def test_the_mfu_script_runs_the_paper_recipe_configurations(tmp_path):
     for row in rows:
         assert "error" not in row, row
         assert row["step_ms"] > 0 and row["final_loss"] == row["final_loss"] and row["attention_dropout"] == 0.1
-        assert row["pallas_dropout_mask"] == "precomputed"
+        assert row["pallas_dropout_mask"] == "precomputed" and row["last_layer_rows"] == "predicted"
 
 
 def test_the_mfu_script_reports_cudnn_refused_off_a_gpu_and_runs_the_causal_xla_rows(tmp_path):
