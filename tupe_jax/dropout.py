@@ -58,9 +58,9 @@ class Rows:
 
 
 def take_rows(x: jax.Array, rows: Rows) -> jax.Array:
-    """x's rows `rows.index` along `rows.axis` (x has the full extent there)."""
-    shape = x.shape[:rows.axis] + (rows.index.shape[rows.axis],) + x.shape[rows.axis + 1:]
-    return jnp.take_along_axis(x, jnp.broadcast_to(rows.index.astype(jnp.int32), shape), axis=rows.axis)
+    """x's rows `rows.index` along `rows.axis` (x has the full extent there). The index keeps its size-1 axes: jax
+    then gathers whole rows (slices), where a broadcast index would have it gather every element on its own."""
+    return jnp.take_along_axis(x, rows.index.astype(jnp.int32), axis=rows.axis)
 
 
 def _counters(shape: tuple[int, ...], rows: Optional[Rows] = None) -> jax.Array:

@@ -297,7 +297,7 @@ class TransformerLM(nn.Module):
                                  and mlm_positions.shape[1] < tokens.shape[1] and not return_hidden
                                  and not return_attention) else None
         h, extras = encoder(tokens, input_mask, deterministic, position_offset, return_hidden, return_attention,
-                            segments, None if rows is None else rows.astype(jnp.int32))
+                            segments, rows)
         if mlm_positions is not None and rows is None:
             h = constrain(jnp.take_along_axis(h, mlm_positions[..., None].astype(jnp.int32), axis=1),
                           ("batch", "length", "embed"))
