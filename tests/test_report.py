@@ -97,3 +97,28 @@ def test_a_scheme_whose_every_seed_diverged_keeps_its_row(tmp_path, suite, key):
     assert row.count(f"— (0 of {n})") >= 2
     partly_row = next(line for line in table.splitlines() if line.startswith(f"| `{partly['name']}` |"))
     assert f"({n - 1} of {n})" in partly_row
+
+
+def test_the_command_line_names_each_default_changed_since_the_suite_ran():
+    """A suite made before `model.dropout_bits` or `model.last_layer_rows` existed, or with a value today's
+    configs no longer default to, gets the flags that make its command train the same runs again; keys the
+    command sets itself, or that its objective does not read, get none. The table's defaults are today's."""
+    from configs.compare import get_config
+    from tupe_jax.analysis.report import CHANGED_DEFAULTS, _older_defaults
+    today = get_config("suite=tupe").model
+    assert [(key, now) for key, now, *_ in CHANGED_DEFAULTS] == [(key, today[key]) for key, *_ in CHANGED_DEFAULTS]
+
+    def flags(model, objectives=("mlm",), command="python -m launch compare --workdir=w"):
+        line = _older_defaults({"config": {"model": model}, "command": command,
+                                "schemes": [{"objective": o} for o in objectives]})
+        return line[line.index("add `") + 5:line.rindex("`")].split() if line else []
+
+    both = ["--config.model.dropout_bits=32", "--config.model.last_layer_rows=all"]
+    assert flags({}) == both                                            # before both keys
+    assert flags({"dropout_bits": 32}) == both                          # recorded, default changed since
+    assert flags({"dropout_bits": 16}) == both[1:]
+    assert flags({"dropout_bits": 16, "last_layer_rows": "predicted"}) == []
+    assert flags({}, ("clm",)) == both[:1]                              # a decoder has no predicted rows
+    assert flags({}, ("clm", "mlm")) == both
+    assert flags({}, command="python -m launch compare --config.model.dropout_bits=32") == both[1:]
+    assert flags({"last_layer_rows": "all", "dropout_bits": 16}) == both[1:]

@@ -86,17 +86,31 @@ def _setup(report: dict) -> list[str]:
             f"tokens), lr {t['learning_rate']:g} (warmup {t['warmup_steps']}, linear decay), data `{data}`. "
             f"Seeds {seeds}: a seed fixes initialisation, dropout, data order and masking, so every scheme of one "
             "seed saw the same batches (differences are paired by seed).", "",
-            *([f"Command: `{report['command']}`" + _older_defaults(m), ""] if report.get("command") else []),
+            *([f"Command: `{report['command']}`" + _older_defaults(report), ""] if report.get("command") else []),
             "Wall time: " + ", ".join(f"{k[:-2]} {v / 60:.1f} min" for k, v in report["timings"].items())
             + _reused(report) + ".", ""]
 
 
-def _older_defaults(model: dict) -> str:
-    """What the command needs today to train what it trained then (a report made before a key existed)."""
-    if "dropout_bits" in model:
+# Model keys whose default in configs/ changed after committed suites ran: (key, today's default, the value of a
+# report made before the key existed, the objectives it acts on, what the older value means).
+CHANGED_DEFAULTS = (
+    ("dropout_bits", 16, 32, ("mlm", "clm"), "32-bit dropout masks (other masks than today's 16)"),
+    ("last_layer_rows", "predicted", "all", ("mlm",),
+     "the last block at every position (today's `predicted`: the same maths at the masked ones, other rounding)"),
+)
+
+
+def _older_defaults(report: dict) -> str:
+    """What the command needs today to train what it trained then: each key whose value in the suite (or, before
+    the key existed, the code's behaviour then) differs from today's default and that the command does not set."""
+    model, command = report["config"]["model"], report["command"]
+    objectives = {s.get("objective") for s in report["schemes"]}
+    older = [(key, model.get(key, then), meaning) for key, now, then, acts_on, meaning in CHANGED_DEFAULTS
+             if objectives & set(acts_on) and model.get(key, then) != now and f"--config.model.{key}=" not in command]
+    if not older:
         return ""
-    return (" (made before `model.dropout_bits` existed, with 32-bit dropout masks: today's default is 16, so add "
-            "`--config.model.dropout_bits=32` to train the same runs)")
+    return (" (made with " + "; ".join(meaning for _, _, meaning in older) + ": add `"
+            + " ".join(f"--config.model.{key}={value}" for key, value, _ in older) + "` to train the same runs)")
 
 
 def _reused(report: dict) -> str:
