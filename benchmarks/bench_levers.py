@@ -41,6 +41,8 @@ over rounds with its min–max (the machine may be shared: the spread is the noi
   a rolled while loop whose outputs XLA copies, instead of `kernels/threefry.py`'s written out as uint32
   operations (bit for bit the same masks; before session 28 the variant was "unrolled threefry (tried)");
 - transposed-operand dEᵀ (before): the chunked head as before session 49 (`bench_head.before_chunked_fwd`);
+- head chunks of 512 / 1024 rows: the chunked head's default chunk (`head.CHUNK_BYTES`, 256 rows at vocab 8192)
+  at that many rows (the plain form still runs below two chunks' worth of rows);
 - dX then dW / dW then dX (tried): each projection's two backward products one after the other, not both at once;
 - oneDNN dots with elementwise (tried): oneDNN fusions that take in a dot's elementwise neighbours (in the step:
   the MLM bias add, the head's gradient accumulation and four scalings) instead of one call per bare dot;
@@ -69,6 +71,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from outputs import refuse_below, refuse_missing_folder, refuse_unknown, write_json  # noqa: E402  pylint: disable=wrong-import-position
 from bench_head import before_chunked_fwd  # noqa: E402  pylint: disable=wrong-import-position
+from lever_variants import (  # noqa: E402  pylint: disable=wrong-import-position
+    logits_batch_loss, matmul_bwd_variant, rolled_hash_words, two_pass_hits, uint32_halves_mask)
 from rounds import rotated, spread  # noqa: E402  pylint: disable=wrong-import-position
 from tupe_jax.xla_options import ONEDNN_DOTS  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -78,7 +82,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
           plain_gelu: bool = False, two_pass_accuracy: bool = False, uint32_halves: bool = False,
           matmul_bwd=None, scheme: str = "bert_a", logits_head: bool = False,
           compiler_options: Optional[dict] = None, rolled_hash: bool = False, head_fwd=None,
-          last_layer_rows: str = "") -> dict:
+          last_layer_rows: str = "", head_chunk_bytes: int = 0) -> dict:
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -104,7 +108,8 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
     from tupe_jax import head as head_lib, model as model_lib  # pylint: disable=import-outside-toplevel
     kept, kept_attend, kept_dot, kept_gelu = (head_lib.argmax_hits, Transformer.attend, model_lib.dense_dot_general,
                                               model_lib.gelu)
-    kept_loss = steps.batch_loss
+    kept_loss, kept_chunk = steps.batch_loss, head_lib.CHUNK_BYTES
+    head_lib.CHUNK_BYTES = head_chunk_bytes or kept_chunk
     kept_mask, kept_hash = dropout_lib.keep_mask16, dropout_lib._hash_words  # pylint: disable=protected-access
     from tupe_jax import projection  # pylint: disable=import-outside-toplevel
     if matmul_bwd is not None:
@@ -137,6 +142,7 @@ def build(slots: int, rng_impl: str = "threefry2x32", plain_argmax: bool = False
         run(variant, 2)   # compile (traced while the patch is in place) + one warm step
     finally:
         head_lib.argmax_hits, Transformer.attend, steps.batch_loss = kept, kept_attend, kept_loss
+        head_lib.CHUNK_BYTES = kept_chunk
         model_lib.dense_dot_general = attention_lib.dense_dot_general = kept_dot
         model_lib.gelu = kept_gelu
         dropout_lib.keep_mask16, dropout_lib._hash_words = kept_mask, kept_hash  # pylint: disable=protected-access
@@ -177,83 +183,6 @@ def build_hf_torch(slots: int) -> dict:
     variant = {"state": None, "step": lambda state, batch: (state, {"loss": step()}), "batches": [None] * 4, "i": 0}
     run(variant, 2)
     return variant
-
-
-def matmul_bwd_variant(dx_through_transpose: bool = False, dw_tn: bool = False, folded_dw: bool = False,
-                       order: str = ""):
-    """`projection._matmul_bwd` with one of its two products laid out another way, or (`order` 'dx,dw' or
-    'dw,dx') the two products made to run one after the other in that order (the module docstring)."""
-    from jax import lax  # pylint: disable=import-outside-toplevel
-    from tupe_jax import projection  # pylint: disable=import-outside-toplevel
-
-    def bwd(residuals, g):
-        x, w = residuals
-        if order:   # the second product's cotangent waits, through a barrier, for the first product's output
-            first = 0 if order.startswith("dx") else 1
-            done = projection._matmul_bwd(residuals, g)[first]  # pylint: disable=protected-access
-            g, done = lax.optimization_barrier((g, done))
-            other = projection._matmul_bwd(residuals, g)[1 - first]  # pylint: disable=protected-access
-            return (done, other) if first == 0 else (other, done)
-        d_x, d_w = projection._matmul_bwd(residuals, g)  # pylint: disable=protected-access
-        if folded_dw and x.shape[1] > g.shape[1]:
-            d_w = (lax.optimization_barrier(g.T) @ x).T.astype(w.dtype)
-        if dx_through_transpose and w.shape[1] < w.shape[0]:
-            d_x = (g @ lax.optimization_barrier(w.T)).astype(x.dtype)
-        if dw_tn:
-            d_w = lax.dot_general(x, g, (((0,), (0,)), ((), ()))).astype(w.dtype)
-        return d_x, d_w
-    return bwd
-
-
-def logits_batch_loss(model, params, batch, rng, deterministic):
-    """`pretrain.steps.batch_loss` before `head.tied_cross_entropy` (MLM only, as the benchmark): the full logits."""
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    import optax  # pylint: disable=import-outside-toplevel
-    from tupe_jax import head as head_lib  # pylint: disable=import-outside-toplevel
-    logits = model.apply({"params": params}, batch.inputs, input_mask=batch.input_mask,
-                         mlm_positions=batch.mlm_positions, deterministic=deterministic,
-                         rngs={"dropout": rng})["logits"]
-    labels, weights = batch.mlm_labels, batch.mlm_weights
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    correct = head_lib.argmax_hits(jax.lax.optimization_barrier(logits), labels)
-    return jnp.sum(nll * weights), {"weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
-
-
-def two_pass_hits(logits, labels):
-    """`head.argmax_hits` before its one-pass form (same values): the max, then a tie check against it."""
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    top = jnp.max(logits, axis=-1)
-    at_label = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    earlier = jnp.arange(logits.shape[-1], dtype=jnp.int32) < labels[..., None].astype(jnp.int32)
-    tie_before = jnp.any((logits == top[..., None]) & earlier, axis=-1)
-    return ((at_label == top) & ~tie_before).astype(jnp.float32)
-
-
-def rolled_hash_words(rng, counter_shape, rows=None):
-    """`dropout._hash_words` before session 28 (threefry keys only, as the benchmark's step uses): JAX's
-    `threefry2x32_p`, a rolled while loop on XLA:CPU, instead of `kernels.threefry.threefry2x32` (the 20 rounds
-    written out as uint32 operations); bit for bit the same words."""
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from tupe_jax import dropout as dropout_lib  # pylint: disable=import-outside-toplevel
-    raw = dropout_lib.threefry_words(rng)
-    counters = dropout_lib._counters(counter_shape, rows)  # pylint: disable=protected-access
-    return dropout_lib.threefry2x32_primitive(raw[0], raw[1], counters, jnp.zeros(counter_shape, jnp.uint32))
-
-
-def uint32_halves_mask(rng, shape, keep_prob, rows=None):
-    """`dropout.keep_mask16` before it compared the halves first (same masks): uint32 halves concatenated, then
-    compared."""
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from tupe_jax.dropout import _counters, threefry2x32_p  # pylint: disable=import-outside-toplevel
-    out_shape, shape = tuple(shape), tuple(shape) or (1,)
-    threshold = int(round(keep_prob * 65536))
-    counter_shape = shape[:-1] + (-(-shape[-1] // 4),)
-    raw = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
-    words = threefry2x32_p.bind(raw[0], raw[1], _counters(counter_shape, rows), jnp.zeros(counter_shape, jnp.uint32))
-    halves = jnp.concatenate([(w >> shift) & 0xFFFF for w in words for shift in (0, 16)], axis=-1)[..., :shape[-1]]
-    return (halves < threshold).reshape(out_shape), threshold / 65536
 
 
 def run(variant: dict, n: int, cpu: bool = False) -> float:
@@ -308,6 +237,8 @@ def main() -> None:
               "XLA dots (before)": lambda: build(args.slots, compiler_options=XLA_DOTS),
               "rolled threefry (before)": lambda: build(args.slots, rolled_hash=True),
               "transposed-operand dEᵀ (before)": lambda: build(args.slots, head_fwd=before_chunked_fwd),
+              "head chunks of 1024 rows": lambda: build(args.slots, head_chunk_bytes=1024 * 4 * 8192),
+              "head chunks of 512 rows": lambda: build(args.slots, head_chunk_bytes=512 * 4 * 8192),
               "dX then dW (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(order="dx,dw")),
               "dW then dX (tried)": lambda: build(args.slots, matmul_bwd=matmul_bwd_variant(order="dw,dx")),
               "oneDNN dots with elementwise (tried)": lambda: build(args.slots, compiler_options=ONEDNN_ELTWISE),
