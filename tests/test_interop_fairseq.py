@@ -283,3 +283,14 @@ def test_an_export_of_an_imported_run_reads_back_with_its_bpe_tokenizer(imported
     assert type(back) is type(ours) and back.encode(text) == ours.encode(text)
     a, b = (workdir_lib.load_run(d).params for d in (imported["run"], str(tmp_path / "back")))
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def test_a_symbol_holding_a_break_other_than_newline_stays_one_symbol():
+    """fairseq reads dict.txt and fastBPE its codes by newlines only; `str.splitlines` also cut at U+2028, U+0085
+    and \x1c, which refused a released dictionary holding such a symbol (a multilingual vocabulary may)."""
+    odd = ["a\u2028b", "c\x85", "\x1cd"]
+    vocab = fairseq_bpe.read_dictionary("".join(f"{t} {9 - i}\n" for i, t in enumerate(odd)) + "e 1")
+    assert vocab[len(fairseq_bpe.SPECIALS):-1] == odd + ["e"]
+    ranks = fairseq_bpe.read_codes("a\u2028 b 7\nc \x85d 5\n")
+    assert ranks == {("a\u2028", "b"): 0, ("c", "\x85d"): 1}
+

@@ -131,11 +131,18 @@ def moses_words(text: str) -> list[str]:
     return tokenizer.tokenize(line, escape=False, return_str=True).lower().split()
 
 
+def _lines(text: str) -> list[str]:
+    """The file's lines as fairseq and fastBPE cut them: at newlines only (a text-mode read has made "\r\n" and "\r"
+    one), not at the other breaks `str.splitlines` knows (U+2028, U+0085, \x1c...), which a symbol may hold."""
+    lines = text.split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
+
+
 def read_codes(text: str, source: str = "bpe codes") -> dict[tuple[str, str], int]:
     """fastBPE codes ('a b count' per line; 'a b' accepted) -> {(a, b): rank}, rank = line number."""
     ranks: dict[tuple[str, str], int] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        parts = line.split()
+    for n, line in enumerate(_lines(text), 1):
+        parts = line.split(" ")          # fastBPE splits at spaces only: \x1c or U+2028 can be part of a symbol
         if len(parts) not in (2, 3):
             raise UserError(f"line {n} of the BPE codes is not 'left right count' ({line[:60]!r})", source,
                             "give the codes file released with the checkpoint (fastBPE learnbpe output)")
@@ -165,7 +172,7 @@ def apply_bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
 def read_dictionary(text: str, source: str = "dict.txt") -> list[str]:
     """A fairseq dict.txt ('symbol count' per line) -> the full symbol list by id: specials, the file, <mask>."""
     symbols, seen = list(SPECIALS), {s: 0 for s in (*SPECIALS, MASK)}
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(_lines(text), 1):
         cut = line.rstrip("\n").rfind(" ")
         if cut <= 0 or not line[cut + 1:].strip().lstrip("-").isdigit():
             raise UserError(f"line {n} of {source} is not '<symbol> <count>' ({line[:60]!r})", source,
