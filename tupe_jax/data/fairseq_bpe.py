@@ -173,7 +173,7 @@ def read_dictionary(text: str, source: str = "dict.txt") -> list[str]:
     """A fairseq dict.txt ('symbol count' per line) -> the full symbol list by id: specials, the file, <mask>."""
     symbols, seen = list(SPECIALS), {s: 0 for s in (*SPECIALS, MASK)}
     for n, line in enumerate(_lines(text), 1):
-        cut = line.rstrip("\n").rfind(" ")
+        cut = line.rfind(" ")
         if cut <= 0 or not line[cut + 1:].strip().lstrip("-").isdigit():
             raise UserError(f"line {n} of {source} is not '<symbol> <count>' ({line[:60]!r})", source,
                             "give the dict.txt released with the checkpoint")
