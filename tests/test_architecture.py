@@ -16,7 +16,7 @@ PACKAGES = ("tupe_jax", "launch", "configs")
 # Lower layers never import higher ones. Within a layer imports are allowed but may not form a loop.
 LAYERS = (
     ("tupe_jax.errors", "tupe_jax.files", "tupe_jax.allocator", "tupe_jax.host", "tupe_jax.xla_options",
-     "tupe_jax.failed_reads", "tupe_jax.failed_writes"),
+     "tupe_jax.failed_reads", "tupe_jax.failed_writes", "tupe_jax.local_staging"),
     ("tupe_jax.config", "tupe_jax.positional", "tupe_jax.dropout", "tupe_jax.kernels", "tupe_jax.head", "tupe_jax.projection",
      "tupe_jax.activations", "tupe_jax.attention", "tupe_jax.sharding", "tupe_jax.optim", "tupe_jax.metrics",
      "tupe_jax.plots", "tupe_jax.checkpoint", "tupe_jax.data"),

@@ -3,6 +3,7 @@ bucket lease: test_gcs_lease.py."""
 import glob
 import json
 import os
+import tempfile
 import time
 
 import jax
@@ -93,7 +94,8 @@ def test_bucket_errors_are_one_line_before_compute(gcs, tmp_path):
 def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resumes_bitwise(gcs, tmp_path):
     """`launch pretrain --workdir=gs://...` killed with SIGKILL mid-run; its newest checkpoint is then damaged (an
     object of its state removed). The same command warns, restores the previous good step from the bucket and
-    ends bitwise equal to an uninterrupted local run."""
+    ends bitwise equal to an uninterrupted local run. The killed process's local staging folder of TensorBoard
+    events is removed by the resumed one (tupe_jax/local_staging.py)."""
     import signal  # pylint: disable=import-outside-toplevel
     import subprocess  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
@@ -101,7 +103,10 @@ def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resu
     flags = [f"--config.{k}={v}" for k, v in {**TINY, "train.steps": "12"}.items()] + \
         [f"--config.data.cache_dir={tmp_path / 'cache'}"]
     argv = [sys.executable, "-m", "launch", "pretrain", "--config=configs/pretrain.py:pe=tupe_r", *flags]
-    env = {**os.environ, "XLA_FLAGS": xla_flags.devices(1), "TUPE_JAX_LEASE_SECONDS": "4"}
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "XLA_FLAGS": xla_flags.devices(1), "TUPE_JAX_LEASE_SECONDS": "4", "TMPDIR": str(tmp)}
+    staged = lambda: sorted(n for n in os.listdir(tmp) if n.startswith("tupe-jax-"))  # noqa: E731
     child = subprocess.Popen(argv + [f"--workdir={remote}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
@@ -112,6 +117,8 @@ def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resu
         child.send_signal(signal.SIGKILL)
         child.wait()
     killed_at = time.time()
+    left = staged()
+    assert len(left) == 2 and left[0].startswith("tupe-jax-tb-") and left[1] == left[0] + ".owner", left
     steps = workdir_lib.checkpoint_steps(remote)
     assert steps[-1] >= 6, steps
     state = f"{remote}/checkpoints/{steps[-1]}/state"
@@ -128,6 +135,7 @@ def test_kill_9_in_a_bucket_then_a_damaged_latest_checkpoint_falls_back_and_resu
     assert f"checkpoint step {steps[-1]}" in resumed.stderr and "trying the previous one" in resumed.stderr, \
         resumed.stderr[-3000:]
     assert "taking over the lease" in resumed.stderr
+    assert staged() == []
     local, bucket = params_of(str(tmp_path / "local")), params_of(remote)
     for a, b in zip(jax.tree_util.tree_leaves(local), jax.tree_util.tree_leaves(bucket)):
         np.testing.assert_array_equal(a, b)
@@ -211,7 +219,7 @@ def test_export_to_a_bucket_folder_writes_the_local_exports_files(gcs, tmp_path,
     with pytest.raises(UserError, match="^error: bucket gs://no-such-bucket does not exist .*, --out, "):
         export_lib.export(str(run), "gs://no-such-bucket/model")
 
-    monkeypatch.setattr(export_lib.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))      # where the local copy is staged
     (tmp_path / "tmp").mkdir()
     upload, sent = files.upload, []
 

@@ -13,16 +13,14 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Iterator, Mapping, TextIO
 
 import jax
 import numpy as np
 
-from tupe_jax import files
+from tupe_jax import files, local_staging
 from tupe_jax.errors import UserError
 
 # Dense bf16 peak TFLOP/s per device, by `jax.devices()[0].device_kind` substring (lower-cased). 0 = unknown.
@@ -110,7 +108,7 @@ class MetricsWriter:
             self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
         if tensorboard:   # in a bucket: events are written to a local staging folder and uploaded at each flush
             self._tb_remote = files.join(workdir, "tensorboard") if self._remote else None
-            self._tb_local = tempfile.mkdtemp(prefix="tupe-jax-tb-") if self._remote else files.join(workdir,
+            self._tb_local = local_staging.make("tb") if self._remote else files.join(workdir,
                                                                                                        "tensorboard")
             self._tb = summary_writer_class()(self._tb_local, flush_secs=30)
 
@@ -185,7 +183,7 @@ class MetricsWriter:
             self._tb = None
             self._upload_events()
             if self._tb_remote:
-                shutil.rmtree(self._tb_local, ignore_errors=True)
+                local_staging.remove(self._tb_local)
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import shutil
 import signal
 import threading
 import time
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from tupe_jax import checkpoint as ckpt_lib
-from tupe_jax import files
+from tupe_jax import files, local_staging
 from tupe_jax import sharding as sharding_lib
 from tupe_jax import workdir as workdir_lib
 from tupe_jax import xla_options
@@ -158,7 +157,7 @@ class Profile:
         if self.target is None:
             return self.folder
         files.upload_tree(self.folder, self.target)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        local_staging.remove(self.folder)
         return self.target
 
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -18,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tupe_jax import files, plots, xla_options
+from tupe_jax import files, local_staging, plots, xla_options
 from tupe_jax import workdir as workdir_lib
 from tupe_jax import data as data_lib
 from tupe_jax.errors import UserError
@@ -101,7 +99,7 @@ def output_dir(workdirs: str | Sequence[str], out: Optional[str] = None) -> Path
     check_output_dir(workdirs, out)
     target = _target(workdirs, out)
     if files.is_remote(target):
-        staging = tempfile.mkdtemp(prefix="tupe-jax-analysis-")
+        staging = local_staging.make("analysis")
         _STAGED[staging] = target
         return Path(staging)
     Path(target).mkdir(parents=True, exist_ok=True)
@@ -118,7 +116,7 @@ def publish(directory: Path) -> str:
     if jax.process_index() == 0:
         for name in sorted(os.listdir(directory)):
             files.upload(os.path.join(directory, name), files.join(target, name))
-    shutil.rmtree(directory, ignore_errors=True)
+    local_staging.remove(str(directory))
     return target
 
 

@@ -13,14 +13,12 @@ folder without it is no model to `from_pretrained`), and what was uploaded is re
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from typing import Any, Optional
 
 import jax
 import numpy as np
 
-from tupe_jax import files
+from tupe_jax import files, local_staging
 from tupe_jax import workdir as workdir_lib
 from tupe_jax.data.tokenizer import CONFIG_NAME, SPECIALS
 from tupe_jax.errors import require
@@ -103,7 +101,7 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
     is_bert = run.pe == "bert_a" and not cfg.causal
     name = out.rpartition("/")[2] if remote else os.path.basename(out)
     if remote:
-        tmp = tempfile.mkdtemp(prefix=f".{name}.")
+        tmp = local_staging.make("export")
     else:   # the parent is made as `mkdir -p` would (exports/x in a fresh checkout)
         tmp = workdir_lib.staging_folder(out, "export")
     try:
@@ -113,7 +111,7 @@ def export(workdir: str, out: str, step: Optional[int] = None) -> str:
         else:
             os.rename(tmp, out)
     finally:   # an unfinished export, or the local copy of a bucket export (after a rename: nothing)
-        shutil.rmtree(tmp, ignore_errors=True)
+        local_staging.remove(tmp)
     layout = "BertForMaskedLM" if is_bert else "tupe_jax native"
     print(f"exported {workdir} step {run.step} ({run.pe}, {cfg.objective}) -> {out} ({layout} layout)", flush=True)
     return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 from typing import Any, Iterator, Optional
 
 import jax
@@ -16,7 +15,7 @@ import ml_collections
 
 from tupe_jax import checkpoint as ckpt_lib
 from tupe_jax import data as data_lib
-from tupe_jax import files
+from tupe_jax import files, local_staging
 from tupe_jax import metrics as metrics_lib
 from tupe_jax import sharding as sharding_lib
 from tupe_jax import trainer as trainer_lib
@@ -219,4 +218,4 @@ def _profile(config: ml_collections.ConfigDict, workdir: str) -> Optional[traine
     target = files.join(workdir, "profile")
     if not files.is_remote(workdir):
         return trainer_lib.Profile(*steps, target)
-    return trainer_lib.Profile(*steps, tempfile.mkdtemp(prefix="tupe-jax-profile-"), target)
+    return trainer_lib.Profile(*steps, local_staging.make("profile"), target)
