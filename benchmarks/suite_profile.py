@@ -11,6 +11,8 @@ pytest's wall seconds; the tests' seconds summed over the workers (setup, call a
 in the workers, summed (count, seconds); and per test file its tests' seconds and, of those, the worker's tracing,
 lowering, XLA compiles and compilation-cache reads (`jax_s`): the rest is running the programs, the processes the
 tests start (their own compiles included) and everything else. Files and the slowest tests sorted by seconds.
+Events can overlap (a function traced inside another's trace counts in both; compiles on several threads), so a
+file's `jax_s` can exceed its seconds.
 """
 from __future__ import annotations
 
